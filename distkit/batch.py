@@ -1,0 +1,47 @@
+"""Small functions on batches: moving them to a device, splitting and measuring them."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from distkit.errors import ConfigurationError
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` with every tensor inside (tuples, lists, dicts) moved to ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=device.type == "cuda")
+    if isinstance(batch, Mapping):
+        return type(batch)({k: to_device(v, device) for k, v in batch.items()})  # type: ignore[call-arg]
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(to_device(v, device) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+def split_batch(batch: Any) -> tuple[Any, torch.Tensor]:
+    """``(inputs, target)`` of a batch, or a clear error for any other shape of batch."""
+    if isinstance(batch, (list, tuple)) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise ConfigurationError(
+        f"a batch must be (inputs, target) when loss_fn is used, got {type(batch).__name__}"
+        f"{f' of length {len(batch)}' if isinstance(batch, (list, tuple)) else ''}. Pass "
+        "step_fn=lambda model, batch: loss to handle other batch layouts."
+    )
+
+
+def batch_size_of(batch: Any) -> int:
+    """Length of the first tensor found in ``batch`` (its leading dimension)."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.ndim else 1
+    values = batch.values() if isinstance(batch, Mapping) else batch
+    if isinstance(values, (list, tuple)) or isinstance(batch, Mapping):
+        for value in values:
+            size = batch_size_of(value)
+            if size:
+                return size
+    return 0

@@ -1,0 +1,281 @@
+"""Sharding data over ranks so that training does not depend on the number of processes.
+
+The rule: global batch ``k`` is the same set of samples whatever the world size. Every epoch one
+permutation of the whole dataset (seeded by ``seed + epoch``, identical on every rank) is cut into
+global batches of ``world_size * batch_size``; rank ``r`` takes every ``world_size``-th sample of
+each, starting at ``r``. A short last global batch is split as evenly as it goes; a rank left
+with nothing gets one placeholder sample whose loss weight is zero, so every rank still joins the
+gradient all-reduce. Each micro-batch's loss is weighted by ``world_size * n_local / n_step`` so
+the averaged gradient is exactly the mean over the samples of the optimizer step, as one process
+with the whole batch would compute it.
+
+Evaluation gives rank ``r`` the samples ``r, r + world_size, ...`` with no padding, so metrics
+count every sample exactly once.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Iterator, Sized
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+)
+
+from distkit.errors import ConfigurationError
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """What the trainer needs to know about one local batch before it sees the data."""
+
+    step: int  # optimizer step this micro-batch belongs to
+    last_in_step: bool  # gradients are synchronised after this one
+    count: int  # real samples on this rank (0 for a placeholder)
+    weight: float  # multiply the batch-mean loss by this before backward
+
+
+class GlobalBatchPlan:
+    """The deterministic assignment of samples to ranks, micro-batches and optimizer steps."""
+
+    def __init__(
+        self,
+        num_samples: int,
+        *,
+        batch_size: int,
+        world_size: int,
+        rank: int,
+        grad_accum_steps: int = 1,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        if num_samples < world_size:
+            raise ConfigurationError(
+                f"the training data has {num_samples} sample(s) but there are {world_size} "
+                "processes; every process needs at least one sample. Use more data or fewer "
+                "processes."
+            )
+        self.num_samples = num_samples
+        self.batch_size = batch_size
+        self.world_size = world_size
+        self.rank = rank
+        self.grad_accum_steps = grad_accum_steps
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        global_batch = world_size * batch_size
+        full, rest = divmod(num_samples, global_batch)
+        self._sizes = [global_batch] * full + ([rest] if rest and not drop_last else [])
+        if not self._sizes:
+            raise ConfigurationError(
+                f"drop_last=True leaves no batch: {num_samples} samples, global batch "
+                f"{global_batch} ({world_size} processes x batch_size {batch_size}). Lower "
+                "batch_size or set drop_last=False."
+            )
+
+    def __len__(self) -> int:
+        """Micro-batches per epoch (the same on every rank)."""
+        return len(self._sizes)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return math.ceil(len(self._sizes) / self.grad_accum_steps)
+
+    def order(self, epoch: int) -> torch.Tensor:
+        """The epoch's permutation of sample indices (identical on every rank)."""
+        if not self.shuffle:
+            return torch.arange(self.num_samples)
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(self.num_samples, generator=generator)
+
+    def local_batches(self, epoch: int) -> Iterator[list[int]]:
+        """This rank's sample indices, one list per micro-batch."""
+        order = self.order(epoch).tolist()
+        start = 0
+        for size in self._sizes:
+            chunk = order[start : start + size]
+            start += size
+            mine = chunk[self.rank :: self.world_size]
+            yield mine if mine else chunk[:1]
+
+    def micro_batches(self) -> Iterator[MicroBatch]:
+        """Per micro-batch weights and boundaries (they do not depend on the epoch)."""
+        accum = self.grad_accum_steps
+        for first in range(0, len(self._sizes), accum):
+            group = self._sizes[first : first + accum]
+            step_samples = sum(group)
+            for i, size in enumerate(group):
+                count = len(range(self.rank, size, self.world_size))
+                yield MicroBatch(
+                    step=first // accum,
+                    last_in_step=i == len(group) - 1,
+                    count=count,
+                    weight=self.world_size * count / step_samples,
+                )
+
+
+class PlanBatchSampler(Sampler[list[int]]):
+    """Batch sampler that yields this rank's micro-batches of a :class:`GlobalBatchPlan`.
+
+    Call :meth:`set_epoch` before each epoch (the trainer does), as with ``DistributedSampler``.
+    """
+
+    def __init__(self, plan: GlobalBatchPlan) -> None:
+        self.plan = plan
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return self.plan.local_batches(self.epoch)
+
+    def __len__(self) -> int:
+        return len(self.plan)
+
+
+class ShardSampler(Sampler[int]):
+    """Samples ``rank, rank + world_size, ...`` in order: each sample on exactly one rank."""
+
+    def __init__(self, num_samples: int, *, world_size: int, rank: int) -> None:
+        self._indices = range(rank, num_samples, world_size)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._indices)
+
+    def __len__(self) -> int:
+        return len(self._indices)
+
+
+@dataclass(frozen=True)
+class LoaderSpec:
+    """How the user wants batches made, taken from a Dataset and the trainer or a DataLoader."""
+
+    dataset: Dataset[Any]
+    batch_size: int
+    shuffle: bool
+    drop_last: bool
+    kwargs: dict[str, Any]  # DataLoader arguments that do not concern sampling
+
+    @classmethod
+    def from_data(
+        cls,
+        data: Dataset[Any] | DataLoader[Any],
+        *,
+        batch_size: int,
+        shuffle: bool,
+        num_workers: int,
+        pin_memory: bool,
+        what: str,
+    ) -> LoaderSpec:
+        """Read a Dataset (with the trainer's settings) or a user's DataLoader (with its own)."""
+        if isinstance(data, DataLoader):
+            return cls._from_loader(data, what)
+        if not isinstance(data, Dataset) and not hasattr(data, "__getitem__"):
+            raise ConfigurationError(
+                f"{what} must be a torch Dataset (or any object with __getitem__ and __len__) "
+                f"or a DataLoader, got {type(data).__name__}"
+            )
+        _require_sized(data, what)
+        kwargs = {"num_workers": num_workers, "pin_memory": pin_memory}
+        if num_workers > 0:
+            kwargs["persistent_workers"] = True
+        return cls(data, batch_size, shuffle, False, kwargs)
+
+    @classmethod
+    def _from_loader(cls, loader: DataLoader[Any], what: str) -> LoaderSpec:
+        _require_sized(loader.dataset, what)
+        if loader.batch_size is None:
+            raise ConfigurationError(
+                f"{what} is a DataLoader with a custom batch_sampler (or batch_size=None); "
+                "distkit must own batching to shard it over ranks. Pass the Dataset (or a "
+                "DataLoader with batch_size=... and shuffle=...) instead."
+            )
+        if isinstance(loader.sampler, RandomSampler):
+            if loader.sampler.replacement or loader.sampler._num_samples is not None:
+                raise ConfigurationError(
+                    f"{what} uses RandomSampler(replacement=True or num_samples=...), which "
+                    "cannot be sharded exactly; pass shuffle=True without those options"
+                )
+            shuffle = True
+        elif isinstance(loader.sampler, SequentialSampler):
+            shuffle = False
+        else:
+            raise ConfigurationError(
+                f"{what} uses a {type(loader.sampler).__name__}; distkit shards data itself and "
+                "supports DataLoaders built with shuffle=True or shuffle=False only. Pass the "
+                "Dataset and let distkit shard it (a DistributedSampler is not needed either)."
+            )
+        kwargs: dict[str, Any] = {
+            "num_workers": loader.num_workers,
+            "collate_fn": loader.collate_fn,
+            "pin_memory": loader.pin_memory,
+            "timeout": loader.timeout,
+            "worker_init_fn": loader.worker_init_fn,
+            "multiprocessing_context": loader.multiprocessing_context,
+            "persistent_workers": loader.persistent_workers,
+        }
+        if loader.num_workers > 0:
+            kwargs["prefetch_factor"] = loader.prefetch_factor
+        return cls(loader.dataset, loader.batch_size, shuffle, loader.drop_last, kwargs)
+
+    def train_loader(
+        self, plan: GlobalBatchPlan, *, seed: int
+    ) -> tuple[DataLoader[Any], PlanBatchSampler]:
+        """A DataLoader over this rank's micro-batches, and its sampler (for ``set_epoch``)."""
+        sampler = PlanBatchSampler(plan)
+        kwargs = self._seeded_kwargs(seed)
+        return DataLoader(self.dataset, batch_sampler=sampler, **kwargs), sampler
+
+    def eval_loader(self, *, world_size: int, rank: int, seed: int) -> DataLoader[Any]:
+        """A DataLoader over this rank's evaluation shard (no padding, no shuffling)."""
+        sampler = ShardSampler(len(self), world_size=world_size, rank=rank)
+        kwargs = self._seeded_kwargs(seed)
+        kwargs.pop("persistent_workers", None)
+        return DataLoader(self.dataset, batch_size=self.batch_size, sampler=sampler, **kwargs)
+
+    def _seeded_kwargs(self, seed: int) -> dict[str, Any]:
+        kwargs = dict(self.kwargs)
+        if kwargs.get("num_workers", 0) > 0:
+            kwargs["worker_init_fn"] = _WorkerSeeder(kwargs.get("worker_init_fn"))
+            kwargs["generator"] = torch.Generator().manual_seed(seed)
+        return kwargs
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+
+class _WorkerSeeder:
+    """Seeds numpy in each DataLoader worker (torch and ``random`` are seeded by torch)."""
+
+    def __init__(self, user_fn: Callable[[int], None] | None) -> None:
+        self.user_fn = user_fn
+
+    def __call__(self, worker_id: int) -> None:
+        seed = torch.initial_seed() % 2**32
+        np.random.seed(seed)
+        random.seed(seed)
+        if self.user_fn is not None:
+            self.user_fn(worker_id)
+
+
+def _require_sized(dataset: object, what: str) -> None:
+    if isinstance(dataset, IterableDataset) or not isinstance(dataset, Sized):
+        raise ConfigurationError(
+            f"{what} has no length ({type(dataset).__name__}); distkit shards map-style "
+            "datasets (with __len__ and __getitem__). Wrap the stream in a map-style Dataset, "
+            "or shard the IterableDataset yourself by rank inside __iter__."
+        )
+    if len(dataset) == 0:
+        raise ConfigurationError(f"{what} is empty (0 samples)")

@@ -1,0 +1,31 @@
+"""Exceptions raised by distkit.
+
+Every error says what was given, what is allowed, and how to fix it. Each class also derives
+from the builtin exception that fits, so ``except ValueError`` in user code keeps working.
+"""
+
+from __future__ import annotations
+
+
+class DistkitError(Exception):
+    """Base class of every error distkit raises on purpose."""
+
+
+class UnknownStrategyError(DistkitError, ValueError):
+    """The strategy name is not registered."""
+
+
+class MissingDependencyError(DistkitError, ImportError):
+    """A backend library that the chosen strategy needs is not installed or not usable."""
+
+
+class LauncherMismatchError(DistkitError, RuntimeError):
+    """The process was started by a launcher that the chosen strategy cannot run under."""
+
+
+class ConfigurationError(DistkitError, ValueError):
+    """An argument (or a combination of arguments) is invalid."""
+
+
+class UnsupportedFeatureError(DistkitError, RuntimeError):
+    """The chosen backend cannot offer a requested feature on this machine."""

@@ -1,0 +1,118 @@
+"""Metrics whose state is a tensor of sums, so reducing over ranks is one all-reduce.
+
+A metric accumulates on the device (no host sync per batch). The trainer sums every rank's
+state and calls :meth:`Metric.compute` on the total, so the value is that of the whole
+dataset, whatever the number of processes.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class Metric(ABC):
+    """Base class: implement :meth:`batch_state` (a tensor of sums) and :meth:`compute`."""
+
+    def __init__(self) -> None:
+        self._state: torch.Tensor | None = None
+
+    @abstractmethod
+    def batch_state(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The sums one batch contributes (same shape for every batch)."""
+
+    @abstractmethod
+    def compute(self, state: torch.Tensor) -> float | dict[str, float]:
+        """The metric from summed state; a dict reports several values."""
+
+    def reset(self) -> None:
+        self._state = None
+
+    def update(self, output: torch.Tensor, target: torch.Tensor) -> None:
+        contribution = self.batch_state(output.detach(), target.detach()).double()
+        self._state = contribution if self._state is None else self._state + contribution
+
+    def state(self, device: torch.device) -> torch.Tensor:
+        """The local sums (zeros when this rank saw no batch)."""
+        if self._state is None:
+            return torch.zeros(self.state_shape(), dtype=torch.float64, device=device)
+        return self._state.to(device)
+
+    @abstractmethod
+    def state_shape(self) -> tuple[int, ...]:
+        """Shape of :meth:`batch_state` (needed for ranks that saw no batch)."""
+
+
+class Accuracy(Metric):
+    """Top-k classification accuracy; ``output`` holds class scores along ``dim=1``.
+
+    Targets equal to ``ignore_index`` are not counted (useful for per-pixel accuracy).
+    """
+
+    def __init__(self, top_k: int = 1, ignore_index: int | None = None) -> None:
+        super().__init__()
+        if top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {top_k}")
+        self.top_k = top_k
+        self.ignore_index = ignore_index
+
+    def batch_state(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        topk = output.topk(self.top_k, dim=1).indices  # (N, k, ...)
+        hit = (topk == target.unsqueeze(1)).any(dim=1)
+        valid = torch.ones_like(hit) if self.ignore_index is None else target != self.ignore_index
+        return torch.stack([(hit & valid).sum(), valid.sum()]).double()
+
+    def state_shape(self) -> tuple[int, ...]:
+        return (2,)
+
+    def compute(self, state: torch.Tensor) -> float:
+        correct, total = state.tolist()
+        return correct / total if total else float("nan")
+
+
+class ConfusionMatrix(Metric):
+    """``num_classes x num_classes`` counts (rows: target, columns: prediction).
+
+    ``output`` is class scores ``(N, C, ...)`` or predicted labels ``(N, ...)``.
+    """
+
+    def __init__(self, num_classes: int, ignore_index: int | None = None) -> None:
+        super().__init__()
+        if num_classes < 2:
+            raise ValueError(f"num_classes must be >= 2, got {num_classes}")
+        self.num_classes = num_classes
+        self.ignore_index = ignore_index
+
+    def batch_state(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        pred = output.argmax(dim=1) if output.dim() == target.dim() + 1 else output
+        pred, target = pred.reshape(-1).long(), target.reshape(-1).long()
+        keep = (target >= 0) & (target < self.num_classes)
+        if self.ignore_index is not None:
+            keep &= target != self.ignore_index
+        index = target[keep] * self.num_classes + pred[keep]
+        counts = torch.bincount(index, minlength=self.num_classes**2)
+        return counts.reshape(self.num_classes, self.num_classes)
+
+    def state_shape(self) -> tuple[int, ...]:
+        return (self.num_classes, self.num_classes)
+
+    def compute(self, state: torch.Tensor) -> dict[str, float]:
+        return {"matrix_total": float(state.sum())}
+
+
+class MeanIoU(ConfusionMatrix):
+    """Mean intersection-over-union and pixel accuracy from a confusion matrix.
+
+    Classes that appear neither in targets nor predictions are left out of the mean.
+    Reports ``{"miou": ..., "pixel_acc": ...}``.
+    """
+
+    def compute(self, state: torch.Tensor) -> dict[str, float]:
+        matrix = state.double()
+        tp = matrix.diag()
+        union = matrix.sum(0) + matrix.sum(1) - tp
+        present = union > 0
+        miou = (tp[present] / union[present]).mean().item() if present.any() else float("nan")
+        total = matrix.sum().item()
+        return {"miou": miou, "pixel_acc": tp.sum().item() / total if total else float("nan")}

@@ -1,0 +1,90 @@
+"""Mixed precision: autocast, and loss scaling for fp16, as one small object."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from distkit.errors import ConfigurationError
+
+PRECISIONS = ("32", "bf16", "fp16")
+_ALIASES = {
+    "32": "32",
+    "fp32": "32",
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    "fp16": "fp16",
+    "16": "fp16",
+}
+
+
+def normalize_precision(precision: str | int) -> str:
+    """Canonical precision name (``"32"``, ``"bf16"`` or ``"fp16"``) for a user's spelling."""
+    key = str(precision).strip().lower()
+    if key not in _ALIASES:
+        raise ConfigurationError(
+            f"unknown precision {precision!r}. Allowed: {', '.join(repr(p) for p in PRECISIONS)} "
+            "(bf16 autocast runs on CPU and recent GPUs; fp16 adds a GradScaler)"
+        )
+    return _ALIASES[key]
+
+
+class Precision:
+    """Autocast context and (for fp16) a ``GradScaler`` for one device.
+
+    Args:
+        precision: ``"32"``, ``"bf16"`` or ``"fp16"``.
+        device: the device the model trains on; its type selects the autocast and scaler kind.
+    """
+
+    def __init__(self, precision: str | int, device: torch.device) -> None:
+        self.name = normalize_precision(precision)
+        self.device_type = device.type
+        self._dtype = {"32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[self.name]
+        self.scaler: torch.amp.GradScaler | None = (
+            torch.amp.GradScaler(self.device_type) if self.name == "fp16" else None
+        )
+        self.skipped_steps = 0
+
+    @contextlib.contextmanager
+    def autocast(self) -> Iterator[None]:
+        """Run the enclosed forward pass (and loss) in the reduced precision, if any."""
+        if self._dtype is None:
+            yield
+            return
+        with torch.autocast(self.device_type, dtype=self._dtype):
+            yield
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to call ``backward`` on (scaled for fp16)."""
+        return loss if self.scaler is None else self.scaler.scale(loss)
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide the gradients by the loss scale in place (no-op without a scaler)."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Step the optimizer; returns ``False`` when fp16 found inf/NaN grads and skipped it."""
+        if self.scaler is None:
+            optimizer.step()
+            return True
+        before = self.scaler.get_scale()
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        stepped = self.scaler.get_scale() >= before
+        if not stepped:
+            self.skipped_steps += 1
+        return stepped
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scaler state in torch's ``GradScaler`` form (empty without a scaler)."""
+        return {} if self.scaler is None else self.scaler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        if self.scaler is not None and state:
+            self.scaler.load_state_dict(state)

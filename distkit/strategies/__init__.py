@@ -1,0 +1,1 @@
+"""Data-parallel backends. Each module is imported only when its strategy is chosen."""

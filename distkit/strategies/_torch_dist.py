@@ -1,0 +1,132 @@
+"""torch.distributed helpers shared by the strategies built on it (ddp, apex).
+
+Plain functions rather than an intermediate class, so that every strategy stays one level
+below :class:`~distkit.strategies.base.Strategy`.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from distkit._env import LaunchEnv
+from distkit.errors import ConfigurationError, LauncherMismatchError
+from distkit.strategies.base import Topology
+
+
+def init_process_group(
+    env: LaunchEnv, *, backend: str | None, timeout: timedelta, strategy: str
+) -> tuple[Topology, bool]:
+    """Join (or create) the default process group; returns the topology and whether we own it.
+
+    A group the user already created is reused and left alone at teardown. Without a launcher a
+    world of one is formed on an in-process store, so the same code runs under ``python``.
+    """
+    if env.is_horovod_launcher:
+        raise LauncherMismatchError(
+            f"strategy={strategy!r} runs under torchrun (or python -m torch.distributed.launch), "
+            f"but this process was started by {env.launcher}. Either launch with "
+            f"`torchrun --nproc_per_node N script.py`, or keep {env.launcher} and use "
+            "strategy='horovod'."
+        )
+    use_cuda = torch.cuda.is_available()
+    if dist.is_initialized():
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        local_rank = env.local_rank if env.is_torch_launcher else rank
+        return _topology(rank, local_rank, world_size, use_cuda, strategy), False
+    chosen = backend or ("nccl" if use_cuda else "gloo")
+    if chosen not in dist.Backend.backend_list and chosen not in ("nccl", "gloo", "mpi"):
+        raise ConfigurationError(
+            f"unknown torch.distributed backend {chosen!r}. Allowed: nccl (CUDA), gloo (CPU, "
+            "CUDA), mpi; leave backend=None to pick nccl on CUDA and gloo on CPU"
+        )
+    topology = _topology(env.rank, env.local_rank, env.world_size, use_cuda, strategy)
+    if topology.device.type == "cuda":
+        torch.cuda.set_device(topology.device)
+    if env.is_torch_launcher:
+        _require_rendezvous_env(env)
+        dist.init_process_group(
+            chosen, init_method="env://", rank=env.rank, world_size=env.world_size, timeout=timeout
+        )
+    else:
+        dist.init_process_group(
+            chosen, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
+    return topology, True
+
+
+def _require_rendezvous_env(env: LaunchEnv) -> None:
+    missing = [key for key in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(key)]
+    if missing:
+        raise LauncherMismatchError(
+            f"{env.launcher} set RANK/WORLD_SIZE but not {', '.join(missing)}; torch.distributed "
+            "cannot rendezvous. Launch with `torchrun --nproc_per_node N script.py`, which sets them."
+        )
+
+
+def _topology(
+    rank: int, local_rank: int, world_size: int, use_cuda: bool, strategy: str
+) -> Topology:
+    if use_cuda:
+        count = torch.cuda.device_count()
+        if local_rank >= count:
+            raise ConfigurationError(
+                f"strategy={strategy!r}: local rank {local_rank} has no GPU of its own (this node "
+                f"has {count}). Start at most {count} processes per node (--nproc_per_node {count})."
+            )
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    return Topology(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+
+
+def destroy_process_group() -> None:
+    """Destroy the default group if it still exists."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce(
+    tensor: torch.Tensor, op: str, world_size: int, device: torch.device
+) -> torch.Tensor:
+    """Sum or mean over ranks, out of place, returned on the input's device."""
+    work = tensor.detach().to(device=device, copy=True)
+    if op == "mean" and not work.is_floating_point():
+        work = work.double()
+    dist.all_reduce(work, op=dist.ReduceOp.SUM)
+    if op == "mean":
+        work /= world_size
+    return work.to(tensor.device)
+
+
+def broadcast_object(obj: Any, src: int, rank: int) -> Any:
+    """``obj`` from rank ``src`` on every rank."""
+    holder = [obj if rank == src else None]
+    dist.broadcast_object_list(holder, src=src)
+    return holder[0]
+
+
+def all_gather(tensor: torch.Tensor, world_size: int, device: torch.device) -> torch.Tensor:
+    """Stack of every rank's tensor (same shape on every rank), on the input's device."""
+    work = tensor.detach().to(device).contiguous()
+    parts = [torch.empty_like(work) for _ in range(world_size)]
+    dist.all_gather(parts, work)
+    return torch.stack(parts).to(tensor.device)
+
+
+def all_gather_object(obj: Any, world_size: int) -> list[Any]:
+    """Every rank's ``obj``, in rank order."""
+    out: list[Any] = [None] * world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def differentiable_all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks whose backward also sums the gradients over ranks (for SyncBatchNorm)."""
+    from torch.distributed.nn.functional import all_reduce as _autograd_all_reduce
+
+    return _autograd_all_reduce(tensor, op=dist.ReduceOp.SUM)

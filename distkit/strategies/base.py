@@ -1,0 +1,279 @@
+"""The Strategy interface: a small abstract core and default hooks.
+
+A strategy owns everything that differs between data-parallel backends: how processes find each
+other, how the model and optimizer are wrapped, how gradients are synchronised, and how the
+collectives run. The trainer talks to these hooks only and never asks which backend it has.
+
+Contract every strategy keeps (the contract test suite checks it):
+    * after :meth:`Strategy.optimizer_step`, the gradients that were used are the **mean** over
+      ranks of each rank's gradients, so a per-rank mean loss gives a global mean gradient;
+    * inside :meth:`Strategy.no_sync` no gradient communication happens;
+    * :meth:`Strategy.unwrap` returns the user's own module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from distkit.errors import ConfigurationError, DistkitError
+from distkit.precision import Precision, normalize_precision
+
+REDUCE_OPS = ("mean", "sum")
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """What the trainer asks of every strategy (set through :meth:`Strategy.connect`)."""
+
+    precision: str = "32"
+    grad_accum_steps: int = 1
+    sync_batchnorm: bool = False
+    find_unused_parameters: bool = False
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where this process sits: torch's vocabulary."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+
+class Strategy(ABC):
+    """One data-parallel backend.
+
+    Subclasses implement the abstract core; the defaults of everything else suit a backend that
+    averages gradients in ``backward`` (DDP) or in ``optimizer.step`` (Horovod).
+    """
+
+    name: ClassVar[str] = ""
+
+    def __init__(self) -> None:
+        self.options = TrainOptions()
+        self._topology: Topology | None = None
+        self._precision: Precision | None = None
+
+    # ------------------------------------------------------------------ abstract core
+    @abstractmethod
+    def _setup_environment(self) -> Topology:
+        """Initialise the backend (process group, device) and say where this process sits."""
+
+    @abstractmethod
+    def _setup_model_and_optimizer(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """Wrap a model that is already on :attr:`device` (and its optimizer) for training."""
+
+    @abstractmethod
+    def _all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        """Out-of-place sum/mean over ranks."""
+
+    @abstractmethod
+    def _broadcast(self, obj: Any, src: int) -> Any:
+        """Any picklable object from ``src`` to every rank."""
+
+    @abstractmethod
+    def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Stack (new leading dim of size world_size) of every rank's same-shape tensor."""
+
+    @abstractmethod
+    def _all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's picklable object, in rank order."""
+
+    @abstractmethod
+    def barrier(self) -> None:
+        """Wait until every rank reaches this point."""
+
+    # ------------------------------------------------------------------ lifecycle
+    def connect(self, options: TrainOptions) -> None:
+        """Receive the trainer's options; call before :meth:`setup_environment`."""
+        if self._topology is not None and options != self.options:
+            raise ConfigurationError(
+                f"strategy {self.name!r} is already set up with {self.options}; it cannot be "
+                f"reconfigured to {options}. Create a new strategy (or Trainer) instead."
+            )
+        normalize_precision(options.precision)
+        self.options = options
+
+    def setup_environment(self) -> None:
+        """Initialise the backend once; later calls do nothing."""
+        if self._topology is None:
+            self._topology = self._setup_environment()
+            self._precision = Precision(self.options.precision, self._topology.device)
+
+    def teardown(self) -> None:
+        """Release what :meth:`setup_environment` acquired (default: nothing)."""
+        self._topology = None
+        self._precision = None
+
+    def setup(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """Move the model to this rank's device, convert BatchNorm if asked, and wrap both.
+
+        The user's ``model`` keeps its parameter objects, so it holds the trained weights.
+        """
+        self.setup_environment()
+        model.to(self.device)
+        if self.options.sync_batchnorm:
+            model = self.convert_sync_batchnorm(model)
+        return self._setup_model_and_optimizer(model, optimizer)
+
+    def convert_sync_batchnorm(self, model: nn.Module) -> nn.Module:
+        """Replace BatchNorm layers with ones that use statistics of the global batch."""
+        if self.world_size == 1:
+            return model  # one process sees the whole batch: plain BatchNorm is already global
+        raise ConfigurationError(
+            f"strategy {self.name!r} does not support sync_batchnorm=True; use strategy='ddp'"
+        )
+
+    # ------------------------------------------------------------------ topology
+    @property
+    def topology(self) -> Topology:
+        if self._topology is None:
+            raise DistkitError(
+                f"strategy {self.name!r} is not set up yet: call setup_environment() first "
+                "(distkit.Trainer does this when it is created)"
+            )
+        return self._topology
+
+    @property
+    def rank(self) -> int:
+        return self.topology.rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.topology.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.topology.device
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this is global rank 0 (the one that logs, prints and saves)."""
+        return self.topology.rank == 0
+
+    @property
+    def precision(self) -> Precision:
+        if self._precision is None:
+            self.setup_environment()
+        assert self._precision is not None
+        return self._precision
+
+    # ------------------------------------------------------------------ training hooks
+    def autocast(self) -> contextlib.AbstractContextManager[None]:
+        """Context for the forward pass and loss."""
+        return self.precision.autocast()
+
+    def backward(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
+        """Backpropagate ``loss`` (scaled for fp16)."""
+        self.precision.scale(loss).backward()
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Step; returns ``False`` when the step was skipped (fp16 overflow)."""
+        return self.precision.step(optimizer)
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        """Context in which ``backward`` accumulates locally without communicating."""
+        return contextlib.nullcontext()
+
+    def reduce_loss(self, loss: torch.Tensor, batch_size: int) -> torch.Tensor:
+        """The scalar loss of one local batch; refuses anything but a scalar by default."""
+        if loss.ndim != 0:
+            raise ConfigurationError(
+                f"the loss must be a scalar tensor (the mean over the batch), got shape "
+                f"{tuple(loss.shape)}. Return loss.mean() from loss_fn / step_fn."
+            )
+        return loss
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The user's module inside whatever wrapper :meth:`setup` added (default: none)."""
+        return model
+
+    def eval_model(self, model: nn.Module) -> nn.Module:
+        """What to run evaluation forward passes on (no collectives may happen inside)."""
+        return self.unwrap(model)
+
+    def sampler_kwargs(self) -> dict[str, int]:
+        """``num_replicas`` and ``rank`` for a ``DistributedSampler``."""
+        return {"num_replicas": self.world_size, "rank": self.rank}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Backend state to checkpoint beside the model (default: the precision's scaler)."""
+        return {"scaler": self.precision.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self.precision.load_state_dict(state.get("scaler", {}))
+
+    # ------------------------------------------------------------------ collectives
+    def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        """Reduce ``tensor`` over ranks; returns a new tensor and leaves the input unchanged.
+
+        Args:
+            tensor: same shape and dtype on every rank.
+            op: ``"mean"`` or ``"sum"``.
+        """
+        if op not in REDUCE_OPS:
+            raise ConfigurationError(f"unknown reduce op {op!r}. Allowed: {', '.join(REDUCE_OPS)}")
+        _require_tensor(tensor, "all_reduce")
+        return self._all_reduce(tensor, op)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """``obj`` as rank ``src`` holds it, on every rank (any picklable object)."""
+        self._check_rank(src, "src")
+        return self._broadcast(obj, src)
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's tensor stacked along a new first dimension (same shape on every rank)."""
+        _require_tensor(tensor, "all_gather")
+        return self._all_gather(tensor)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's picklable object, in rank order."""
+        return self._all_gather_object(obj)
+
+    def _check_rank(self, value: int, what: str) -> None:
+        if not 0 <= value < self.world_size:
+            raise ConfigurationError(
+                f"{what}={value} is not a rank; allowed 0..{self.world_size - 1}"
+            )
+
+    @contextlib.contextmanager
+    def main_process_first(self) -> Iterator[None]:
+        """Rank 0 runs the block first (e.g. to download or cache), then the others."""
+        if not self.is_main:
+            self.barrier()
+        yield
+        if self.is_main:
+            self.barrier()
+
+    def __repr__(self) -> str:
+        where = (
+            "not set up"
+            if self._topology is None
+            else (f"rank={self.rank}/{self.world_size}, device={self.device}")
+        )
+        return f"{type(self).__name__}({where})"
+
+
+def _require_tensor(value: object, what: str) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise ConfigurationError(
+            f"{what} takes a torch.Tensor, got {type(value).__name__}; "
+            "wrap numbers with torch.tensor(...) or use broadcast/all_gather_object for objects"
+        )
