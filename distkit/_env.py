@@ -57,7 +57,7 @@ class LaunchEnv:
     def detect(
         cls, environ: Mapping[str, str] | None = None, argv: Sequence[str] | None = None
     ) -> LaunchEnv:
-        """Read the launcher's announcement from ``environ`` and ``argv`` (default: this process)."""
+        """Read the launcher's announcement from ``environ`` and ``argv`` (default: ours)."""
         env = os.environ if environ is None else environ
         args = sys.argv if argv is None else argv
         if "HOROVOD_RANK" in env or "HOROVOD_SIZE" in env:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import copy
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -14,8 +15,13 @@ def to_device(batch: Any, device: torch.device) -> Any:
     """``batch`` with every tensor inside (tuples, lists, dicts) moved to ``device``."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=device.type == "cuda")
+    if isinstance(batch, MutableMapping):
+        moved = copy.copy(batch)  # keeps the type and its extras (defaultdict's factory, ...)
+        for key, value in batch.items():
+            moved[key] = to_device(value, device)
+        return moved
     if isinstance(batch, Mapping):
-        return type(batch)({k: to_device(v, device) for k, v in batch.items()})  # type: ignore[call-arg]
+        return {k: to_device(v, device) for k, v in batch.items()}
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
         return type(batch)(*(to_device(v, device) for v in batch))
     if isinstance(batch, (list, tuple)):

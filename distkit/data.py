@@ -182,7 +182,9 @@ class LoaderSpec:
         """Read a Dataset (with the trainer's settings) or a user's DataLoader (with its own)."""
         if isinstance(data, DataLoader):
             return cls._from_loader(data, what)
-        if not isinstance(data, Dataset) and not hasattr(data, "__getitem__"):
+        if isinstance(data, (str, bytes)) or (
+            not isinstance(data, Dataset) and not hasattr(data, "__getitem__")
+        ):
             raise ConfigurationError(
                 f"{what} must be a torch Dataset (or any object with __getitem__ and __len__) "
                 f"or a DataLoader, got {type(data).__name__}"

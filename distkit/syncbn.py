@@ -1,9 +1,10 @@
 """BatchNorm over the global batch, for any backend, CPU included.
 
 ``torch.nn.SyncBatchNorm`` (and ``hvd.SyncBatchNorm``) refuse CPU tensors in training. This layer
-all-reduces each channel's sum, sum of squares and count through a differentiable all-reduce the
-strategy supplies, so its forward *and* backward equal plain BatchNorm over the whole global
-batch. It is not a ``SyncBatchNorm`` subclass, so DDP accepts it on CPU.
+all-reduces each channel's sum and count, then its sum of squared deviations, through a
+differentiable all-reduce the strategy supplies, so its forward *and* backward equal plain
+BatchNorm over the whole global batch. It is not a ``SyncBatchNorm`` subclass, so DDP accepts
+it on CPU.
 """
 
 from __future__ import annotations
@@ -51,20 +52,22 @@ class GlobalBatchNorm(_BatchNorm):
         channels = input.shape[1]
         dims = [0, *range(2, input.dim())]
         x = input.float()
+        # two reductions (mean, then squared deviations) rather than E[x^2] - E[x]^2, which
+        # cancels catastrophically for features far from zero
         local_count = torch.full((1,), input.numel() / channels, dtype=x.dtype, device=x.device)
-        packed = torch.cat([x.sum(dims), (x * x).sum(dims), local_count])
-        packed = self._all_reduce_sum(packed)
-        total, total_sq, count = packed[:channels], packed[channels:-1], packed[-1]
-        mean = total / count
-        var = (total_sq / count - mean * mean).clamp_min(0)
+        packed = self._all_reduce_sum(torch.cat([x.sum(dims), local_count]))
+        count = packed[-1]
+        mean = packed[:channels] / count
+        shape = [1, channels] + [1] * (input.dim() - 2)
+        centered = x - mean.view(shape)
+        var = self._all_reduce_sum((centered * centered).sum(dims)) / count
         if self.training and self.track_running_stats and self.running_mean is not None:
             assert self.running_var is not None
             with torch.no_grad():
                 unbiased = var * (count / (count - 1).clamp_min(1))
                 self.running_mean.mul_(1 - factor).add_(mean.detach(), alpha=factor)
                 self.running_var.mul_(1 - factor).add_(unbiased.detach(), alpha=factor)
-        shape = [1, channels] + [1] * (input.dim() - 2)
-        out = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
+        out = centered * torch.rsqrt(var.view(shape) + self.eps)
         if self.affine:
             out = out * self.weight.view(shape) + self.bias.view(shape)
         return out.to(input.dtype)

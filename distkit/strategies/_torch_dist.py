@@ -64,7 +64,8 @@ def _require_rendezvous_env(env: LaunchEnv) -> None:
     if missing:
         raise LauncherMismatchError(
             f"{env.launcher} set RANK/WORLD_SIZE but not {', '.join(missing)}; torch.distributed "
-            "cannot rendezvous. Launch with `torchrun --nproc_per_node N script.py`, which sets them."
+            "cannot rendezvous. Launch with `torchrun --nproc_per_node N script.py`, which sets "
+            "them."
         )
 
 
@@ -75,8 +76,9 @@ def _topology(
         count = torch.cuda.device_count()
         if local_rank >= count:
             raise ConfigurationError(
-                f"strategy={strategy!r}: local rank {local_rank} has no GPU of its own (this node "
-                f"has {count}). Start at most {count} processes per node (--nproc_per_node {count})."
+                f"strategy={strategy!r}: local rank {local_rank} has no GPU of its own (this "
+                f"node has {count}). Start at most {count} processes per node "
+                f"(--nproc_per_node {count})."
             )
         device = torch.device("cuda", local_rank)
     else:

@@ -28,7 +28,9 @@ class DDPStrategy(Strategy):
     Args:
         backend: torch.distributed backend; ``None`` picks nccl on CUDA and gloo on CPU.
         timeout: how long a collective may wait for the other ranks (seconds or timedelta).
-        static_graph, bucket_cap_mb, gradient_as_bucket_view, broadcast_buffers: passed to DDP.
+        **ddp_kwargs: passed to ``DistributedDataParallel`` as they are (``static_graph``,
+            ``bucket_cap_mb``, ``gradient_as_bucket_view``, ...); ``device_ids`` and
+            ``find_unused_parameters`` are set by distkit.
     """
 
     name = "ddp"
@@ -38,23 +40,20 @@ class DDPStrategy(Strategy):
         *,
         backend: str | None = None,
         timeout: timedelta | float = DEFAULT_TIMEOUT,
-        static_graph: bool = False,
-        bucket_cap_mb: float | None = None,
-        gradient_as_bucket_view: bool = False,
-        broadcast_buffers: bool = True,
+        **ddp_kwargs: Any,
     ) -> None:
         super().__init__()
         self.backend = backend
         self.timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
         if self.timeout.total_seconds() <= 0:
             raise ConfigurationError(f"timeout must be positive, got {timeout!r}")
-        self._ddp_kwargs: dict[str, Any] = {
-            "static_graph": static_graph,
-            "gradient_as_bucket_view": gradient_as_bucket_view,
-            "broadcast_buffers": broadcast_buffers,
-        }
-        if bucket_cap_mb is not None:
-            self._ddp_kwargs["bucket_cap_mb"] = bucket_cap_mb
+        reserved = {"device_ids", "find_unused_parameters", "module"} & set(ddp_kwargs)
+        if reserved:
+            raise ConfigurationError(
+                f"DDPStrategy sets {', '.join(sorted(reserved))} itself; pass "
+                "find_unused_parameters to distkit.Trainer and let distkit choose device_ids"
+            )
+        self._ddp_kwargs = ddp_kwargs
         self._owns_group = False
 
     def _setup_environment(self) -> Topology:

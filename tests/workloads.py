@@ -1,0 +1,117 @@
+"""Small deterministic models, data and per-rank training bodies shared by the tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import distkit
+
+
+def make_dataset(n: int = 60, features: int = 6, classes: int = 3, seed: int = 1) -> TensorDataset:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, features, generator=generator)
+    y = (x[:, :classes].argmax(dim=1) + (x[:, -1] > 1).long()) % classes
+    return TensorDataset(x, y)
+
+
+def make_mlp(features: int = 6, classes: int = 3, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(features, 16), nn.Tanh(), nn.Linear(16, classes))
+
+
+def make_bn_model(features: int = 6, classes: int = 3, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(features, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, classes)
+    )
+
+
+def state_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def train_with_distkit(
+    strategy: str,
+    batch_size: int,
+    *,
+    n: int = 60,
+    epochs: int = 2,
+    grad_accum_steps: int = 1,
+    model: str = "mlp",
+    sync_batchnorm: bool = False,
+    precision: str = "32",
+    as_loader: bool = False,
+    seed: int = 3,
+) -> dict[str, Any]:
+    """Train the shared workload; returns final parameters, history and topology."""
+    net = make_bn_model() if model == "bn" else make_mlp()
+    dataset = make_dataset(n)
+    data: Any = DataLoader(dataset, batch_size=batch_size, shuffle=True) if as_loader else dataset
+    trainer = distkit.Trainer(
+        strategy,
+        batch_size=batch_size,
+        max_epochs=epochs,
+        grad_accum_steps=grad_accum_steps,
+        sync_batchnorm=sync_batchnorm,
+        precision=precision,
+        progress=False,
+        seed=seed,
+    )
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    result = trainer.fit(
+        net,
+        optimizer,
+        data,
+        loss_fn=nn.functional.cross_entropy,
+        val_data=dataset,
+        metrics={"acc": distkit.Accuracy()},
+    )
+    out = {
+        "state": state_of(net),
+        "history": result.history,
+        "rank": trainer.rank,
+        "world_size": trainer.world_size,
+    }
+    trainer.close()
+    return out
+
+
+def train_by_hand(batch_size: int, *, n: int = 60, epochs: int = 2, seed: int = 3) -> dict:
+    """The seeds' hand-written loop: DistributedSampler(+set_epoch), zero_grad/backward/step.
+
+    Runs on one process or under DDP (when a process group exists, it wraps the model).
+    """
+    distributed = torch.distributed.is_initialized()
+    world = torch.distributed.get_world_size() if distributed else 1
+    rank = torch.distributed.get_rank() if distributed else 0
+    net = make_mlp()
+    model: nn.Module = nn.parallel.DistributedDataParallel(net) if distributed else net
+    dataset = make_dataset(n)
+    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            optimizer.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+    return {"state": state_of(net)}
+
+
+def hand_ddp_on_rank(batch_size: int, n: int, epochs: int) -> dict:
+    torch.distributed.init_process_group("gloo", init_method="env://")
+    try:
+        return train_by_hand(batch_size, n=n, epochs=epochs)
+    finally:
+        torch.distributed.destroy_process_group()
