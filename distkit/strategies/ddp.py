@@ -71,6 +71,8 @@ class DDPStrategy(Strategy):
     def _setup_model_and_optimizer(
         self, model: nn.Module, optimizer: torch.optim.Optimizer
     ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        if self.world_size == 1:
+            return model, optimizer  # nothing to synchronise; DDP's reducer would be pure cost
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         wrapped = DistributedDataParallel(
             model,
