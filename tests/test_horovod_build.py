@@ -1,0 +1,285 @@
+"""Unit tests of distkit.horovod_build (the real ~6 minute build is not run here)."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from distkit import horovod_build as hb
+from distkit.errors import DistkitError, MissingDependencyError
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU = hb.Flavour(cuda=False, mpi=False)
+CUDA_MPI = hb.Flavour(cuda=True, mpi=True)
+
+CHECK_BUILD_OK = """\
+Horovod v0.28.1:
+
+Available Frameworks:
+    [ ] TensorFlow
+    [X] PyTorch
+    [ ] MXNet
+
+Available Controllers:
+    [ ] MPI
+    [X] Gloo
+
+Available Tensor Operations:
+    [ ] NCCL
+    [ ] DDL
+    [ ] CCL
+    [ ] MPI
+    [X] Gloo
+"""
+CHECK_BUILD_NO_TORCH = CHECK_BUILD_OK.replace("[X] PyTorch", "[ ] PyTorch")
+
+
+def _source_tree(root: Path, top: str, torch: str) -> Path:
+    src = root / "horovod-0.28.1"
+    (src / "horovod" / "torch").mkdir(parents=True)
+    (src / "CMakeLists.txt").write_text(top)
+    (src / "horovod" / "torch" / "CMakeLists.txt").write_text(torch)
+    return src
+
+
+TOP = "cmake_minimum_required(VERSION 3.13)\nset(CMAKE_CXX_STANDARD 14)\nproject(horovod)\n"
+TORCH = "if(HAVE_PYTORCH)\n    set(CMAKE_CXX_STANDARD 14)\nendif()\n"
+
+
+@pytest.mark.timeout(30)
+def test_patch_cxx17_patches_both_files_and_keeps_the_rest(tmp_path: Path) -> None:
+    src = _source_tree(tmp_path, TOP, TORCH)
+    changed = hb.patch_cxx17(src)
+    assert sorted(changed) == sorted([src / "CMakeLists.txt", src / "horovod/torch/CMakeLists.txt"])
+    assert (src / "CMakeLists.txt").read_text() == TOP.replace("STANDARD 14", "STANDARD 17")
+    assert (src / "horovod/torch/CMakeLists.txt").read_text() == TORCH.replace("14", "17")
+
+
+@pytest.mark.timeout(30)
+def test_patch_cxx17_is_idempotent(tmp_path: Path) -> None:
+    src = _source_tree(tmp_path, TOP, TORCH)
+    hb.patch_cxx17(src)
+    before = [p.read_text() for p in (src / "CMakeLists.txt", src / "horovod/torch/CMakeLists.txt")]
+    assert hb.patch_cxx17(src) == []
+    after = [p.read_text() for p in (src / "CMakeLists.txt", src / "horovod/torch/CMakeLists.txt")]
+    assert after == before
+
+
+@pytest.mark.timeout(30)
+def test_patch_cxx17_patches_a_half_patched_tree_and_never_downgrades(tmp_path: Path) -> None:
+    src = _source_tree(tmp_path, TOP.replace("14", "20"), TORCH)
+    assert hb.patch_cxx17(src) == [src / "horovod/torch/CMakeLists.txt"]
+    assert "set(CMAKE_CXX_STANDARD 20)" in (src / "CMakeLists.txt").read_text()
+
+
+@pytest.mark.timeout(30)
+def test_patch_cxx17_fails_loudly_without_the_line(tmp_path: Path) -> None:
+    src = _source_tree(tmp_path, TOP, "if(HAVE_PYTORCH)\nendif()\n")
+    with pytest.raises(DistkitError, match=r"horovod/torch/CMakeLists.txt has no"):
+        hb.patch_cxx17(src)
+
+
+@pytest.mark.timeout(30)
+def test_patch_cxx17_fails_on_a_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(DistkitError, match="not found"):
+        hb.patch_cxx17(tmp_path)
+
+
+@pytest.mark.timeout(30)
+def test_cache_key_contains_every_input() -> None:
+    key = hb.cache_key("0.28.1", "2.13.0+cpu", "cp311", CPU)
+    for part in ("0.28.1", "2.13.0+cpu", "cp311", "cpu-gloo", f"p{hb.PATCH_LEVEL}"):
+        assert part in key
+    assert "/" not in key and " " not in key
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"horovod_version": "0.28.0"},
+        {"torch_version": "2.13.0+cu126"},
+        {"torch_version": "2.12.0+cpu"},
+        {"py_tag": "cp312"},
+        {"flavour": hb.Flavour(cuda=False, mpi=True)},
+        {"flavour": hb.Flavour(cuda=True, mpi=False)},
+        {"patch": hb.PATCH_LEVEL + 1},
+    ],
+)
+def test_cache_key_changes_when_an_input_changes(change: dict[str, object]) -> None:
+    base: dict[str, object] = dict(
+        horovod_version="0.28.1", torch_version="2.13.0+cpu", py_tag="cp311", flavour=CPU
+    )
+    assert hb.cache_key(**{**base, **change}) != hb.cache_key(**base)  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(30)
+def test_python_tag_matches_this_interpreter() -> None:
+    assert hb.python_tag().endswith(f"{sys.version_info[0]}{sys.version_info[1]}")
+
+
+@pytest.mark.timeout(30)
+def test_build_env_cpu() -> None:
+    env = hb.build_env(CPU, jobs=2)
+    assert env["HOROVOD_CPU_OPERATIONS"] == "GLOO"
+    assert env["HOROVOD_WITHOUT_MPI"] == "1" and "HOROVOD_WITH_MPI" not in env
+    assert "HOROVOD_GPU_OPERATIONS" not in env
+    assert env["HOROVOD_WITH_PYTORCH"] == env["HOROVOD_WITH_GLOO"] == "1"
+    assert env["HOROVOD_WITHOUT_TENSORFLOW"] == env["HOROVOD_WITHOUT_MXNET"] == "1"
+    assert env["MAKEFLAGS"] == "-j2"
+    assert env["CMAKE_POLICY_VERSION_MINIMUM"] == "3.5"
+    assert all(isinstance(v, str) for v in env.values())
+
+
+@pytest.mark.timeout(30)
+def test_build_env_cuda_mpi() -> None:
+    env = hb.build_env(CUDA_MPI, jobs=16)
+    assert env["HOROVOD_GPU_OPERATIONS"] == "NCCL"
+    assert env["HOROVOD_WITH_MPI"] == "1" and "HOROVOD_WITHOUT_MPI" not in env
+    assert "HOROVOD_CPU_OPERATIONS" not in env
+    assert env["HOROVOD_WITH_GLOO"] == env["HOROVOD_WITH_PYTORCH"] == "1"
+    assert env["MAKEFLAGS"] == "-j16"
+    assert CUDA_MPI.tag == "cuda-nccl-gloo-mpi" and CPU.tag == "cpu-gloo"
+
+
+@pytest.mark.timeout(30)
+def test_parse_check_build() -> None:
+    parsed = hb.parse_check_build(CHECK_BUILD_OK)
+    assert parsed["frameworks"] == {"TensorFlow": False, "PyTorch": True, "MXNet": False}
+    assert parsed["controllers"] == {"MPI": False, "Gloo": True}
+    assert parsed["tensor operations"]["Gloo"] is True
+    assert parsed["tensor operations"]["NCCL"] is False
+
+
+@pytest.mark.timeout(30)
+def test_check_build_problems_pass_and_fail() -> None:
+    assert hb.check_build_problems(CHECK_BUILD_OK, CPU) == []
+    problems = hb.check_build_problems(CHECK_BUILD_NO_TORCH, CPU)
+    assert len(problems) == 1 and "PyTorch" in problems[0]
+    no_gloo = CHECK_BUILD_OK.replace(
+        "    [X] Gloo\n\nAvailable Tensor", "    [ ] Gloo\n\nAvailable Tensor"
+    )
+    assert ["Gloo" in p for p in hb.check_build_problems(no_gloo, CPU)] == [True]
+    assert {p.split()[0] for p in hb.check_build_problems(CHECK_BUILD_OK, CUDA_MPI)} == {
+        "MPI",
+        "NCCL",
+    }
+    assert len(hb.check_build_problems("Traceback: ImportError: no horovod", CPU)) == 2
+    assert hb.check_build_problems("", CPU) != []
+
+
+@pytest.mark.timeout(30)
+def test_finalize_wheel_adds_marker_and_keeps_record_valid(tmp_path: Path) -> None:
+    wheel = tmp_path / "horovod-0.28.1-cp311-cp311-linux_x86_64.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr("horovod/__init__.py", "x = 1\n")
+        zf.writestr("horovod/torch/mpi_lib_v2.so", b"not an ELF file")  # strip fails -> unchanged
+        zf.writestr("horovod-0.28.1.dist-info/RECORD", "stale\n")
+    hb.finalize_wheel(wheel, {"key": "K"})
+    with zipfile.ZipFile(wheel) as zf:
+        assert json.loads(zf.read(hb.MARKER)) == {"key": "K"}
+        assert zf.read("horovod/torch/mpi_lib_v2.so") == b"not an ELF file"
+        rows = zf.read("horovod-0.28.1.dist-info/RECORD").decode().splitlines()
+        recorded = {r.split(",")[0]: r.split(",")[1:] for r in rows}
+        assert set(recorded) == set(zf.namelist())
+        for name, (digest, size) in recorded.items():
+            if name.endswith("RECORD"):
+                continue
+            data = zf.read(name)
+            expected = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=")
+            assert digest == "sha256=" + expected.decode() and int(size) == len(data)
+
+
+@pytest.mark.timeout(30)
+def test_torch_missing_gives_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "torch", None)  # makes `import torch` raise ImportError
+    with pytest.raises(MissingDependencyError, match="Install torch first, pinned"):
+        hb.torch_info()
+
+
+def _fake_environment(
+    monkeypatch: pytest.MonkeyPatch, calls: list[str], installed: str | None
+) -> None:
+    monkeypatch.setattr(hb, "torch_info", lambda: ("2.13.0+cpu", False))
+    monkeypatch.setattr(hb, "detect_flavour", lambda cuda: CPU)
+    monkeypatch.setattr(hb, "installed_key", lambda version: installed)
+
+    def fake_build(
+        version: str, key: str, flavour: object, tv: str, out_dir: Path, jobs: int, session: object
+    ) -> Path:
+        calls.append("build")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        wheel = out_dir / f"horovod-{version}-cp311-cp311-linux_x86_64.whl"
+        wheel.write_bytes(b"new")
+        return wheel
+
+    monkeypatch.setattr(hb, "build_wheel", fake_build)
+    monkeypatch.setattr(hb._Session, "run", lambda self, cmd, what, env=None: calls.append(what))
+    monkeypatch.setattr(hb, "verify_install", lambda flavour, session: calls.append("verify"))
+
+
+@pytest.mark.timeout(30)
+def test_ensure_horovod_builds_then_hits_the_cache(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    calls: list[str] = []
+    _fake_environment(monkeypatch, calls, installed=None)
+    wheel = hb.ensure_horovod(cache_dir=tmp_path)
+    assert wheel is not None and wheel.read_bytes() == b"new"
+    assert wheel.parent.name == hb.cache_key("0.28.1", "2.13.0+cpu", hb.python_tag(), CPU)
+    assert calls[0] == "build" and calls[-1] == "verify"
+    calls.clear()
+    assert hb.ensure_horovod(cache_dir=tmp_path) == wheel
+    assert "build" not in calls and calls[-1] == "verify"
+    calls.clear()
+    hb.ensure_horovod(cache_dir=tmp_path, force=True, install=False)
+    assert calls == ["build"]
+
+
+@pytest.mark.timeout(30)
+def test_ensure_horovod_skips_a_matching_install(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    calls: list[str] = []
+    key = hb.cache_key("0.28.1", "2.13.0+cpu", hb.python_tag(), CPU)
+    _fake_environment(monkeypatch, calls, installed=key)
+    assert hb.ensure_horovod(cache_dir=tmp_path) is None
+    assert calls == ["verify"]
+
+
+@pytest.mark.timeout(60)
+def test_cli_help_exits_0() -> None:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "distkit.horovod_build", "--help"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=50,
+    )
+    assert done.returncode == 0, done.stderr
+    for option in ("--version", "--cache-dir", "--force", "--no-install", "--no-verify", "--jobs"):
+        assert option in done.stdout
+
+
+@pytest.mark.timeout(60)
+def test_failed_step_reports_log_tail_and_path(tmp_path: Path) -> None:
+    session = hb._Session(tmp_path / "sub" / "build.log")
+    script = "import sys\nfor i in range(100): print('line', i)\nsys.exit(3)"
+    with pytest.raises(DistkitError) as info:
+        session.run([sys.executable, "-c", script], "the fake build")
+    message = str(info.value)
+    assert "exit code 3" in message and str(tmp_path / "sub" / "build.log") in message
+    assert "line 99" in message and "line 60" in message and "line 59\n" not in message
+    assert "line 0\n" in (tmp_path / "sub" / "build.log").read_text()
