@@ -10,6 +10,7 @@ it on CPU.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -84,20 +85,31 @@ class GlobalBatchNorm(_BatchNorm):
 
 
 def convert_to_global_batchnorm(module: nn.Module, all_reduce_sum: AllReduceSum) -> nn.Module:
-    """Replace every BatchNorm layer in ``module`` (in place) with :class:`GlobalBatchNorm`.
+    """Replace every BatchNorm layer in ``module`` (in place) with :class:`GlobalBatchNorm`."""
 
-    Parameters and buffers are shared, not copied, so an optimizer built on ``module`` keeps
-    working. Returns the converted module (a new object only if ``module`` itself is a BatchNorm).
+    def make(bn: _BatchNorm) -> nn.Module:
+        return GlobalBatchNorm(
+            bn.num_features, all_reduce_sum, bn.eps, bn.momentum, bn.affine,
+            bn.track_running_stats,
+        )  # fmt: skip
+
+    return replace_batchnorm(module, make, skip=GlobalBatchNorm)
+
+
+def replace_batchnorm(
+    module: nn.Module,
+    make: Callable[[_BatchNorm], nn.Module],
+    *,
+    skip: type[nn.Module],
+) -> nn.Module:
+    """Replace BatchNorm layers (in place) by ``make(layer)``, sharing parameters and buffers.
+
+    Sharing (not copying) keeps an optimizer built on ``module`` valid. Layers that already
+    are ``skip`` instances stay. Returns the converted module (a new object only if ``module``
+    itself is a BatchNorm layer).
     """
-    if isinstance(module, _BatchNorm) and not isinstance(module, GlobalBatchNorm):
-        converted = GlobalBatchNorm(
-            module.num_features,
-            all_reduce_sum,
-            module.eps,
-            module.momentum,
-            module.affine,
-            module.track_running_stats,
-        )
+    if isinstance(module, _BatchNorm) and not isinstance(module, skip):
+        converted: Any = make(module)
         if module.affine:
             converted.weight = module.weight
             converted.bias = module.bias
@@ -107,7 +119,7 @@ def convert_to_global_batchnorm(module: nn.Module, all_reduce_sum: AllReduceSum)
         converted.train(module.training)
         return converted
     for name, child in module.named_children():
-        new_child = convert_to_global_batchnorm(child, all_reduce_sum)
+        new_child = replace_batchnorm(child, make, skip=skip)
         if new_child is not child:
             setattr(module, name, new_child)
     return module

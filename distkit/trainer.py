@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
+import sys
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -229,7 +230,8 @@ class Trainer:
         bar = tqdm(
             total=len(plan),
             desc=f"epoch {epoch + 1}/{self.max_epochs}",
-            disable=not (self.progress and strategy.is_main),
+            # a bar only where a person watches: piped output (CI, horovodrun) gets epoch lines
+            disable=not (self.progress and strategy.is_main and sys.stderr.isatty()),
             leave=False,
             dynamic_ncols=True,
         )
@@ -246,7 +248,7 @@ class Trainer:
                 samples += micro.count
                 if micro.last_in_step:
                     strategy.optimizer_step(optimizer)
-                    optimizer.zero_grad(set_to_none=True)
+                    optimizer.zero_grad()  # set_to_none (Horovod's takes no argument)
                     if scheduler is not None and self.scheduler_interval == "step":
                         scheduler.step()
                 bar.update()

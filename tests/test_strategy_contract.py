@@ -67,7 +67,11 @@ def _on_rank_check_contract(strategy_name: str) -> dict:
 
 @pytest.mark.parametrize(("strategy", "world"), CPU_STRATEGIES)
 def test_strategy_contract(strategy, world, run_on_ranks):
-    results = run_on_ranks(_on_rank_check_contract, strategy, world_size=world)
+    """ddp and dp here; horovod runs the same body under horovodrun (tests/test_horovod.py)."""
+    check_contract_results(run_on_ranks(_on_rank_check_contract, strategy, world_size=world), world)
+
+
+def check_contract_results(results: list[dict], world: int) -> None:
     ranks = list(range(world))
     assert [r["rank"] for r in results] == ranks
     assert [r["local_rank"] for r in results] == ranks

@@ -51,6 +51,7 @@ def train_with_distkit(
     precision: str = "32",
     as_loader: bool = False,
     seed: int = 3,
+    optimizer: str = "sgd",
 ) -> dict[str, Any]:
     """Train the shared workload; returns final parameters, history and topology."""
     net = make_bn_model() if model == "bn" else make_mlp()
@@ -66,10 +67,13 @@ def train_with_distkit(
         progress=False,
         seed=seed,
     )
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    if optimizer == "adamw":
+        opt: torch.optim.Optimizer = torch.optim.AdamW(net.parameters(), lr=0.01, weight_decay=0.1)
+    else:
+        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     result = trainer.fit(
         net,
-        optimizer,
+        opt,
         data,
         loss_fn=nn.functional.cross_entropy,
         val_data=dataset,

@@ -1,0 +1,157 @@
+"""Horovod: ``DistributedOptimizer`` all-reduces gradients in ``optimizer.step``."""
+
+from __future__ import annotations
+
+import contextlib
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import nn
+
+from distkit._env import LaunchEnv
+from distkit._imports import require
+from distkit.errors import ConfigurationError, LauncherMismatchError
+from distkit.strategies.base import Strategy, Topology
+from distkit.syncbn import convert_to_global_batchnorm, replace_batchnorm
+
+HOROVOD_HINT = (
+    "PyPI's horovod 0.28.1 does not build against torch >= 2.1 as shipped; build it for the "
+    "installed torch with `python -m distkit.horovod_build` (patches, builds, caches and "
+    "checks it), or use strategy='ddp'."
+)
+COMPRESSIONS = ("none", "fp16")
+OPS = ("average", "adasum")
+
+
+class HorovodStrategy(Strategy):
+    """One process per device under ``horovodrun`` (or ``mpirun``); Horovod averages gradients.
+
+    The learning rate is never scaled: N processes with ``batch_size=b`` train like one
+    process with ``N * b`` at the same learning rate, as with every other strategy.
+
+    Args:
+        compression: ``"none"`` or ``"fp16"`` (gradients travel as fp16).
+        op: ``"average"`` (default) or ``"adasum"``.
+    """
+
+    name = "horovod"
+
+    def __init__(self, *, compression: str = "none", op: str = "average") -> None:
+        super().__init__()
+        if compression not in COMPRESSIONS:
+            raise ConfigurationError(
+                f"compression={compression!r}; allowed: {', '.join(COMPRESSIONS)}"
+            )
+        if op not in OPS:
+            raise ConfigurationError(f"op={op!r}; allowed: {', '.join(OPS)}")
+        self.compression = compression
+        self.op = op
+        self._hvd_module: ModuleType | None = None
+
+    @property
+    def _hvd(self) -> Any:
+        if self._hvd_module is None:
+            raise ConfigurationError("HorovodStrategy is not set up: call setup_environment()")
+        return self._hvd_module
+
+    def _setup_environment(self) -> Topology:
+        env = LaunchEnv.detect()
+        if env.is_torch_launcher:
+            raise LauncherMismatchError(
+                f"strategy='horovod' runs under horovodrun (or mpirun), but this process was "
+                f"started by {env.launcher}. Either launch with `horovodrun -np N python "
+                "script.py`, or keep torchrun and use strategy='ddp'."
+            )
+        hvd = require("horovod.torch", feature="strategy='horovod'", hint=HOROVOD_HINT)
+        hvd.init()
+        self._hvd_module = hvd
+        if torch.cuda.is_available():
+            device = torch.device("cuda", hvd.local_rank())
+            torch.cuda.set_device(device)
+        else:
+            device = torch.device("cpu")
+        return Topology(hvd.rank(), hvd.local_rank(), hvd.size(), device)
+
+    def teardown(self) -> None:
+        if self._hvd_module is not None:
+            self._hvd_module.shutdown()
+            self._hvd_module = None
+        super().teardown()
+
+    def _setup_model_and_optimizer(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        hvd = self._hvd
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        distributed = hvd.DistributedOptimizer(
+            optimizer,
+            named_parameters=model.named_parameters(),
+            compression=hvd.Compression.fp16
+            if self.compression == "fp16"
+            else hvd.Compression.none,
+            backward_passes_per_step=self.options.grad_accum_steps,
+            op=hvd.Adasum if self.op == "adasum" else hvd.Average,
+        )
+        # Horovod builds a new optimizer over the same param_groups (so LR schedulers bound to
+        # the user's optimizer still work); share the state too, so the user's optimizer
+        # object holds the trained state afterwards.
+        distributed.state = optimizer.state
+        # A fresh optimizer has no state to broadcast. Horovod would initialise it with a
+        # zero-gradient step, which advances Adam's step count and applies AdamW's weight decay
+        # once: the run would then differ from DDP's. Only resumed state is broadcast.
+        has_state = self.all_reduce(torch.tensor([float(bool(optimizer.state))]), op="sum")
+        if has_state.item() > 0:
+            hvd.broadcast_optimizer_state(distributed, root_rank=0)
+        return model, distributed
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        if self.precision.scaler is None:
+            return super().optimizer_step(optimizer)
+        # The scaler must see averaged gradients: all-reduce first, then step without a
+        # second synchronisation (Horovod's documented GradScaler sequence).
+        optimizer.synchronize()  # type: ignore[attr-defined]
+        with optimizer.skip_synchronize():  # type: ignore[attr-defined]
+            return self.precision.step(optimizer)
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        # backward_passes_per_step = grad_accum_steps already keeps gradients local until
+        # the last micro-batch of a step (or until step() on a short last step).
+        return contextlib.nullcontext()
+
+    def convert_sync_batchnorm(self, model: nn.Module) -> nn.Module:
+        if self.device.type == "cuda":
+            sync_bn = self._hvd.SyncBatchNorm
+            return replace_batchnorm(
+                model,
+                lambda bn: sync_bn(
+                    bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats
+                ),
+                skip=sync_bn,
+            )
+        # hvd.SyncBatchNorm refuses CPU tensors; Horovod's allreduce is differentiable
+        return convert_to_global_batchnorm(model, self._allreduce_sum_differentiable)
+
+    def _allreduce_sum_differentiable(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self._hvd.allreduce(tensor, op=self._hvd.Sum)
+
+    def _all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        work = tensor.detach().to(self.device)
+        if op == "mean" and not work.is_floating_point():
+            work = work.double()
+        hvd_op = self._hvd.Average if op == "mean" else self._hvd.Sum
+        return self._hvd.allreduce(work, op=hvd_op).to(tensor.device)
+
+    def _broadcast(self, obj: Any, src: int) -> Any:
+        # every rank must pass the same name, or non-root ranks passing None hang
+        return self._hvd.broadcast_object(obj, root_rank=src, name="distkit.broadcast")
+
+    def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        work = tensor.detach().to(self.device).unsqueeze(0)
+        return self._hvd.allgather(work).to(tensor.device)
+
+    def _all_gather_object(self, obj: Any) -> list[Any]:
+        return list(self._hvd.allgather_object(obj, name="distkit.allgather_object"))
+
+    def barrier(self) -> None:
+        self._hvd.barrier()
