@@ -5,8 +5,8 @@ Both loops train the same small CNN on the same data with the same sampler, alte
 one forward pass to the next, so data loading, forward, backward, all-reduce and optimizer step
 are all inside it. The ratio is median(distkit step) / median(hand step).
 
-    python benchmarks/overhead.py                 # single process, then DDP x2 under torchrun
-    python benchmarks/overhead.py --only single   # one of: single, ddp
+    python benchmarks/overhead.py                 # single, DDP x2 (torchrun), Horovod x2
+    python benchmarks/overhead.py --only horovod  # one of: single, ddp, horovod
 
 Writes benchmarks/results/overhead.json.
 """
@@ -14,6 +14,8 @@ Writes benchmarks/results/overhead.json.
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import itertools
 import json
 import os
 import statistics
@@ -67,14 +69,27 @@ def hand_epoch(model, loader, sampler, optimizer, epoch, stamps) -> None:
         total += loss.item()
 
 
-def run(steps: int, rounds: int, batch_size: int) -> dict[str, float]:
-    trainer = distkit.Trainer("ddp", batch_size=batch_size, max_epochs=1, progress=False)
+def hand_setup(backend: str, world: int):
+    """The seeds' wrapping: DDP (seed 001) or Horovod (seed 002); nothing on one process."""
+    net = make_model()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    if backend == "horovod":
+        import horovod.torch as hvd
+
+        hvd.broadcast_parameters(net.state_dict(), root_rank=0)
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=net.named_parameters())
+        return net, optimizer
+    model = nn.parallel.DistributedDataParallel(net) if world > 1 else net
+    return model, optimizer
+
+
+def run(backend: str, steps: int, rounds: int, batch_size: int) -> dict[str, float]:
+    strategy = "horovod" if backend == "horovod" else "ddp"
+    trainer = distkit.Trainer(strategy, batch_size=batch_size, max_epochs=1, progress=False)
     world, rank = trainer.world_size, trainer.rank
     data = make_data(steps * batch_size * world)
 
-    hand_net = make_model()
-    hand_model = nn.parallel.DistributedDataParallel(hand_net) if world > 1 else hand_net
-    hand_opt = torch.optim.SGD(hand_net.parameters(), lr=0.01, momentum=0.9)
+    hand_model, hand_opt = hand_setup(backend, world)
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True)
     loader = DataLoader(data, batch_size=batch_size, sampler=sampler)
 
@@ -91,12 +106,17 @@ def run(steps: int, rounds: int, batch_size: int) -> dict[str, float]:
     kit_steps: list[float] = []
     for epoch in range(rounds + 1):  # round 0 warms both up and is discarded
         stamps: list[float] = []
-        hand_epoch(hand_model, loader, sampler, hand_opt, epoch, stamps)
         kit_stamps.clear()
-        trainer.fit(kit_net, kit_opt, data, step_fn=step_fn)
+        # alternate which loop goes first, so neither always runs on a warmer machine
+        if epoch % 2:
+            trainer.fit(kit_net, kit_opt, data, step_fn=step_fn)
+            hand_epoch(hand_model, loader, sampler, hand_opt, epoch, stamps)
+        else:
+            hand_epoch(hand_model, loader, sampler, hand_opt, epoch, stamps)
+            trainer.fit(kit_net, kit_opt, data, step_fn=step_fn)
         if epoch:
-            hand_steps += [b - a for a, b in zip(stamps, stamps[1:])]
-            kit_steps += [b - a for a, b in zip(kit_stamps, kit_stamps[1:])]
+            hand_steps += [b - a for a, b in itertools.pairwise(stamps)]
+            kit_steps += [b - a for a, b in itertools.pairwise(kit_stamps)]
     trainer.close()
     hand_ms = statistics.median(hand_steps) * 1e3
     kit_ms = statistics.median(kit_steps) * 1e3
@@ -110,12 +130,17 @@ def run(steps: int, rounds: int, batch_size: int) -> dict[str, float]:
     }
 
 
-def launch_ddp(args: argparse.Namespace) -> dict[str, float]:
-    out = RESULTS / "overhead_ddp.json"
+def launch(backend: str, args: argparse.Namespace) -> dict[str, float]:
+    out = RESULTS / f"overhead_{backend}.json"
+    if backend == "horovod":
+        launcher = [str(Path(sys.executable).parent / "horovodrun"), "-np", "2"]
+        launcher += ["-H", "localhost:2", "--gloo", sys.executable]
+    else:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        launcher += ["--nproc_per_node", "2"]
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        __file__, "--worker", "--steps", str(args.steps), "--rounds", str(args.rounds),
-        "--batch-size", str(args.batch_size), "--out", str(out),
+        *launcher, __file__, "--worker", backend, "--steps", str(args.steps),
+        "--rounds", str(args.rounds), "--batch-size", str(args.batch_size), "--out", str(out),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run(cmd, check=True, env=env)
@@ -127,29 +152,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=150, help="steps per epoch (default 150)")
     parser.add_argument("--rounds", type=int, default=4, help="timed epochs per loop")
     parser.add_argument("--batch-size", type=int, default=32, help="per process")
-    parser.add_argument("--only", choices=["single", "ddp"])
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--only", choices=["single", "ddp", "horovod"])
+    parser.add_argument("--worker", choices=["ddp", "horovod"], help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         torch.set_num_threads(1)
-        result = run(args.steps, args.rounds, args.batch_size)
-        if int(os.environ.get("RANK", "0")) == 0:
+        result = run(args.worker, args.steps, args.rounds, args.batch_size)
+        if int(os.environ.get("RANK", os.environ.get("HOROVOD_RANK", "0"))) == 0:
             args.out.write_text(json.dumps(result))
         return 0
     RESULTS.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
     results = {}
     if args.only in (None, "single"):
-        results["single"] = run(args.steps, args.rounds, args.batch_size)
+        results["single"] = run("single", args.steps, args.rounds, args.batch_size)
     if args.only in (None, "ddp"):
-        results["ddp x2"] = launch_ddp(args)
+        results["ddp x2"] = launch("ddp", args)
+    if args.only in (None, "horovod"):
+        if importlib.util.find_spec("horovod") is None:
+            print("horovod x2: skipped, Horovod is not installed (python -m distkit.horovod_build)")
+        else:
+            results["horovod x2"] = launch("horovod", args)
     print(f"\n{'config':<10}{'hand ms/step':>14}{'distkit ms/step':>17}{'ratio':>8}{'steps':>7}")
     for name, r in results.items():
         print(
             f"{name:<10}{r['hand_ms']:>14.2f}{r['distkit_ms']:>17.2f}"
             f"{r['ratio']:>8.3f}{r['steps_timed']:>7}"
         )
+    if "ddp x2" in results and "horovod x2" in results:
+        ratio = results["horovod x2"]["hand_ms"] / results["ddp x2"]["hand_ms"]
+        print(f"\nHorovod vs DDP, hand-written loops, same model: {ratio:.3f} x DDP's step time")
     (RESULTS / "overhead.json").write_text(json.dumps(results, indent=2))
     print(f"\nwrote {RESULTS / 'overhead.json'} (target: ratio <= 1.03)")
     return 0

@@ -118,7 +118,12 @@ class Trainer:
         )
         self.strategy.setup_environment()
         self._finalizer = weakref.finalize(self, self.strategy.teardown)
-        self._wrapped: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
+        # set-up hooks into parameters (DDP's reducer, Horovod's allreduce hooks): it happens
+        # once per model, and once per optimizer
+        self._models: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
+        self._optimizers: weakref.WeakKeyDictionary[
+            torch.optim.Optimizer, torch.optim.Optimizer
+        ] = weakref.WeakKeyDictionary()
         if self.strategy.device.type == "cuda":
             torch.backends.cudnn.benchmark = True
 
@@ -208,9 +213,14 @@ class Trainer:
     def _setup(
         self, model: nn.Module, optimizer: torch.optim.Optimizer
     ) -> tuple[nn.Module, torch.optim.Optimizer]:
-        wrapped, optimizer = self.strategy.setup(model, optimizer)
-        self._wrapped[model] = wrapped
-        return wrapped, optimizer
+        wrapped = self._models.get(model)
+        if wrapped is None:
+            wrapped, strategy_optimizer = self.strategy.setup(model, optimizer)
+            self._models[model] = wrapped
+            self._optimizers[optimizer] = strategy_optimizer
+        elif optimizer not in self._optimizers:
+            self._optimizers[optimizer] = self.strategy.setup_optimizer(wrapped, optimizer)
+        return wrapped, self._optimizers[optimizer]
 
     def _train_epoch(
         self,
@@ -280,7 +290,7 @@ class Trainer:
         loader = spec.eval_loader(
             world_size=strategy.world_size, rank=strategy.rank, seed=self.seed + strategy.rank
         )
-        wrapped = self._wrapped.get(model)
+        wrapped = self._models.get(model)
         if wrapped is None:
             wrapped = model.to(strategy.device)
         module = strategy.eval_model(wrapped)

@@ -34,7 +34,34 @@ CALLS = {
                                                          "sync_batchnorm": True}),
     "fp16": (W, "train_with_distkit", ("horovod", 4), {"n": 64, "precision": "fp16",
                                                        "epochs": 3}),
+    "refit": ("tests.test_horovod", "fit_twice_then_new_optimizer", (), {}),
 }  # fmt: skip
+
+
+def fit_twice_then_new_optimizer() -> dict:
+    """Runs on Horovod ranks: a second fit reuses the set-up; a new optimizer is refused."""
+    import torch
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    trainer = distkit.Trainer("horovod", batch_size=4, progress=False)
+    model = nn.Linear(3, 1)
+    data = TensorDataset(torch.randn(16, 3), torch.randn(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = [
+        trainer.fit(model, optimizer, data, loss_fn=nn.functional.mse_loss).history[-1][
+            "train_loss"
+        ]
+        for _ in range(2)
+    ]
+    try:
+        trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
+                    loss_fn=nn.functional.mse_loss)  # fmt: skip
+        error = "no error"
+    except distkit.UnsupportedFeatureError as exc:
+        error = str(exc)
+    trainer.close()
+    return {"losses": losses, "error": error}
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +129,13 @@ def test_horovod_fp16_gradscaler_sequencing_trains(horovod):
     losses = [h["train_loss"] for h in history]
     assert all(loss == loss for loss in losses)  # no NaN
     assert losses[-1] < losses[0]
+
+
+@needs_horovod
+def test_horovod_second_fit_reuses_hooks_and_new_optimizer_is_refused(horovod):
+    for result in _ok(horovod["refit"]):
+        assert result["losses"][1] < result["losses"][0]
+        assert "one optimizer per process" in result["error"]
 
 
 def _expect_launcher_mismatch(strategy: str) -> str:

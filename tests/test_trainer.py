@@ -246,3 +246,23 @@ def test_trainer_model_holds_trained_weights_and_loader_batch_size_wins():
     )
     assert seen == [5, 5, 2]
     assert not torch.equal(model.weight, before)
+
+
+def _fit_twice_then_new_optimizer() -> list[float]:
+    trainer = distkit.Trainer("ddp", batch_size=4, progress=False)
+    model = nn.Linear(3, 1)
+    data = TensorDataset(torch.randn(16, 3), torch.randn(16, 1))
+    first = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for optimizer in (first, first, torch.optim.SGD(model.parameters(), lr=0.05)):
+        result = trainer.fit(model, optimizer, data, loss_fn=nn.functional.mse_loss)
+        losses.append(result.history[-1]["train_loss"])
+    trainer.close()
+    return losses
+
+
+def test_trainer_fit_again_reuses_the_set_up_and_accepts_a_new_optimizer(run_on_ranks):
+    # wrapping the model twice would register DDP's gradient hooks twice
+    results = run_on_ranks(_fit_twice_then_new_optimizer, world_size=2)
+    assert results[0] == results[1]
+    assert results[0][2] < results[0][0]

@@ -128,6 +128,12 @@ class Strategy(ABC):
             model = self.convert_sync_batchnorm(model)
         return self._setup_model_and_optimizer(model, optimizer)
 
+    def setup_optimizer(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> torch.optim.Optimizer:
+        """Prepare another optimizer for a model :meth:`setup` already wrapped (default: as is)."""
+        return optimizer
+
     def convert_sync_batchnorm(self, model: nn.Module) -> nn.Module:
         """Replace BatchNorm layers with ones that use statistics of the global batch."""
         if self.world_size == 1:

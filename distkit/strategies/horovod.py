@@ -11,7 +11,7 @@ from torch import nn
 
 from distkit._env import LaunchEnv
 from distkit._imports import require
-from distkit.errors import ConfigurationError, LauncherMismatchError
+from distkit.errors import ConfigurationError, LauncherMismatchError, UnsupportedFeatureError
 from distkit.strategies.base import Strategy, Topology
 from distkit.syncbn import convert_to_global_batchnorm, replace_batchnorm
 
@@ -104,6 +104,16 @@ class HorovodStrategy(Strategy):
         if has_state.item() > 0:
             hvd.broadcast_optimizer_state(distributed, root_rank=0)
         return model, distributed
+
+    def setup_optimizer(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> torch.optim.Optimizer:
+        raise UnsupportedFeatureError(
+            "Horovod's DistributedOptimizer registers gradient hooks on the model's parameters "
+            "that cannot be removed, so a model trains with one optimizer per process. Keep "
+            "the first optimizer (change its param_groups' lr etc. instead), or start a new "
+            "process for the new optimizer."
+        )
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
         if self.precision.scaler is None:
