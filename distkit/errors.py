@@ -29,3 +29,19 @@ class ConfigurationError(DistkitError, ValueError):
 
 class UnsupportedFeatureError(DistkitError, RuntimeError):
     """The chosen backend cannot offer a requested feature on this machine."""
+
+
+class ApexNotInstalledError(MissingDependencyError):
+    """strategy='apex' but no ``apex`` package is importable."""
+
+
+class ApexImpostorError(MissingDependencyError):
+    """The importable ``apex`` is not NVIDIA apex (PyPI's ``apex`` is an unrelated package)."""
+
+
+class ApexNeedsCudaError(UnsupportedFeatureError):
+    """NVIDIA apex is CUDA-only and no CUDA device is available."""
+
+
+class ApexLegacyApiMissingError(UnsupportedFeatureError):
+    """``strict=True`` asked for apex.amp / apex.parallel, which apex >= 25.07 removed."""

@@ -176,7 +176,8 @@ def test_trainer_rejects_bad_arguments(kwargs, words):
 
 def test_trainer_unknown_strategy_suggests_closest_name():
     with pytest.raises(
-        distkit.UnknownStrategyError, match=r"Did you mean 'ddp'\?.*Available: auto, ddp, dp"
+        distkit.UnknownStrategyError,
+        match=r"Did you mean 'ddp'\?.*Available: auto, apex, ddp, dp, horovod",
     ):
         distkit.Trainer("ddpp")
 

@@ -12,10 +12,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from distkit._env import LaunchEnv
 from distkit.errors import ConfigurationError, LauncherMismatchError
 from distkit.strategies.base import Topology
+from distkit.syncbn import convert_to_global_batchnorm
 
 
 def init_process_group(
@@ -84,6 +87,46 @@ def _topology(
     else:
         device = torch.device("cpu")
     return Topology(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+
+
+def wrap_ddp(
+    model: nn.Module, device: torch.device, *, find_unused_parameters: bool, **kwargs: Any
+) -> nn.Module:
+    """``DistributedDataParallel`` on this rank's device (no device_ids on CPU)."""
+    device_ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(
+        model, device_ids=device_ids, find_unused_parameters=find_unused_parameters, **kwargs
+    )
+
+
+def convert_sync_batchnorm(model: nn.Module, device: torch.device) -> nn.Module:
+    """torch's SyncBatchNorm on CUDA; on CPU, where torch refuses it, GlobalBatchNorm over gloo."""
+    if device.type == "cuda":
+        return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    return convert_to_global_batchnorm(model, differentiable_all_reduce_sum)
+
+
+class TorchDistributedCollectives:
+    """The collectives of a strategy built on torch.distributed (mixed into ddp and apex)."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+
+    def _all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        return all_reduce(tensor, op, self.world_size, self.device)
+
+    def _broadcast(self, obj: Any, src: int) -> Any:
+        return broadcast_object(obj, src, self.rank)
+
+    def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return all_gather(tensor, self.world_size, self.device)
+
+    def _all_gather_object(self, obj: Any) -> list[Any]:
+        return all_gather_object(obj, self.world_size)
+
+    def barrier(self) -> None:
+        dist.barrier()
 
 
 def destroy_process_group() -> None:

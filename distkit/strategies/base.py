@@ -108,7 +108,11 @@ class Strategy(ABC):
         """Initialise the backend once; later calls do nothing."""
         if self._topology is None:
             self._topology = self._setup_environment()
-            self._precision = Precision(self.options.precision, self._topology.device)
+            self._precision = Precision(self._precision_name(), self._topology.device)
+
+    def _precision_name(self) -> str:
+        """The precision the default autocast/GradScaler hooks run in (default: the trainer's)."""
+        return self.options.precision
 
     def teardown(self) -> None:
         """Release what :meth:`setup_environment` acquired (default: nothing)."""

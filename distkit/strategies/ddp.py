@@ -14,12 +14,11 @@ from distkit._env import LaunchEnv
 from distkit.errors import ConfigurationError
 from distkit.strategies import _torch_dist
 from distkit.strategies.base import Strategy, Topology
-from distkit.syncbn import convert_to_global_batchnorm
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)
 
 
-class DDPStrategy(Strategy):
+class DDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
     """One process per device, gradients averaged by DDP during ``backward``.
 
     Runs unchanged under ``torchrun``, ``python -m torch.distributed.launch`` and plain ``python``
@@ -73,20 +72,16 @@ class DDPStrategy(Strategy):
     ) -> tuple[nn.Module, torch.optim.Optimizer]:
         if self.world_size == 1:
             return model, optimizer  # nothing to synchronise; DDP's reducer would be pure cost
-        device_ids = [self.device.index] if self.device.type == "cuda" else None
-        wrapped = DistributedDataParallel(
+        wrapped = _torch_dist.wrap_ddp(
             model,
-            device_ids=device_ids,
+            self.device,
             find_unused_parameters=self.options.find_unused_parameters,
             **self._ddp_kwargs,
         )
         return wrapped, optimizer
 
     def convert_sync_batchnorm(self, model: nn.Module) -> nn.Module:
-        if self.device.type == "cuda":
-            return nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        # torch's SyncBatchNorm refuses CPU tensors; this one all-reduces through gloo
-        return convert_to_global_batchnorm(model, _torch_dist.differentiable_all_reduce_sum)
+        return _torch_dist.convert_sync_batchnorm(model, self.device)
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
         if isinstance(model, DistributedDataParallel):
@@ -95,18 +90,3 @@ class DDPStrategy(Strategy):
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, DistributedDataParallel) else model
-
-    def _all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
-        return _torch_dist.all_reduce(tensor, op, self.world_size, self.device)
-
-    def _broadcast(self, obj: Any, src: int) -> Any:
-        return _torch_dist.broadcast_object(obj, src, self.rank)
-
-    def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        return _torch_dist.all_gather(tensor, self.world_size, self.device)
-
-    def _all_gather_object(self, obj: Any) -> list[Any]:
-        return _torch_dist.all_gather_object(obj, self.world_size)
-
-    def barrier(self) -> None:
-        torch.distributed.barrier()
