@@ -43,6 +43,7 @@ class MicroBatch:
     last_in_step: bool  # gradients are synchronised after this one
     count: int  # real samples on this rank (0 for a placeholder)
     weight: float  # multiply the batch-mean loss by this before backward
+    samples: int  # samples in this global micro-batch, over all ranks
 
 
 class GlobalBatchPlan:
@@ -74,23 +75,30 @@ class GlobalBatchPlan:
         self.shuffle = shuffle
         self.seed = seed
         self.drop_last = drop_last
-        global_batch = world_size * batch_size
-        full, rest = divmod(num_samples, global_batch)
-        self._sizes = [global_batch] * full + ([rest] if rest and not drop_last else [])
-        if not self._sizes:
+        self.global_batch = world_size * batch_size
+        if not self._sizes(0):
             raise ConfigurationError(
                 f"drop_last=True leaves no batch: {num_samples} samples, global batch "
-                f"{global_batch} ({world_size} processes x batch_size {batch_size}). Lower "
+                f"{self.global_batch} ({world_size} processes x batch_size {batch_size}). Lower "
                 "batch_size or set drop_last=False."
             )
 
+    def _sizes(self, start: int) -> list[int]:
+        """Global batch sizes for the samples of the epoch from position ``start`` on."""
+        full, rest = divmod(self.num_samples - start, self.global_batch)
+        return [self.global_batch] * full + ([rest] if rest and not self.drop_last else [])
+
     def __len__(self) -> int:
-        """Micro-batches per epoch (the same on every rank)."""
-        return len(self._sizes)
+        """Micro-batches in a whole epoch (the same on every rank)."""
+        return len(self._sizes(0))
+
+    def remaining(self, start: int) -> int:
+        """Micro-batches left in an epoch resumed at sample position ``start``."""
+        return len(self._sizes(start))
 
     @property
     def steps_per_epoch(self) -> int:
-        return math.ceil(len(self._sizes) / self.grad_accum_steps)
+        return math.ceil(len(self) / self.grad_accum_steps)
 
     def order(self, epoch: int) -> torch.Tensor:
         """The epoch's permutation of sample indices (identical on every rank)."""
@@ -99,21 +107,21 @@ class GlobalBatchPlan:
         generator = torch.Generator().manual_seed(self.seed + epoch)
         return torch.randperm(self.num_samples, generator=generator)
 
-    def local_batches(self, epoch: int) -> Iterator[list[int]]:
-        """This rank's sample indices, one list per micro-batch."""
+    def local_batches(self, epoch: int, start: int = 0) -> Iterator[list[int]]:
+        """This rank's sample indices, one list per micro-batch, from position ``start``."""
         order = self.order(epoch).tolist()
-        start = 0
-        for size in self._sizes:
+        for size in self._sizes(start):
             chunk = order[start : start + size]
             start += size
             mine = chunk[self.rank :: self.world_size]
             yield mine if mine else chunk[:1]
 
-    def micro_batches(self) -> Iterator[MicroBatch]:
-        """Per micro-batch weights and boundaries (they do not depend on the epoch)."""
+    def micro_batches(self, start: int = 0) -> Iterator[MicroBatch]:
+        """Weights and boundaries of the micro-batches from position ``start`` on."""
+        sizes = self._sizes(start)
         accum = self.grad_accum_steps
-        for first in range(0, len(self._sizes), accum):
-            group = self._sizes[first : first + accum]
+        for first in range(0, len(sizes), accum):
+            group = sizes[first : first + accum]
             step_samples = sum(group)
             for i, size in enumerate(group):
                 count = len(range(self.rank, size, self.world_size))
@@ -122,6 +130,7 @@ class GlobalBatchPlan:
                     last_in_step=i == len(group) - 1,
                     count=count,
                     weight=self.world_size * count / step_samples,
+                    samples=size,
                 )
 
 
@@ -134,15 +143,18 @@ class PlanBatchSampler(Sampler[list[int]]):
     def __init__(self, plan: GlobalBatchPlan) -> None:
         self.plan = plan
         self.epoch = 0
+        self.start = 0
 
-    def set_epoch(self, epoch: int) -> None:
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """Select the epoch (its permutation) and the sample position to begin at."""
         self.epoch = epoch
+        self.start = start
 
     def __iter__(self) -> Iterator[list[int]]:
-        return self.plan.local_batches(self.epoch)
+        return self.plan.local_batches(self.epoch, self.start)
 
     def __len__(self) -> int:
-        return len(self.plan)
+        return self.plan.remaining(self.start)
 
 
 class ShardSampler(Sampler[int]):
@@ -190,9 +202,9 @@ class LoaderSpec:
                 f"or a DataLoader, got {type(data).__name__}"
             )
         _require_sized(data, what)
+        # workers are not persistent: each epoch seeds them afresh (see reseed_workers), so a
+        # resumed run draws the same augmentations as an uninterrupted one
         kwargs = {"num_workers": num_workers, "pin_memory": pin_memory}
-        if num_workers > 0:
-            kwargs["persistent_workers"] = True
         return cls(data, batch_size, shuffle, False, kwargs)
 
     @classmethod
@@ -256,6 +268,12 @@ class LoaderSpec:
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
+
+
+def reseed_workers(loader: DataLoader[Any], seed: int) -> None:
+    """Make the next iteration's DataLoader worker seeds a function of ``seed`` alone."""
+    if loader.generator is not None:
+        loader.generator.manual_seed(seed)
 
 
 class _WorkerSeeder:

@@ -70,3 +70,14 @@ def resolve_strategy_class(name: str) -> type[Strategy]:
     module_name, class_name = target.split(":")
     cls: type[Strategy] = getattr(importlib.import_module(module_name), class_name)
     return cls
+
+
+def make_strategy(strategy: str | Strategy) -> Strategy:
+    """A strategy instance from a name (``"auto"`` follows the launcher) or an instance."""
+    from distkit.strategies.base import Strategy
+
+    if isinstance(strategy, Strategy):
+        return strategy
+    if isinstance(strategy, str) and strategy.strip().lower() == "auto":
+        strategy = auto_strategy_name(LaunchEnv.detect())
+    return resolve_strategy_class(strategy)()

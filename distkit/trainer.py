@@ -1,35 +1,36 @@
-"""The training loop every strategy shares. It talks to strategy hooks only."""
+"""The trainer every strategy shares. It talks to strategy hooks only."""
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import random
-import sys
+import os
 import weakref
-from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from distkit._env import LaunchEnv
-from distkit.batch import batch_size_of, split_batch, to_device
+from distkit import _resume
+from distkit import checkpoint as ckpt
+from distkit._checks import (
+    check_choice,
+    check_fit_args,
+    check_ints,
+    seed_generators,
+    step_scheduler,
+)
+from distkit._evaluation import LossFn, Metrics, evaluate_shard, named_metrics
+from distkit._faults import fail_fast
+from distkit._loop import NONFINITE_POLICIES, FitState, StepFn, TrainLoop
+from distkit._setups import SetupCache
 from distkit.data import GlobalBatchPlan, LoaderSpec
 from distkit.errors import ConfigurationError
-from distkit.metrics import Metric
 from distkit.precision import normalize_precision
-from distkit.registry import auto_strategy_name, resolve_strategy_class
+from distkit.registry import make_strategy
 from distkit.strategies.base import Strategy, TrainOptions
 
-log = logging.getLogger("distkit")
-
-LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
-StepFn = Callable[[nn.Module, Any], torch.Tensor]
-Metrics = Mapping[str, Metric] | Sequence[Metric]
 SCHEDULER_INTERVALS = ("epoch", "step")
 
 
@@ -38,11 +39,22 @@ class FitResult:
     """What :meth:`Trainer.fit` returns.
 
     Attributes:
-        history: one dict per epoch, ``{"epoch", "train_loss", "val_loss", "val_<metric>"...}``,
-            identical on every rank.
+        history: one dict per epoch, ``{"epoch", "train_loss", "skipped_steps", "val_loss",
+            "val_<metric>"...}``, identical on every rank.
     """
 
     history: list[dict[str, float]] = field(default_factory=list)
+
+
+@dataclass
+class _Run:
+    """The objects of the latest ``fit``, for save_checkpoint / load_checkpoint."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer  # the user's
+    wrapped: nn.Module
+    scheduler: Any
+    state: FitState
 
 
 class Trainer:
@@ -51,7 +63,7 @@ class Trainer:
     Args:
         strategy: ``"auto"``, a registered name (``"ddp"``, ``"dp"``, ``"horovod"``, ``"apex"``)
             or a :class:`~distkit.Strategy` instance. ``"auto"`` follows the launcher.
-        max_epochs: epochs :meth:`fit` runs.
+        max_epochs: epochs :meth:`fit` trains (in total, counting resumed ones).
         batch_size: samples per process per micro-batch (a DataLoader's own batch size wins).
             N processes with ``batch_size=b`` train like one process with ``N * b``.
         precision: ``"32"``, ``"bf16"`` or ``"fp16"`` (autocast; fp16 adds a GradScaler).
@@ -63,9 +75,17 @@ class Trainer:
         sync_batchnorm: BatchNorm statistics over the global batch (works on CPU too).
         find_unused_parameters: for models whose forward skips some parameters (DDP).
         num_workers: DataLoader worker processes per rank (for a Dataset).
-        progress: a progress bar and an epoch summary line, on rank 0 only.
+        progress: a progress bar (on a terminal) and an epoch summary line, on rank 0 only.
         drop_last: drop a last global batch smaller than ``world_size * batch_size``.
         scheduler_interval: step the LR scheduler every ``"epoch"`` or every optimizer ``"step"``.
+        max_steps: stop after this many optimizer steps in total (``None``: no limit).
+        checkpoint_dir: save checkpoints here (a folder every rank can read).
+        checkpoint_every: ``"epoch"``, or a number of optimizer steps.
+        keep_last: checkpoints to keep in ``checkpoint_dir``.
+        resume: ``"auto"`` (latest checkpoint in ``checkpoint_dir`` if any), a path, or None.
+        nonfinite: a NaN/inf loss ``"raise"``s (naming step and rank) or, with ``"skip"``, the
+            step is skipped on every rank; either way skips are counted in the history.
+        fault_timeout: seconds within which every rank stops after one fails (None: off).
     """
 
     def __init__(
@@ -84,20 +104,25 @@ class Trainer:
         progress: bool = True,
         drop_last: bool = False,
         scheduler_interval: str = "epoch",
+        max_steps: int | None = None,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        checkpoint_every: int | str = "epoch",
+        keep_last: int = 3,
+        resume: str | os.PathLike[str] | None = None,
+        nonfinite: str = "raise",
+        fault_timeout: float | None = 10.0,
     ) -> None:
-        for name, value, low in (
-            ("max_epochs", max_epochs, 0),
-            ("batch_size", batch_size, 1),
-            ("grad_accum_steps", grad_accum_steps, 1),
-            ("num_workers", num_workers, 0),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigurationError(f"{name} must be an integer >= {low}, got {value!r}")
-        if scheduler_interval not in SCHEDULER_INTERVALS:
-            raise ConfigurationError(
-                f"scheduler_interval={scheduler_interval!r}; allowed: "
-                f"{', '.join(SCHEDULER_INTERVALS)}"
-            )
+        check_ints(max_epochs=(max_epochs, 0), batch_size=(batch_size, 1),
+                    grad_accum_steps=(grad_accum_steps, 1), num_workers=(num_workers, 0),
+                    keep_last=(keep_last, 1))  # fmt: skip
+        check_choice("scheduler_interval", scheduler_interval, SCHEDULER_INTERVALS)
+        check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
+        if max_steps is not None:
+            check_ints(max_steps=(max_steps, 1))
+        if checkpoint_every != "epoch":
+            check_ints(checkpoint_every=(checkpoint_every, 1))
+        if str(resume) == "auto" and checkpoint_dir is None:
+            raise ConfigurationError("resume='auto' needs checkpoint_dir=... to look in")
         self.max_epochs = max_epochs
         self.batch_size = batch_size
         self.seed = seed
@@ -107,7 +132,15 @@ class Trainer:
         self.drop_last = drop_last
         self.scheduler_interval = scheduler_interval
         self.grad_accum_steps = grad_accum_steps
-        self.strategy = _make_strategy(strategy)
+        self.max_steps = max_steps
+        self.nonfinite = nonfinite
+        self.checkpoint_every = checkpoint_every
+        self.resume = resume
+        self.fault_timeout = fault_timeout
+        self.checkpoints = (
+            None if checkpoint_dir is None else ckpt.CheckpointFolder(checkpoint_dir, keep_last)
+        )
+        self.strategy = make_strategy(strategy)
         self.strategy.connect(
             TrainOptions(
                 precision=normalize_precision(precision),
@@ -118,12 +151,9 @@ class Trainer:
         )
         self.strategy.setup_environment()
         self._finalizer = weakref.finalize(self, self.strategy.teardown)
-        # set-up hooks into parameters (DDP's reducer, Horovod's allreduce hooks): it happens
-        # once per model, and once per optimizer
-        self._models: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
-        self._optimizers: weakref.WeakKeyDictionary[
-            torch.optim.Optimizer, torch.optim.Optimizer
-        ] = weakref.WeakKeyDictionary()
+        self._setups = SetupCache(self.strategy)
+        self._run: _Run | None = None
+        self._pending: dict[str, Any] | None = None  # a loaded checkpoint for the next fit
         if self.strategy.device.type == "cuda":
             torch.backends.cudnn.benchmark = True
 
@@ -166,7 +196,7 @@ class Trainer:
         scheduler: Any = None,
         step_fn: StepFn | None = None,
     ) -> FitResult:
-        """Train ``model`` in place for ``max_epochs``; returns the per-epoch history.
+        """Train ``model`` in place up to ``max_epochs``; returns the per-epoch history.
 
         Args:
             model: the user's module; it holds the trained weights afterwards.
@@ -178,248 +208,144 @@ class Trainer:
             scheduler: an LR scheduler, stepped per ``scheduler_interval``.
             step_fn: ``step_fn(model, batch)`` -> loss, for batches of any other layout.
         """
-        _check_fit_args(model, optimizer, loss_fn, step_fn)
+        check_fit_args(model, optimizer, loss_fn, step_fn)
         strategy = self.strategy
         spec = self._loader_spec(train_data, "train_data", shuffle=self.shuffle)
         plan = GlobalBatchPlan(
-            len(spec),
-            batch_size=spec.batch_size,
-            world_size=strategy.world_size,
-            rank=strategy.rank,
-            grad_accum_steps=self.grad_accum_steps,
-            shuffle=spec.shuffle,
-            seed=self.seed,
-            drop_last=spec.drop_last or self.drop_last,
-        )
+            len(spec), batch_size=spec.batch_size, world_size=strategy.world_size,
+            rank=strategy.rank, grad_accum_steps=self.grad_accum_steps, shuffle=spec.shuffle,
+            seed=self.seed, drop_last=spec.drop_last or self.drop_last,
+        )  # fmt: skip
         loader, sampler = spec.train_loader(plan, seed=self.seed + strategy.rank)
-        wrapped, optimizer = self._setup(model, optimizer)
-        _seed_generators(self.seed + strategy.rank)
-        result = FitResult()
-        for epoch in range(self.max_epochs):
-            sampler.set_epoch(epoch)
-            record: dict[str, float] = {"epoch": epoch}
-            record["train_loss"] = self._train_epoch(
-                wrapped, optimizer, loader, plan, epoch, loss_fn, step_fn, scheduler
-            )
+        payload = self._pending or _resume.find_resume_payload(
+            self.resume, self.checkpoints, strategy.device
+        )
+        self._pending = None
+        if payload is not None:
+            _resume.load_weights(payload, model, optimizer)
+        wrapped, dist_optimizer = self._setups.setup(model, optimizer)
+        if payload is not None:
+            state = _resume.restore_run(payload, strategy, scheduler, self.seed)
+        else:
+            state = FitState()
+            seed_generators(self.seed + strategy.rank)
+        self._run = _Run(model, optimizer, wrapped, scheduler, state)
+        loop = TrainLoop(
+            strategy, wrapped, dist_optimizer, loader, sampler, plan, loss_fn, step_fn,
+            scheduler, self.scheduler_interval == "step", self.nonfinite, self.seed,
+            self.progress, self.max_epochs,
+        )  # fmt: skip
+        with fail_fast(strategy, self.fault_timeout):
+            self._fit_epochs(loop, state, model, val_data, loss_fn, metrics)
+        return FitResult(history=[dict(record) for record in state.history])
+
+    def _fit_epochs(
+        self, loop: TrainLoop, state: FitState, model: nn.Module, val_data: Any,
+        loss_fn: LossFn | None, metrics: Metrics | None,
+    ) -> None:  # fmt: skip
+        while state.epoch < self.max_epochs and not self._steps_done(state):
+            if loop.run_epoch(state, self._after_step):
+                return  # max_steps reached inside the epoch
+            record = loop.epoch_record(state)
             if val_data is not None:
                 scores = self.evaluate(model, val_data, loss_fn=loss_fn, metrics=metrics)
                 record.update({f"val_{key}": value for key, value in scores.items()})
-            if scheduler is not None and self.scheduler_interval == "epoch":
-                _step_scheduler(scheduler, record)
-            result.history.append(record)
+            if loop.scheduler is not None and self.scheduler_interval == "epoch":
+                step_scheduler(loop.scheduler, record)
+            state.history.append(record)
+            state.epoch, state.position, state.loss_sum, state.samples = state.epoch + 1, 0, 0.0, 0
+            state.skipped_steps = 0
             self._report(record)
-        return result
+            if self.checkpoints is not None and self.checkpoint_every == "epoch":
+                self._save_to_folder()
 
-    def _setup(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer
-    ) -> tuple[nn.Module, torch.optim.Optimizer]:
-        wrapped = self._models.get(model)
-        if wrapped is None:
-            wrapped, strategy_optimizer = self.strategy.setup(model, optimizer)
-            self._models[model] = wrapped
-            self._optimizers[optimizer] = strategy_optimizer
-        elif optimizer not in self._optimizers:
-            self._optimizers[optimizer] = self.strategy.setup_optimizer(wrapped, optimizer)
-        return wrapped, self._optimizers[optimizer]
+    def _after_step(self, state: FitState) -> bool:
+        every = self.checkpoint_every
+        if (
+            self.checkpoints is not None
+            and every != "epoch"
+            and state.global_step % int(every) == 0
+        ):
+            self._save_to_folder()
+        return self._steps_done(state)
 
-    def _train_epoch(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        loader: Any,
-        plan: GlobalBatchPlan,
-        epoch: int,
-        loss_fn: LossFn | None,
-        step_fn: StepFn | None,
-        scheduler: Any,
-    ) -> float:
-        strategy = self.strategy
-        model.train()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=strategy.device)
-        samples = 0
-        bar = tqdm(
-            total=len(plan),
-            desc=f"epoch {epoch + 1}/{self.max_epochs}",
-            # a bar only where a person watches: piped output (CI, horovodrun) gets epoch lines
-            disable=not (self.progress and strategy.is_main and sys.stderr.isatty()),
-            leave=False,
-            dynamic_ncols=True,
+    def _steps_done(self, state: FitState) -> bool:
+        return self.max_steps is not None and state.global_step >= self.max_steps
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(
+        self, path: str | os.PathLike[str], extra: dict[str, Any] | None = None
+    ) -> None:
+        """Save the latest ``fit``'s run to ``path`` (atomically, by rank 0).
+
+        Call it on every rank: each rank's RNG state is gathered into the file. ``extra`` holds
+        your own tensors/numbers/strings (no arbitrary objects: the file loads weights-only).
+        """
+        payload = self._payload(extra)
+        if payload is not None:
+            ckpt.atomic_save(payload, Path(path))
+        self.strategy.barrier()
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, Any]:
+        """Load a checkpoint onto this rank's device; the next ``fit`` continues from it.
+
+        Model and optimizer states go into the latest ``fit``'s objects at once, if there are
+        any. Returns ``{"producer", "progress", "extra"}`` from the file.
+        """
+        payload = ckpt.load(path, map_location=self.strategy.device)
+        if self._run is not None:
+            _resume.load_weights(payload, self._run.model, self._run.optimizer)
+        self._pending = payload
+        return {key: payload.get(key) for key in ("producer", "progress", "extra")}
+
+    def _payload(self, extra: dict[str, Any] | None) -> dict[str, Any] | None:
+        if self._run is None:
+            raise ConfigurationError("save_checkpoint needs a model: call fit(...) first")
+        run = self._run
+        return _resume.build_payload(
+            self.strategy, run.wrapped, run.optimizer, run.scheduler, run.state, extra
         )
-        with bar:
-            for batch, micro in zip(loader, plan.micro_batches(), strict=True):
-                batch = to_device(batch, strategy.device)
-                sync = contextlib.nullcontext() if micro.last_in_step else strategy.no_sync(model)
-                with sync:
-                    with strategy.autocast():
-                        loss = _compute_loss(model, batch, loss_fn, step_fn)
-                    loss = strategy.reduce_loss(loss, batch_size_of(batch))
-                    strategy.backward(loss * micro.weight, optimizer)
-                loss_sum += loss.detach().double() * micro.count
-                samples += micro.count
-                if micro.last_in_step:
-                    strategy.optimizer_step(optimizer)
-                    optimizer.zero_grad()  # set_to_none (Horovod's takes no argument)
-                    if scheduler is not None and self.scheduler_interval == "step":
-                        scheduler.step()
-                bar.update()
-        totals = strategy.all_reduce(
-            torch.stack(
-                [loss_sum, torch.tensor(samples, dtype=torch.float64, device=loss_sum.device)]
-            ),
-            op="sum",
-        )
-        return (totals[0] / totals[1]).item()
+
+    def _save_to_folder(self) -> None:
+        assert self.checkpoints is not None and self._run is not None
+        payload = self._payload(None)
+        if payload is not None:
+            self.checkpoints.save(payload, self._run.state.global_step)
 
     # ------------------------------------------------------------------ evaluate
     def evaluate(
-        self,
-        model: nn.Module,
-        data: Any,
-        loss_fn: LossFn | None = None,
+        self, model: nn.Module, data: Any, loss_fn: LossFn | None = None,
         metrics: Metrics | None = None,
-    ) -> dict[str, float]:
+    ) -> dict[str, float]:  # fmt: skip
         """Loss and metrics over ``data``, each sample counted exactly once over all ranks.
 
         Returns the same dict on every rank: ``{"loss": ..., <metric name>: ...}``.
         """
-        named = _named_metrics(metrics)
+        named = named_metrics(metrics)
         if loss_fn is None and not named:
             raise ConfigurationError("evaluate needs a loss_fn, metrics, or both")
         strategy = self.strategy
-        spec = self._loader_spec(data, "val_data", shuffle=False)
-        loader = spec.eval_loader(
+        loader = self._loader_spec(data, "val_data", shuffle=False).eval_loader(
             world_size=strategy.world_size, rank=strategy.rank, seed=self.seed + strategy.rank
         )
-        wrapped = self._models.get(model)
-        if wrapped is None:
-            wrapped = model.to(strategy.device)
-        module = strategy.eval_model(wrapped)
-        for metric in named.values():
-            metric.reset()
-        loss_sum = torch.zeros(1, dtype=torch.float64, device=strategy.device)
-        count = torch.zeros(1, dtype=torch.float64, device=strategy.device)
-        was_training = module.training
-        module.eval()
-        try:
-            with torch.no_grad():
-                for batch in loader:
-                    inputs, target = split_batch(to_device(batch, strategy.device))
-                    with strategy.autocast():
-                        output = module(inputs)
-                        if loss_fn is not None:
-                            loss = loss_fn(output, target)
-                    size = batch_size_of(target)
-                    if loss_fn is not None:
-                        loss_sum += strategy.reduce_loss(loss, size).double() * size
-                    count += size
-                    for metric in named.values():
-                        metric.update(output, target)
-        finally:
-            module.train(was_training)
-        states = [metric.state(strategy.device) for metric in named.values()]
-        packed = torch.cat([loss_sum, count, *(s.reshape(-1) for s in states)])
-        packed = strategy.all_reduce(packed, op="sum")
-        scores: dict[str, float] = {}
-        if loss_fn is not None:
-            scores["loss"] = (packed[0] / packed[1]).item() if packed[1] else float("nan")
-        offset = 2
-        for (name, metric), state in zip(named.items(), states, strict=True):
-            total = packed[offset : offset + state.numel()].reshape(state.shape)
-            offset += state.numel()
-            value = metric.compute(total)
-            if isinstance(value, dict):
-                scores.update({(k if k == name else f"{name}_{k}"): v for k, v in value.items()})
-            else:
-                scores[name] = value
-        return scores
+        wrapped = self._setups.wrapped(model)
+        return evaluate_shard(strategy, strategy.eval_model(wrapped), loader, loss_fn, named)
 
     # ------------------------------------------------------------------ helpers
     def _loader_spec(self, data: Any, what: str, *, shuffle: bool) -> LoaderSpec:
         return LoaderSpec.from_data(
-            data,
-            batch_size=self.batch_size,
-            shuffle=shuffle,
-            num_workers=self.num_workers,
-            pin_memory=self.strategy.device.type == "cuda",
-            what=what,
-        )
+            data, batch_size=self.batch_size, shuffle=shuffle, num_workers=self.num_workers,
+            pin_memory=self.strategy.device.type == "cuda", what=what,
+        )  # fmt: skip
 
     def _report(self, record: dict[str, float]) -> None:
         if not (self.progress and self.is_main):
             return
         parts = [f"epoch {int(record['epoch']) + 1}/{self.max_epochs}"]
-        parts += [f"{k}={v:.4f}" for k, v in record.items() if k != "epoch"]
+        parts += [f"{k}={v:.4f}" for k, v in record.items() if k not in ("epoch", "skipped_steps")]
+        if record.get("skipped_steps"):
+            parts.append(f"skipped_steps={int(record['skipped_steps'])} (non-finite gradients)")
         tqdm.write(" ".join(parts))
 
     def __repr__(self) -> str:
         return f"Trainer(strategy={self.strategy!r}, max_epochs={self.max_epochs})"
-
-
-def _make_strategy(strategy: str | Strategy) -> Strategy:
-    if isinstance(strategy, Strategy):
-        return strategy
-    if isinstance(strategy, str) and strategy.strip().lower() == "auto":
-        strategy = auto_strategy_name(LaunchEnv.detect())
-    return resolve_strategy_class(strategy)()
-
-
-def _check_fit_args(model: object, optimizer: object, loss_fn: object, step_fn: object) -> None:
-    if not isinstance(model, nn.Module):
-        raise ConfigurationError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ConfigurationError(
-            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
-        )
-    if loss_fn is None and step_fn is None:
-        raise ConfigurationError(
-            "fit needs loss_fn (called as loss_fn(model(inputs), target)) or step_fn "
-            "(called as step_fn(model, batch) and returning the loss)"
-        )
-    owned = {id(p) for p in model.parameters()}
-    foreign = sum(
-        1 for group in optimizer.param_groups for p in group["params"] if id(p) not in owned
-    )
-    if foreign:
-        raise ConfigurationError(
-            f"the optimizer holds {foreign} tensor(s) that are not parameters of the model; "
-            "build it from this model: optimizer = SGD(model.parameters(), ...)"
-        )
-
-
-def _compute_loss(
-    model: nn.Module, batch: Any, loss_fn: LossFn | None, step_fn: StepFn | None
-) -> torch.Tensor:
-    if step_fn is not None:
-        return step_fn(model, batch)
-    assert loss_fn is not None
-    inputs, target = split_batch(batch)
-    return loss_fn(model(inputs), target)
-
-
-def _named_metrics(metrics: Metrics | None) -> dict[str, Metric]:
-    if metrics is None:
-        return {}
-    if isinstance(metrics, Mapping):
-        items = list(metrics.items())
-    else:
-        items = [(type(m).__name__.lower(), m) for m in metrics]
-    for name, metric in items:
-        if not isinstance(metric, Metric):
-            raise ConfigurationError(
-                f"metric {name!r} is a {type(metric).__name__}, not a distkit.metrics.Metric; "
-                "use distkit.metrics.Accuracy(), MeanIoU(num_classes), or subclass Metric"
-            )
-    return dict(items)
-
-
-def _seed_generators(seed: int) -> None:
-    torch.manual_seed(seed)
-    np.random.seed(seed % 2**32)
-    random.seed(seed)
-
-
-def _step_scheduler(scheduler: Any, record: Mapping[str, float]) -> None:
-    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-        scheduler.step(record.get("val_loss", record["train_loss"]))
-    else:
-        scheduler.step()

@@ -20,6 +20,8 @@ from distkit.errors import ConfigurationError, LauncherMismatchError
 from distkit.strategies.base import Topology
 from distkit.syncbn import convert_to_global_batchnorm
 
+_FAILURE_KEY = "distkit/failure"
+
 
 def init_process_group(
     env: LaunchEnv, *, backend: str | None, timeout: timedelta, strategy: str
@@ -127,6 +129,15 @@ class TorchDistributedCollectives:
 
     def barrier(self) -> None:
         dist.barrier()
+
+    def announce_failure(self, message: str) -> None:
+        dist.distributed_c10d._get_default_store().set(_FAILURE_KEY, message)
+
+    def peer_failure(self) -> str | None:
+        store = dist.distributed_c10d._get_default_store()
+        if store.check([_FAILURE_KEY]):
+            return bytes(store.get(_FAILURE_KEY)).decode()
+        return None
 
 
 def destroy_process_group() -> None:

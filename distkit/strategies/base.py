@@ -197,6 +197,13 @@ class Strategy(ABC):
         """Step; returns ``False`` when the step was skipped (fp16 overflow)."""
         return self.precision.step(optimizer)
 
+    def gradients_finite(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether the synchronised gradients of this step are all finite (same on every rank)."""
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        if not grads:
+            return True
+        return bool(torch.stack([g.isfinite().all() for g in grads]).all())
+
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
         """Context in which ``backward`` accumulates locally without communicating."""
         return contextlib.nullcontext()
@@ -221,6 +228,13 @@ class Strategy(ABC):
     def sampler_kwargs(self) -> dict[str, int]:
         """``num_replicas`` and ``rank`` for a ``DistributedSampler``."""
         return {"num_replicas": self.world_size, "rank": self.rank}
+
+    def announce_failure(self, message: str) -> None:  # noqa: B027 (an optional hook)
+        """Tell the other ranks this one failed (default: the launcher will notice the exit)."""
+
+    def peer_failure(self) -> str | None:
+        """A failure notice another rank left, if any (polled by a watchdog during fit)."""
+        return None
 
     def state_dict(self) -> dict[str, Any]:
         """Backend state to checkpoint beside the model (default: the precision's scaler)."""

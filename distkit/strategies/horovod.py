@@ -48,6 +48,7 @@ class HorovodStrategy(Strategy):
         self.compression = compression
         self.op = op
         self._hvd_module: ModuleType | None = None
+        self._synchronized = False  # gradients already all-reduced for the coming step
 
     @property
     def _hvd(self) -> Any:
@@ -115,12 +116,23 @@ class HorovodStrategy(Strategy):
             "process for the new optimizer."
         )
 
+    def gradients_finite(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+        # Horovod averages in step(): synchronise now so every rank checks the same gradients
+        optimizer.synchronize()  # type: ignore[attr-defined]
+        finite = super().gradients_finite(model, optimizer)
+        self._synchronized = finite  # a skipped step: the next one synchronises afresh
+        if not finite:
+            optimizer._synchronized = False  # type: ignore[attr-defined]
+        return finite
+
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
-        if self.precision.scaler is None:
+        if self.precision.scaler is None and not self._synchronized:
             return super().optimizer_step(optimizer)
         # The scaler must see averaged gradients: all-reduce first, then step without a
         # second synchronisation (Horovod's documented GradScaler sequence).
-        optimizer.synchronize()  # type: ignore[attr-defined]
+        if not self._synchronized:
+            optimizer.synchronize()  # type: ignore[attr-defined]
+        self._synchronized = False
         with optimizer.skip_synchronize():  # type: ignore[attr-defined]
             return self.precision.step(optimizer)
 

@@ -1,0 +1,83 @@
+"""Evaluation over a rank's shard, reduced so that every sample counts exactly once."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from distkit.batch import batch_size_of, split_batch, to_device
+from distkit.errors import ConfigurationError
+from distkit.metrics import Metric
+from distkit.strategies.base import Strategy
+
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+Metrics = Mapping[str, Metric] | Sequence[Metric]
+
+
+def named_metrics(metrics: Metrics | None) -> dict[str, Metric]:
+    """``{name: metric}`` from a mapping or a list (named after the class), validated."""
+    if metrics is None:
+        return {}
+    if isinstance(metrics, Mapping):
+        items = list(metrics.items())
+    else:
+        items = [(type(m).__name__.lower(), m) for m in metrics]
+    for name, metric in items:
+        if not isinstance(metric, Metric):
+            raise ConfigurationError(
+                f"metric {name!r} is a {type(metric).__name__}, not a distkit.metrics.Metric; "
+                "use distkit.metrics.Accuracy(), MeanIoU(num_classes), or subclass Metric"
+            )
+    return dict(items)
+
+
+def evaluate_shard(
+    strategy: Strategy,
+    module: nn.Module,
+    loader: Any,
+    loss_fn: LossFn | None,
+    metrics: dict[str, Metric],
+) -> dict[str, float]:
+    """Loss and metrics over this rank's shard, summed over ranks (one all-reduce)."""
+    for metric in metrics.values():
+        metric.reset()
+    device = strategy.device
+    loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
+    count = torch.zeros(1, dtype=torch.float64, device=device)
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            for batch in loader:
+                inputs, target = split_batch(to_device(batch, device))
+                with strategy.autocast():
+                    output = module(inputs)
+                    loss = loss_fn(output, target) if loss_fn is not None else None
+                size = batch_size_of(target)
+                if loss is not None:
+                    loss_sum += strategy.reduce_loss(loss, size).double() * size
+                count += size
+                for metric in metrics.values():
+                    metric.update(output, target)
+    finally:
+        module.train(was_training)
+    states = [metric.state(device) for metric in metrics.values()]
+    packed = strategy.all_reduce(
+        torch.cat([loss_sum, count, *(s.reshape(-1) for s in states)]), op="sum"
+    )
+    scores: dict[str, float] = {}
+    if loss_fn is not None:
+        scores["loss"] = (packed[0] / packed[1]).item() if packed[1] else float("nan")
+    offset = 2
+    for (name, metric), state in zip(metrics.items(), states, strict=True):
+        total = packed[offset : offset + state.numel()].reshape(state.shape)
+        offset += state.numel()
+        value = metric.compute(total)
+        if isinstance(value, dict):
+            scores.update({(k if k == name else f"{name}_{k}"): v for k, v in value.items()})
+        else:
+            scores[name] = value
+    return scores

@@ -1,0 +1,146 @@
+"""One epoch of training: micro-batches, accumulation, optimizer steps. Strategy hooks only."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from distkit.batch import batch_size_of, split_batch, to_device
+from distkit.data import GlobalBatchPlan, PlanBatchSampler, reseed_workers
+from distkit.errors import DistkitError
+from distkit.strategies.base import Strategy
+
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+StepFn = Callable[[nn.Module, Any], torch.Tensor]
+NONFINITE_POLICIES = ("raise", "skip")
+
+
+class NonFiniteLossError(DistkitError, FloatingPointError):
+    """A training loss was NaN or infinite (``nonfinite="raise"``)."""
+
+
+@dataclass
+class FitState:
+    """Where training stands; everything a resume needs besides model and optimizer."""
+
+    epoch: int = 0  # the epoch in progress (or the next one)
+    position: int = 0  # samples of this epoch already trained, over all ranks
+    global_step: int = 0  # optimizer steps taken (skipped ones included)
+    loss_sum: float | torch.Tensor = 0.0  # this rank's loss x samples so far in the epoch
+    samples: int = 0  # this rank's real samples so far in the epoch
+    skipped_steps: int = 0  # steps skipped this epoch (non-finite gradients or fp16 overflow)
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+@dataclass
+class TrainLoop:
+    """Everything one ``fit`` trains with; :meth:`run_epoch` trains one (partial) epoch."""
+
+    strategy: Strategy
+    model: nn.Module  # as wrapped by the strategy
+    optimizer: torch.optim.Optimizer  # as wrapped by the strategy
+    loader: Any
+    sampler: PlanBatchSampler
+    plan: GlobalBatchPlan
+    loss_fn: LossFn | None
+    step_fn: StepFn | None
+    scheduler: Any
+    step_scheduler: bool  # step the scheduler after every optimizer step
+    nonfinite: str
+    seed: int
+    progress: bool
+    max_epochs: int
+
+    def run_epoch(self, state: FitState, after_step: Callable[[FitState], bool]) -> bool:
+        """Train from ``state.position`` to the end of ``state.epoch``.
+
+        ``after_step(state)`` runs after every optimizer step; returning True stops early.
+        Returns True when stopped early.
+        """
+        strategy, model = self.strategy, self.model
+        self.sampler.set_epoch(state.epoch, state.position)
+        reseed_workers(self.loader, self.seed * 1000003 + strategy.rank * 7919 + state.epoch)
+        model.train()
+        # kept on the device: no host sync per step
+        loss_sum = torch.tensor(float(state.loss_sum), dtype=torch.float64, device=strategy.device)
+        state.loss_sum = loss_sum
+        bar = tqdm(
+            total=self.plan.remaining(state.position),
+            desc=f"epoch {state.epoch + 1}/{self.max_epochs}",
+            # a bar only where a person watches: piped output (CI, horovodrun) gets epoch lines
+            disable=not (self.progress and strategy.is_main and sys.stderr.isatty()),
+            leave=False,
+            dynamic_ncols=True,
+        )
+        micro_batches = self.plan.micro_batches(state.position)
+        stopped = False
+        with bar:
+            for batch, micro in zip(self.loader, micro_batches, strict=True):
+                batch = to_device(batch, strategy.device)
+                sync = contextlib.nullcontext() if micro.last_in_step else strategy.no_sync(model)
+                with sync:
+                    with strategy.autocast():
+                        loss = self._loss(batch)
+                    loss = strategy.reduce_loss(loss, batch_size_of(batch))
+                    if self.nonfinite == "raise" and not torch.isfinite(loss):
+                        raise NonFiniteLossError(
+                            f"non-finite training loss ({loss.item()}) on rank {strategy.rank} "
+                            f"in epoch {state.epoch}, step {state.global_step}. Lower the "
+                            "learning rate, check the data, or pass nonfinite='skip' to skip "
+                            "such steps on every rank."
+                        )
+                    strategy.backward(loss * micro.weight, self.optimizer)
+                if micro.count:
+                    loss_sum += loss.detach().double() * micro.count
+                state.samples += micro.count
+                state.position += micro.samples
+                bar.update()
+                if micro.last_in_step:
+                    self._step(state)
+                    if after_step(state):
+                        stopped = True
+                        break
+        return stopped
+
+    def epoch_record(self, state: FitState) -> dict[str, float]:
+        """The epoch's training summary, reduced over ranks (the same dict on every rank)."""
+        totals = self.strategy.all_reduce(
+            torch.tensor(
+                [float(state.loss_sum), float(state.samples), float(state.skipped_steps)],
+                dtype=torch.float64,
+            ),
+            op="sum",
+        )
+        return {
+            "epoch": state.epoch,
+            "train_loss": (totals[0] / totals[1]).item(),
+            # every rank skips the same steps
+            "skipped_steps": int(totals[2].item()) // self.strategy.world_size,
+        }
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        if self.step_fn is not None:
+            return self.step_fn(self.model, batch)
+        assert self.loss_fn is not None
+        inputs, target = split_batch(batch)
+        return self.loss_fn(self.model(inputs), target)
+
+    def _step(self, state: FitState) -> None:
+        strategy, optimizer = self.strategy, self.optimizer
+        if self.nonfinite == "skip" and not strategy.gradients_finite(self.model, optimizer):
+            stepped = False  # every rank sees the same averaged gradients: all skip together
+        else:
+            stepped = strategy.optimizer_step(optimizer)
+        optimizer.zero_grad()  # set_to_none (Horovod's zero_grad takes no argument)
+        state.global_step += 1
+        if not stepped:
+            state.skipped_steps += 1
+        elif self.step_scheduler and self.scheduler is not None:
+            self.scheduler.step()

@@ -1,0 +1,43 @@
+"""Each model and optimizer is set up once per trainer.
+
+Set-up hooks into parameters (DDP's reducer, Horovod's allreduce hooks): wrapping a model a
+second time would register them twice.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+from distkit.strategies.base import Strategy
+
+
+class SetupCache:
+    """Models and optimizers as the strategy set them up, held weakly."""
+
+    def __init__(self, strategy: Strategy) -> None:
+        self.strategy = strategy
+        self._models: weakref.WeakKeyDictionary[nn.Module, nn.Module]
+        self._models = weakref.WeakKeyDictionary()
+        self._optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, torch.optim.Optimizer]
+        self._optimizers = weakref.WeakKeyDictionary()
+
+    def setup(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """The wrapped model and the strategy's optimizer, setting them up on first use."""
+        wrapped = self._models.get(model)
+        if wrapped is None:
+            wrapped, strategy_optimizer = self.strategy.setup(model, optimizer)
+            self._models[model] = wrapped
+            self._optimizers[optimizer] = strategy_optimizer
+        elif optimizer not in self._optimizers:
+            self._optimizers[optimizer] = self.strategy.setup_optimizer(wrapped, optimizer)
+        return wrapped, self._optimizers[optimizer]
+
+    def wrapped(self, model: nn.Module) -> nn.Module:
+        """The wrapped model if it was set up, else the model moved to the strategy's device."""
+        wrapped = self._models.get(model)
+        return model.to(self.strategy.device) if wrapped is None else wrapped
