@@ -45,6 +45,9 @@ def fail_fast(strategy: Strategy, fault_timeout: float | None) -> Iterator[None]
         _die(strategy, exc)
     finally:
         stop.set()
+        # the watchdog must be out of the store before anyone can destroy the process group
+        # (a store call racing with teardown aborts the process)
+        watchdog.join()
 
 
 def _die(strategy: Strategy, exc: BaseException) -> None:

@@ -31,7 +31,10 @@ def build_payload(
     state: FitState,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any] | None:
-    """The checkpoint dict on rank 0 (``None`` elsewhere). A collective: call on every rank."""
+    """The checkpoint dict on rank 0 (``None`` elsewhere). A collective: call on every rank.
+
+    ``model`` is the user's unwrapped module.
+    """
     per_rank = strategy.all_gather_object(
         {"rng": ckpt.rng_state(), "loss_sum": float(state.loss_sum), "samples": state.samples}
     )
@@ -51,7 +54,7 @@ def build_payload(
             "horovod": _version("horovod"),
             "apex": _version("apex"),
         },
-        "model": ckpt.model_state(strategy.unwrap(model)),
+        "model": ckpt.model_state(model),
         "optimizer": optimizer.state_dict(),
         "scaler": scaler,
         "scheduler": scheduler.state_dict() if scheduler is not None else None,

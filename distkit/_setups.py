@@ -6,6 +6,7 @@ second time would register them twice.
 
 from __future__ import annotations
 
+import gc
 import weakref
 
 import torch
@@ -36,6 +37,18 @@ class SetupCache:
         elif optimizer not in self._optimizers:
             self._optimizers[optimizer] = self.strategy.setup_optimizer(wrapped, optimizer)
         return wrapped, self._optimizers[optimizer]
+
+    def shutdown(self) -> None:
+        """Drop the wrappers, collect them, then tear the strategy down (in that order).
+
+        A DDP wrapper collected after its gloo process group is destroyed (typically during
+        interpreter shutdown) aborts the process with "terminate called without an active
+        exception"; collecting it first avoids that.
+        """
+        self._models.clear()
+        self._optimizers.clear()
+        gc.collect()
+        self.strategy.teardown()
 
     def wrapped(self, model: nn.Module) -> nn.Module:
         """The wrapped model if it was set up, else the model moved to the strategy's device."""

@@ -50,9 +50,8 @@ class FitResult:
 class _Run:
     """The objects of the latest ``fit``, for save_checkpoint / load_checkpoint."""
 
-    model: nn.Module
+    model: nn.Module  # the user's, unwrapped (a wrapper is never kept beyond the set-up cache)
     optimizer: torch.optim.Optimizer  # the user's
-    wrapped: nn.Module
     scheduler: Any
     state: FitState
 
@@ -150,8 +149,8 @@ class Trainer:
             )
         )
         self.strategy.setup_environment()
-        self._finalizer = weakref.finalize(self, self.strategy.teardown)
         self._setups = SetupCache(self.strategy)
+        self._finalizer = weakref.finalize(self, self._setups.shutdown)
         self._run: _Run | None = None
         self._pending: dict[str, Any] | None = None  # a loaded checkpoint for the next fit
         if self.strategy.device.type == "cuda":
@@ -229,7 +228,7 @@ class Trainer:
         else:
             state = FitState()
             seed_generators(self.seed + strategy.rank)
-        self._run = _Run(model, optimizer, wrapped, scheduler, state)
+        self._run = _Run(model, optimizer, scheduler, state)
         loop = TrainLoop(
             strategy, wrapped, dist_optimizer, loader, sampler, plan, loss_fn, step_fn,
             scheduler, self.scheduler_interval == "step", self.nonfinite, self.seed,
@@ -303,7 +302,7 @@ class Trainer:
             raise ConfigurationError("save_checkpoint needs a model: call fit(...) first")
         run = self._run
         return _resume.build_payload(
-            self.strategy, run.wrapped, run.optimizer, run.scheduler, run.state, extra
+            self.strategy, run.model, run.optimizer, run.scheduler, run.state, extra
         )
 
     def _save_to_folder(self) -> None:

@@ -1,0 +1,1 @@
+"""FAKE ``apex.ext`` of the PyPI Pyramid toolkit ``apex``."""

@@ -1,0 +1,1 @@
+"""FAKE ``apex.lib`` of the PyPI Pyramid toolkit ``apex``."""

@@ -1,0 +1,4 @@
+# ruff: noqa: F401
+"""FAKE ``apex.lib.libapex`` of the PyPI Pyramid toolkit ``apex`` (needs pyramid; no content)."""
+
+import pyramid
