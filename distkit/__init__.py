@@ -22,13 +22,34 @@ from distkit.trainer import FitResult, Trainer
 
 __version__ = "0.1.0"
 
+# Strategy classes, imported on first use (importing distkit imports no backend module)
+_LAZY = {
+    "ApexStrategy": "distkit.strategies.apex",
+    "DDPStrategy": "distkit.strategies.ddp",
+    "DataParallelStrategy": "distkit.strategies.dp",
+    "HorovodStrategy": "distkit.strategies.horovod",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'distkit' has no attribute {name!r}")
+
+
 __all__ = [
     "Accuracy",
+    "ApexStrategy",
     "ConfigurationError",
     "ConfusionMatrix",
+    "DDPStrategy",
+    "DataParallelStrategy",
     "DistkitError",
     "FitResult",
     "GlobalBatchNorm",
+    "HorovodStrategy",
     "LauncherMismatchError",
     "MeanIoU",
     "Metric",

@@ -50,7 +50,7 @@ def build_payload(
             "precision": strategy.options.precision,
             "world_size": strategy.world_size,
             "distkit": distkit.__version__,
-            "torch": torch.__version__,
+            "torch": str(torch.__version__),
             "horovod": _version("horovod"),
             "apex": _version("apex"),
         },

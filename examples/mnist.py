@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
 from collections.abc import Sequence
 
+import example_cli
 import torch
 import torch.nn.functional as F
 from mnist_data import MnistFormatError, load_mnist, locate_mnist
@@ -70,21 +70,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def limit_threads() -> None:
-    # torch uses one intra-op thread per core by default. Several ranks on one machine then
-    # each start that many threads, and e.g. 2 processes x 2 threads on 2 cores fight over the
-    # cores and run slower than 1 thread each. torchrun sets OMP_NUM_THREADS=1 for us;
-    # horovodrun / mpirun do not. An OMP_NUM_THREADS the user set is respected.
-    if "OMP_NUM_THREADS" in os.environ:
-        return
-    sizes = (os.environ.get("WORLD_SIZE", ""), os.environ.get("HOROVOD_SIZE", ""))
-    if any(size.isdigit() and int(size) > 1 for size in sizes):
-        torch.set_num_threads(1)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    limit_threads()
+    example_cli.limit_threads()
     torch.manual_seed(args.seed)  # every rank builds the same initial weights
     model = build_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
@@ -161,4 +149,4 @@ def report(
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(example_cli.run(main))

@@ -41,6 +41,7 @@ def _load(name: str, filename: str) -> ModuleType:
 
 
 mnist_data = _load("mnist_data", "mnist_data.py")
+example_cli = _load("example_cli", "example_cli.py")
 mnist = _load("mnist_example", "mnist.py")
 
 
@@ -277,14 +278,14 @@ def test_script_limits_threads_only_for_several_processes(monkeypatch):
     try:
         torch.set_num_threads(2)
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-        mnist.limit_threads()  # a single process keeps its threads
+        example_cli.limit_threads()  # a single process keeps its threads
         assert torch.get_num_threads() == 2
         monkeypatch.setenv("HOROVOD_SIZE", "2")
         monkeypatch.setenv("OMP_NUM_THREADS", "2")
-        mnist.limit_threads()  # the user's setting wins
+        example_cli.limit_threads()  # the user's setting wins
         assert torch.get_num_threads() == 2
         monkeypatch.delenv("OMP_NUM_THREADS")
-        mnist.limit_threads()
+        example_cli.limit_threads()
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)

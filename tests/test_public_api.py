@@ -18,11 +18,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 PUBLIC_NAMES = [
     "Accuracy",
+    "ApexStrategy",
     "ConfigurationError",
     "ConfusionMatrix",
+    "DDPStrategy",
+    "DataParallelStrategy",
     "DistkitError",
     "FitResult",
     "GlobalBatchNorm",
+    "HorovodStrategy",
     "LauncherMismatchError",
     "MeanIoU",
     "Metric",
@@ -100,6 +104,16 @@ def test_public_api_errors_derive_from_distkit_error_and_builtins():
         obj = getattr(distkit, name)
         if isinstance(obj, type) and issubclass(obj, Exception):
             assert issubclass(obj, distkit.DistkitError), name
+
+
+def test_public_api_strategy_classes_resolve_lazily_to_the_registry_classes():
+    from distkit.registry import resolve_strategy_class
+
+    for name in ("ddp", "dp", "horovod", "apex"):
+        cls = resolve_strategy_class(name)
+        assert getattr(distkit, cls.__name__) is cls
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        distkit.Nope  # noqa: B018
 
 
 def test_public_api_import_loads_no_backend_and_changes_no_environment():

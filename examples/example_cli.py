@@ -1,0 +1,43 @@
+"""What the examples share at the command line: thread limits and one-line errors."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+
+import torch
+
+import distkit
+
+
+def launched_rank() -> int:
+    """This process's rank as the launcher announced it (0 without a launcher)."""
+    for key in ("RANK", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        if os.environ.get(key, "").isdigit():
+            return int(os.environ[key])
+    return 0
+
+
+def limit_threads() -> None:
+    """One intra-op thread per process when several share a machine and nobody chose.
+
+    torch starts one thread per core in every process, so 2 processes x 2 threads on 2 cores
+    fight over the cores and run slower than 1 thread each. torchrun sets OMP_NUM_THREADS=1;
+    horovodrun and mpirun do not. An OMP_NUM_THREADS the user set is respected.
+    """
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    sizes = (os.environ.get("WORLD_SIZE", ""), os.environ.get("HOROVOD_SIZE", ""))
+    if any(size.isdigit() and int(size) > 1 for size in sizes):
+        torch.set_num_threads(1)
+
+
+def run(main: Callable[[], int]) -> int:
+    """Run ``main``; a distkit error becomes one line from rank 0 and exit status 2."""
+    try:
+        return main()
+    except distkit.DistkitError as exc:
+        if launched_rank() == 0:
+            print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return 2
