@@ -53,6 +53,8 @@ def fail_fast(strategy: Strategy, fault_timeout: float | None) -> Iterator[None]
 def _die(strategy: Strategy, exc: BaseException) -> None:
     rank = strategy.rank
     earlier = strategy.peer_failure()
+    if earlier is None and strategy.is_peer_loss(exc):
+        earlier = f"another rank stopped ({type(exc).__name__}: {str(exc).splitlines()[0]})"
     if earlier is not None:  # a consequence of another rank's failure: say so in one line
         print(f"distkit: rank {rank} stopping: {earlier}", file=sys.stderr, flush=True)
     else:

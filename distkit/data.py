@@ -261,9 +261,12 @@ class LoaderSpec:
 
     def _seeded_kwargs(self, seed: int) -> dict[str, Any]:
         kwargs = dict(self.kwargs)
+        # A loader's own generator: creating an iterator draws a worker base seed, which would
+        # otherwise come from (and advance) the global RNG that dropout uses, so a resumed run
+        # would see different dropout masks than an uninterrupted one.
+        kwargs["generator"] = torch.Generator().manual_seed(seed)
         if kwargs.get("num_workers", 0) > 0:
             kwargs["worker_init_fn"] = _WorkerSeeder(kwargs.get("worker_init_fn"))
-            kwargs["generator"] = torch.Generator().manual_seed(seed)
         return kwargs
 
     def __len__(self) -> int:

@@ -167,3 +167,43 @@ def test_ddp_under_horovodrun_fails_fast_naming_both_launchers():
     for message in results:
         assert "started by horovodrun" in message and "torchrun --nproc_per_node" in message
         assert "strategy='horovod'" in message
+
+
+@pytest.fixture(scope="module")
+def portability(tmp_path_factory):
+    """Checkpoints crossing between Horovod and the other strategies, one horovodrun launch."""
+    from tests.test_checkpoint import make_source_checkpoint
+
+    base = tmp_path_factory.mktemp("portability")
+    sources = {
+        "dp": make_source_checkpoint("dp", 1, 8, base / "dp", run_on_ranks),
+        "ddp": make_source_checkpoint("ddp", 2, 4, base / "ddp", run_on_ranks),
+    }
+    train = ("tests.test_checkpoint", "_train")
+    calls = [
+        (*train, ("horovod", 4, str(base / "hvd")), {"max_steps": 5, "every": 5, "model": "plain"}),
+        *[(*train, ("horovod", 4, None), {"resume": str(path), "model": "plain"})
+          for path in sources.values()],
+        (*train, ("horovod", 4, str(base / "hvd")), {"resume": "auto", "model": "plain"}),
+    ]  # fmt: skip
+    per_rank = run_with_horovodrun(calls, base / "run", np=2)
+    return {"base": base, "results": [per_rank[0][i] for i in range(len(calls))]}
+
+
+@needs_horovod
+def test_horovod_checkpoints_port_to_and_from_other_strategies(portability):
+    from distkit import checkpoint as ckpt
+    from tests.test_checkpoint import _train
+
+    reference = _train("dp", 8, model="plain")
+    results = _ok(portability["results"])
+    for name, result in zip(["dp -> horovod", "ddp -> horovod", "horovod -> horovod"],
+                            results[1:], strict=True):  # fmt: skip
+        assert max_abs_diff(result["state"], reference["state"]) <= 1e-5, name
+    horovod_ckpt = ckpt.CheckpointFolder(portability["base"] / "hvd").checkpoints()[0]
+    assert ckpt.load(horovod_ckpt)["producer"]["strategy"] == "horovod"
+    for target, world, batch in (("dp", 1, 8), ("ddp", 2, 4)):
+        resumed = run_on_ranks(partial(_train, resume=str(horovod_ckpt), model="plain"),
+                               target, batch, None, world_size=world)  # fmt: skip
+        diff = max_abs_diff(resumed[0]["state"], reference["state"])
+        assert diff <= 1e-5, f"horovod -> {target}: {diff}"

@@ -1,7 +1,9 @@
 """Which apex is installed: none, the wrong one, legacy NVIDIA apex, or modern NVIDIA apex.
 
-Probing uses ``importlib.util.find_spec`` on subpackages, so nothing from apex (whose legacy
-``amp`` touches CUDA on import) is imported until the strategy needs it.
+Probing uses ``importlib.util.find_spec`` on subpackages. That imports apex's top-level package
+(legacy apex's ``__init__`` imports ``amp`` and ``parallel`` itself, and PyPI's impostor fails
+there), which is why the strategy probes only after its CUDA check, and only when
+``strategy="apex"`` was chosen: importing distkit never probes.
 """
 
 from __future__ import annotations

@@ -55,13 +55,26 @@ def init_process_group(
     if env.is_torch_launcher:
         _require_rendezvous_env(env)
         dist.init_process_group(
-            chosen, init_method="env://", rank=env.rank, world_size=env.world_size, timeout=timeout
-        )
+            chosen, store=_attempt_store(timeout), rank=env.rank, world_size=env.world_size,
+            timeout=timeout,
+        )  # fmt: skip
     else:
         dist.init_process_group(
             chosen, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
         )
     return topology, True
+
+
+def _attempt_store(timeout: timedelta) -> dist.Store:
+    """The launcher's rendezvous store, scoped to this restart attempt.
+
+    Under ``torchrun --max-restarts`` the restarted workers meet in the same store as the
+    failed ones; without a per-attempt prefix, gloo reads the dead workers' addresses and the
+    restart fails ("connectFullMesh failed ... Connection refused").
+    """
+    store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"distkit/attempt_{attempt}", store)
 
 
 def _require_rendezvous_env(env: LaunchEnv) -> None:
@@ -181,8 +194,23 @@ def all_gather_object(obj: Any, world_size: int) -> list[Any]:
     return out
 
 
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over ranks; the gradient of a sum over ranks is the sum of the ranks' gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
+        out = tensor.clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        out = grad.contiguous().clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        return out
+
+
 def differentiable_all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     """Sum over ranks whose backward also sums the gradients over ranks (for SyncBatchNorm)."""
-    from torch.distributed.nn.functional import all_reduce as _autograd_all_reduce
-
-    return _autograd_all_reduce(tensor, op=dist.ReduceOp.SUM)
+    result: torch.Tensor = _AllReduceSum.apply(tensor)
+    return result

@@ -236,6 +236,13 @@ class Strategy(ABC):
         """A failure notice another rank left, if any (polled by a watchdog during fit)."""
         return None
 
+    def is_peer_loss(self, exc: BaseException) -> bool:
+        """Whether ``exc`` only reports that another rank went away (not this rank's fault)."""
+        text = str(exc)
+        return isinstance(exc, RuntimeError) and any(
+            sign in text for sign in ("Connection reset by peer", "Connection closed by peer")
+        )
+
     def state_dict(self) -> dict[str, Any]:
         """Backend state to checkpoint beside the model (default: the precision's scaler)."""
         return {"scaler": self.precision.state_dict()}

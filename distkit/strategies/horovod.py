@@ -157,6 +157,9 @@ class HorovodStrategy(Strategy):
     def _allreduce_sum_differentiable(self, tensor: torch.Tensor) -> torch.Tensor:
         return self._hvd.allreduce(tensor, op=self._hvd.Sum)
 
+    def is_peer_loss(self, exc: BaseException) -> bool:
+        return type(exc).__name__ == "HorovodInternalError" or super().is_peer_loss(exc)
+
     def _all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         work = tensor.detach().to(self.device)
         if op == "mean" and not work.is_floating_point():

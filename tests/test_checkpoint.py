@@ -1,0 +1,211 @@
+"""Checkpoints: the format, atomic files, safe loading, exact resume, and portability."""
+
+from __future__ import annotations
+
+import warnings
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import distkit
+from distkit import checkpoint as ckpt
+from tests.fakes import use_fake_apex
+from tests.workloads import make_dataset, max_abs_diff
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.filterwarnings("ignore::UserWarning")]
+
+
+# ---------------------------------------------------------------- the file format
+class _Unpicklable:
+    def __reduce__(self):
+        raise RuntimeError("cannot pickle this")
+
+
+class _Code:
+    """A class: loading an instance of it would need to run code."""
+
+
+def test_checkpoint_atomic_save_keeps_the_old_file_when_writing_fails(tmp_path):
+    path = tmp_path / "c.pt"
+    ckpt.atomic_save({"format": ckpt.FORMAT, "value": torch.tensor([1.0])}, path)
+    with pytest.raises(RuntimeError, match="cannot pickle"):
+        ckpt.atomic_save({"format": ckpt.FORMAT, "value": _Unpicklable()}, path)
+    assert torch.load(path, weights_only=True)["value"].tolist() == [1.0]
+    assert [p.name for p in tmp_path.iterdir()] == ["c.pt"], "a temp file was left behind"
+
+
+def test_checkpoint_load_refuses_files_that_need_pickled_code(tmp_path):
+    path = tmp_path / "evil.pt"
+    torch.save({"format": ckpt.FORMAT, "version": 1, "obj": _Code()}, path)
+    with pytest.raises(ckpt.CheckpointError, match="weights_only=True so that a file can never"):
+        ckpt.load(path)
+
+
+def test_checkpoint_load_reports_truncated_and_foreign_files(tmp_path):
+    good = tmp_path / "good.pt"
+    ckpt.atomic_save({"format": ckpt.FORMAT, "version": 1, "w": torch.randn(100)}, good)
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(good.read_bytes()[:200])
+    with pytest.raises(ckpt.CheckpointError, match="truncated or corrupt"):
+        ckpt.load(truncated)
+    plain = tmp_path / "plain.pt"
+    torch.save(nn.Linear(2, 2).state_dict(), plain)
+    with pytest.raises(ckpt.CheckpointError, match="not a distkit checkpoint"):
+        ckpt.load(plain)
+    with pytest.raises(ckpt.CheckpointError, match="no checkpoint at"):
+        ckpt.load(tmp_path / "missing.pt")
+    newer = tmp_path / "newer.pt"
+    ckpt.atomic_save({"format": ckpt.FORMAT, "version": ckpt.VERSION + 1}, newer)
+    with pytest.raises(ckpt.CheckpointError, match="upgrade distkit"):
+        ckpt.load(newer)
+
+
+def test_checkpoint_folder_keeps_the_last_k_and_points_at_the_latest(tmp_path):
+    folder = ckpt.CheckpointFolder(tmp_path, keep_last=2)
+    for step in (2, 4, 6):
+        folder.save({"format": ckpt.FORMAT, "version": 1, "step": step}, step)
+    assert [p.name for p in folder.checkpoints()] == ["step-000000004.pt", "step-000000006.pt"]
+    assert folder.latest() == folder.path_for(6)
+    (tmp_path / ckpt.LATEST).unlink()
+    assert folder.latest() == folder.path_for(6)
+
+
+def test_checkpoint_conversions_between_apex_amp_and_grad_scaler():
+    amp_state = {"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 17}}
+    scaler = ckpt.amp_to_grad_scaler(amp_state)
+    assert scaler["scale"] == 1024.0 and scaler["_growth_tracker"] == 17
+    assert ckpt.grad_scaler_to_amp(scaler) == amp_state
+    real = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    real.load_state_dict(scaler)
+    assert real.get_scale() == 1024.0
+    assert ckpt.strip_wrapper_prefix({"module.w": 1, "module.b": 2}) == {"w": 1, "b": 2}
+    assert ckpt.strip_wrapper_prefix({"module.w": 1, "b": 2}) == {"module.w": 1, "b": 2}
+
+
+def test_checkpoint_rng_state_round_trips():
+    import random
+
+    import numpy as np
+
+    state = ckpt.rng_state()
+    first = (torch.rand(3), np.random.rand(3), random.random())
+    ckpt.set_rng_state(state)
+    again = (torch.rand(3), np.random.rand(3), random.random())
+    assert torch.equal(first[0], again[0]) and (first[1] == again[1]).all()
+    assert first[2] == again[2]
+
+
+# ---------------------------------------------------------------- training runs
+def _dropout_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(0.3), nn.Linear(16, 3))
+
+
+def _train(strategy: str, batch_size: int, folder: str | None = None, *, max_steps=None,
+           resume=None, every=3, epochs: int = 2, model: str = "dropout") -> dict:  # fmt: skip
+    """Train 2 epochs on 64 samples (8 steps per epoch at global batch 8)."""
+    if strategy == "apex":
+        import distkit.strategies.apex as apex_strategy
+
+        apex_strategy._require_cuda = lambda: None  # FAKE CUDA (fake apex is on the path)
+    trainer = distkit.Trainer(
+        strategy, batch_size=batch_size, max_epochs=epochs, seed=11, progress=False,
+        checkpoint_dir=folder, checkpoint_every=every, max_steps=max_steps, resume=resume,
+    )  # fmt: skip
+    net = _dropout_model() if model == "dropout" else _plain_model()
+    optimizer = torch.optim.Adam(net.parameters(), lr=0.01)
+    result = trainer.fit(net, optimizer, make_dataset(64), loss_fn=nn.functional.cross_entropy)
+    out = {"state": {k: v.clone() for k, v in net.state_dict().items()},
+           "history": result.history, "rank": trainer.rank}  # fmt: skip
+    trainer.close()
+    return out
+
+
+def _plain_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+@pytest.mark.parametrize(("strategy", "world", "batch"), [("dp", 1, 8), ("ddp", 2, 4)])
+def test_checkpoint_resume_mid_epoch_is_exact(strategy, world, batch, tmp_path, run_on_ranks):
+    """Interrupted at step 5 (mid epoch 0), resumed: equal to an uninterrupted run, dropout on."""
+    whole = run_on_ranks(_train, strategy, batch, world_size=world)[0]
+    folder = str(tmp_path / "ckpt")
+    run_on_ranks(partial(_train, max_steps=5, every=5), strategy, batch, folder, world_size=world)
+    saved = ckpt.load(ckpt.CheckpointFolder(folder).latest())
+    assert saved["progress"] == {"epoch": 0, "position": 40, "global_step": 5, "skipped_steps": 0}
+    assert not any(key.startswith("module.") for key in saved["model"])
+    resumed = run_on_ranks(
+        partial(_train, resume="auto"), strategy, batch, folder, world_size=world
+    )
+    assert max_abs_diff(resumed[0]["state"], whole["state"]) <= 1e-6
+    assert resumed[0]["history"] == whole["history"]
+
+
+def test_checkpoint_resume_skips_a_corrupt_latest_file(tmp_path, run_on_ranks):
+    folder = tmp_path / "ckpt"
+    run_on_ranks(partial(_train, max_steps=6, every=3), "dp", 8, str(folder), world_size=1)
+    newest = ckpt.CheckpointFolder(folder).latest()
+    assert newest is not None and newest.name == "step-000000006.pt"
+    newest.write_bytes(newest.read_bytes()[:100])  # as if the disk lost it
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        payload = distkit._resume.find_resume_payload("auto", ckpt.CheckpointFolder(folder), "cpu")
+    assert payload is not None and payload["progress"]["global_step"] == 3
+    assert any("skipping unreadable checkpoint" in str(w.message) for w in caught)
+
+
+def test_checkpoint_save_and_load_by_hand(tmp_path):
+    trainer = distkit.Trainer("dp", batch_size=8, max_epochs=1, seed=11, progress=False)
+    net = _plain_model()
+    optimizer = torch.optim.Adam(net.parameters(), lr=0.01)
+    trainer.fit(net, optimizer, make_dataset(64), loss_fn=nn.functional.cross_entropy)
+    trainer.save_checkpoint(tmp_path / "hand.pt", extra={"note": "hello", "best": 0.5})
+    other = distkit.Trainer("dp", batch_size=8, max_epochs=1, progress=False)
+    info = other.load_checkpoint(tmp_path / "hand.pt")
+    assert info["extra"] == {"note": "hello", "best": 0.5}
+    assert info["producer"]["strategy"] == "dp" and info["progress"]["epoch"] == 1
+    with pytest.raises(distkit.ConfigurationError, match="call fit"):
+        other.save_checkpoint(tmp_path / "nothing.pt")
+
+
+# ---------------------------------------------------------------- portability matrix
+SOURCES_AND_TARGETS = [("dp", 1, 8), ("ddp", 2, 4), ("apex", 2, 4)]  # horovod: test_horovod.py
+
+
+def _on_rank(strategy: str, *args, **kwargs) -> dict:
+    if strategy == "apex":
+        with use_fake_apex("legacy"):
+            return _train(strategy, *args, **kwargs)
+    return _train(strategy, *args, **kwargs)
+
+
+def make_source_checkpoint(strategy: str, world: int, batch: int, folder: Path, run) -> Path:
+    run(partial(_on_rank, max_steps=5, every=5, model="plain"), strategy, batch, str(folder),
+        world_size=world)  # fmt: skip
+    path = ckpt.CheckpointFolder(folder).latest()
+    assert path is not None
+    return path
+
+
+def test_checkpoint_portability_matrix(tmp_path, run_on_ranks):
+    """Saved under any strategy and world size, resumed under any other: same final weights.
+
+    The apex cases use the FAKE legacy apex package and FAKE CUDA (see tests/fakes).
+    """
+    reference = _train("dp", 8, model="plain")
+    sources = {
+        name: make_source_checkpoint(name, world, batch, tmp_path / name, run_on_ranks)
+        for name, world, batch in SOURCES_AND_TARGETS
+    }
+    for source, path in sources.items():
+        for target, world, batch in SOURCES_AND_TARGETS:
+            resumed = run_on_ranks(partial(_on_rank, resume=str(path), model="plain"), target,
+                                   batch, None, world_size=world)  # fmt: skip
+            diff = max_abs_diff(resumed[0]["state"], reference["state"])
+            assert diff <= 1e-5, f"{source} -> {target}: max diff {diff}"
+            first = resumed[0]["history"][0]["train_loss"]
+            assert first == pytest.approx(reference["history"][0]["train_loss"], abs=1e-6)
