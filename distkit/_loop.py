@@ -16,6 +16,7 @@ from distkit.batch import batch_size_of, split_batch, to_device
 from distkit.data import GlobalBatchPlan, PlanBatchSampler, reseed_workers
 from distkit.errors import DistkitError
 from distkit.strategies.base import Strategy
+from distkit.timing import EpochTiming, StepTimer
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 StepFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -57,6 +58,8 @@ class TrainLoop:
     seed: int
     progress: bool
     max_epochs: int
+    timer: StepTimer | None = None  # the current epoch's
+    timing: EpochTiming | None = None  # the last finished epoch's, over all ranks
 
     def run_epoch(self, state: FitState, after_step: Callable[[FitState], bool]) -> bool:
         """Train from ``state.position`` to the end of ``state.epoch``.
@@ -81,9 +84,13 @@ class TrainLoop:
         )
         micro_batches = self.plan.micro_batches(state.position)
         stopped = False
+        timer = self.timer = StepTimer(strategy.device)
+        start_position = state.position
+        timer.start()
         with bar:
             for batch, micro in zip(self.loader, micro_batches, strict=True):
                 batch = to_device(batch, strategy.device)
+                timer.mark("data")
                 sync = contextlib.nullcontext() if micro.last_in_step else strategy.no_sync(model)
                 with sync:
                     with strategy.autocast():
@@ -96,7 +103,9 @@ class TrainLoop:
                             "learning rate, check the data, or pass nonfinite='skip' to skip "
                             "such steps on every rank."
                         )
+                    timer.mark("forward")
                     strategy.backward(loss * micro.weight, self.optimizer)
+                timer.mark("backward")
                 if micro.count:
                     loss_sum += loss.detach().double() * micro.count
                 state.samples += micro.count
@@ -104,9 +113,13 @@ class TrainLoop:
                 bar.update()
                 if micro.last_in_step:
                     self._step(state)
-                    if after_step(state):
-                        stopped = True
+                    timer.mark("optimizer")
+                    timer.steps += 1
+                    stopped = after_step(state)
+                    timer.mark("other")  # checkpoints: not part of a step
+                    if stopped:
                         break
+        timer.samples = state.position - start_position
         return stopped
 
     def epoch_record(self, state: FitState) -> dict[str, float]:
@@ -118,12 +131,17 @@ class TrainLoop:
             ),
             op="sum",
         )
-        return {
+        record = {
             "epoch": state.epoch,
             "train_loss": (totals[0] / totals[1]).item(),
             # every rank skips the same steps
             "skipped_steps": int(totals[2].item()) // self.strategy.world_size,
         }
+        if self.timer is not None:
+            per_rank = self.strategy.all_gather(self.timer.summary())
+            self.timing = EpochTiming.from_ranks(per_rank, self.timer.samples)
+            record.update(self.timing.as_record())
+        return record
 
     def _loss(self, batch: Any) -> torch.Tensor:
         if self.step_fn is not None:

@@ -254,7 +254,7 @@ class Trainer:
             state.history.append(record)
             state.epoch, state.position, state.loss_sum, state.samples = state.epoch + 1, 0, 0.0, 0
             state.skipped_steps = 0
-            self._report(record)
+            self._report(record, loop)
             if self.checkpoints is not None and self.checkpoint_every == "epoch":
                 self._save_to_folder()
 
@@ -337,14 +337,21 @@ class Trainer:
             pin_memory=self.strategy.device.type == "cuda", what=what,
         )  # fmt: skip
 
-    def _report(self, record: dict[str, float]) -> None:
+    def _report(self, record: dict[str, float], loop: TrainLoop) -> None:
         if not (self.progress and self.is_main):
             return
+        hidden = ("epoch", "skipped_steps", "samples_per_s")
         parts = [f"epoch {int(record['epoch']) + 1}/{self.max_epochs}"]
-        parts += [f"{k}={v:.4f}" for k, v in record.items() if k not in ("epoch", "skipped_steps")]
+        parts += [
+            f"{k}={v:.4f}"
+            for k, v in record.items()
+            if k not in hidden and not k.startswith("time_")
+        ]
         if record.get("skipped_steps"):
             parts.append(f"skipped_steps={int(record['skipped_steps'])} (non-finite gradients)")
         tqdm.write(" ".join(parts))
+        if loop.timing is not None:
+            tqdm.write(loop.timing.table(self.strategy.comm_phase, self.num_workers))
 
     def __repr__(self) -> str:
         return f"Trainer(strategy={self.strategy!r}, max_epochs={self.max_epochs})"

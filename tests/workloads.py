@@ -30,6 +30,14 @@ def make_bn_model(features: int = 6, classes: int = 3, seed: int = 0) -> nn.Modu
     )
 
 
+def without_timing(history: list[dict]) -> list[dict]:
+    """History records without the (run-dependent) timing entries."""
+    return [
+        {k: v for k, v in record.items() if not k.startswith("time_") and k != "samples_per_s"}
+        for record in history
+    ]
+
+
 def state_of(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 

@@ -56,6 +56,8 @@ class Strategy(ABC):
     """
 
     name: ClassVar[str] = ""
+    #: the step phase in which gradients are all-reduced ("backward", "optimizer" or "none")
+    comm_phase: ClassVar[str] = "backward"
 
     def __init__(self) -> None:
         self.options = TrainOptions()

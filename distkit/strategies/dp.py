@@ -23,6 +23,7 @@ class DataParallelStrategy(Strategy):
     """
 
     name = "dp"
+    comm_phase = "none"  # gradients are gathered inside backward on the first GPU
 
     def __init__(self, *, device_ids: list[int] | None = None) -> None:
         super().__init__()

@@ -36,6 +36,7 @@ class HorovodStrategy(Strategy):
     """
 
     name = "horovod"
+    comm_phase = "optimizer"  # DistributedOptimizer waits for its all-reduce in step()
 
     def __init__(self, *, compression: str = "none", op: str = "average") -> None:
         super().__init__()
