@@ -5,8 +5,8 @@ Both loops train the same small CNN on the same data with the same sampler, alte
 one forward pass to the next, so data loading, forward, backward, all-reduce and optimizer step
 are all inside it. The ratio is median(distkit step) / median(hand step).
 
-    python benchmarks/overhead.py                 # single, DDP x2 (torchrun), Horovod x2
-    python benchmarks/overhead.py --only horovod  # one of: single, ddp, horovod
+    python benchmarks/overhead.py                 # single, DP, DDP x2 (torchrun), Horovod x2
+    python benchmarks/overhead.py --only horovod  # one of: single, dp, ddp, horovod
 
 Writes benchmarks/results/overhead.json.
 """
@@ -70,7 +70,7 @@ def hand_epoch(model, loader, sampler, optimizer, epoch, stamps) -> None:
 
 
 def hand_setup(backend: str, world: int):
-    """The seeds' wrapping: DDP (seed 001) or Horovod (seed 002); nothing on one process."""
+    """The seeds' wrapping: DDP (seed 001), Horovod (seed 002), DataParallel (seed 004)."""
     net = make_model()
     optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
     if backend == "horovod":
@@ -79,12 +79,14 @@ def hand_setup(backend: str, world: int):
         hvd.broadcast_parameters(net.state_dict(), root_rank=0)
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=net.named_parameters())
         return net, optimizer
+    if backend == "dp":
+        return nn.DataParallel(net), optimizer  # on a machine without GPUs it calls the module
     model = nn.parallel.DistributedDataParallel(net) if world > 1 else net
     return model, optimizer
 
 
 def run(backend: str, steps: int, rounds: int, batch_size: int) -> dict[str, float]:
-    strategy = "horovod" if backend == "horovod" else "ddp"
+    strategy = {"horovod": "horovod", "dp": "dp"}.get(backend, "ddp")
     trainer = distkit.Trainer(strategy, batch_size=batch_size, max_epochs=1, progress=False)
     world, rank = trainer.world_size, trainer.rank
     data = make_data(steps * batch_size * world)
@@ -152,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=150, help="steps per epoch (default 150)")
     parser.add_argument("--rounds", type=int, default=4, help="timed epochs per loop")
     parser.add_argument("--batch-size", type=int, default=32, help="per process")
-    parser.add_argument("--only", choices=["single", "ddp", "horovod"])
+    parser.add_argument("--only", choices=["single", "dp", "ddp", "horovod"])
     parser.add_argument("--worker", choices=["ddp", "horovod"], help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -167,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     if args.only in (None, "single"):
         results["single"] = run("single", args.steps, args.rounds, args.batch_size)
+    if args.only in (None, "dp"):
+        results["dp"] = run("dp", args.steps, args.rounds, args.batch_size)
     if args.only in (None, "ddp"):
         results["ddp x2"] = launch("ddp", args)
     if args.only in (None, "horovod"):
