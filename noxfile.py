@@ -14,7 +14,7 @@ TORCH = "torch==2.13.0"
 PYTHON = "3.11"
 SOURCES = ["distkit", "tests", "examples", "benchmarks", "noxfile.py"]
 
-nox.options.sessions = ["lint", "typecheck", "tests"]
+nox.options.sessions = ["lint", "typecheck", "docs", "tests"]
 nox.options.reuse_existing_virtualenvs = True
 
 
@@ -74,6 +74,33 @@ def demo(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
-    """Trainer overhead against hand-written loops (prints ratios; see benchmarks/)."""
+    """Overhead vs hand-written loops, scaling, peers (Lightning, Accelerate), plots.
+
+    Each prints a table and writes benchmarks/results/*.json; see benchmarks/README.md.
+    """
     _install(session)
-    session.run("python", "benchmarks/overhead.py", *session.posargs, env=_single_threaded_env())
+    # the peers only in this environment; torch pinned on the same line so none replaces it
+    session.install(TORCH, "lightning", "accelerate", "matplotlib")
+    session.run("python", "-m", "distkit.horovod_build")  # the Horovod rows
+    env = _single_threaded_env()
+    session.run("python", "benchmarks/overhead.py", *session.posargs, env=env)
+    session.run("python", "benchmarks/scaling.py", env=env)
+    session.run("python", "benchmarks/peers.py", env=env)
+    session.run("python", "benchmarks/plot.py")
+
+
+@nox.session(python=PYTHON)
+def docs(session: nox.Session) -> None:
+    """The documentation site (docs/, mkdocs.yml): a strict MkDocs build into site/."""
+    session.install(
+        "mkdocs==1.6.1",
+        "mkdocs-material==9.8.1",
+        "mkdocstrings[python]==1.0.8",
+        "mkdocstrings-python==2.0.11",
+        "ruff==0.17.6",  # mkdocstrings formats the API reference's signatures with it
+    )
+    _install(session)  # torch pinned, then distkit: the API reference documents the package
+    session.run(
+        "mkdocs", "build", "--strict", "--site-dir", "site", *session.posargs,
+        env={"NO_MKDOCS_2_WARNING": "1"},  # Material's end-of-life banner is not a build warning
+    )  # fmt: skip

@@ -106,9 +106,12 @@ class TrainLoop:
                     timer.mark("forward")
                     strategy.backward(loss * micro.weight, self.optimizer)
                 timer.mark("backward")
-                if micro.count:
-                    loss_sum += loss.detach().double() * micro.count
-                state.samples += micro.count
+                counted = micro.count
+                if self.nonfinite == "skip" and counted and not torch.isfinite(loss):
+                    counted = 0  # its step is skipped: keep it out of the epoch's mean loss
+                if counted:
+                    loss_sum += loss.detach().double() * counted
+                state.samples += counted
                 state.position += micro.samples
                 bar.update()
                 if micro.last_in_step:

@@ -120,7 +120,10 @@ def find_resume_payload(
         return ckpt.load(resume, map_location=device)
     if folder is None:
         return None
-    for path in reversed(folder.checkpoints()):
+    latest = folder.latest()
+    candidates = [latest] if latest is not None else []
+    candidates += [p for p in reversed(folder.checkpoints()) if p != latest]
+    for path in candidates:
         try:
             return ckpt.load(path, map_location=device)
         except ckpt.CheckpointError as exc:  # fall back to the previous complete one

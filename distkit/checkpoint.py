@@ -130,12 +130,25 @@ def atomic_save(payload: Mapping[str, Any], path: Path) -> None:
             torch.save(dict(payload), handle)
             handle.flush()
             os.fsync(handle.fileno())
+        _require_weights_only(Path(tmp))
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
     _fsync_dir(path.parent)
+
+
+def _require_weights_only(path: Path) -> None:
+    """Refuse to publish a file that ``load`` would refuse (checked before the rename)."""
+    try:
+        torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise CheckpointError(
+            "the checkpoint holds an object that cannot be loaded weights-only (only tensors, "
+            "numbers, strings, lists and dicts can): store plain values in extra=... (e.g. "
+            f"obj.state_dict()). Nothing was written. torch: {str(exc).splitlines()[0]}"
+        ) from None
 
 
 def _atomic_write_text(text: str, path: Path) -> None:
@@ -193,6 +206,13 @@ def load(path: str | os.PathLike[str], map_location: torch.device | str = "cpu")
     return payload
 
 
+def _mtime(path: Path) -> int:
+    try:
+        return path.stat().st_mtime_ns
+    except FileNotFoundError:
+        return 0
+
+
 class CheckpointFolder:
     """A folder of ``step-XXXXXXXX.pt`` files with a ``latest`` pointer; keeps the last K.
 
@@ -212,7 +232,10 @@ class CheckpointFolder:
         path = self.path_for(global_step)
         atomic_save(payload, path)
         _atomic_write_text(path.name + "\n", self.folder / LATEST)
-        for old in self.checkpoints()[: -self.keep_last]:
+        # by write time, not by step number: files a previous run left with higher step
+        # numbers are older than the one just written, and go first
+        others = sorted((p for p in self.checkpoints() if p != path), key=_mtime)
+        for old in others[: max(0, len(others) - (self.keep_last - 1))]:
             with contextlib.suppress(FileNotFoundError):
                 old.unlink()
         return path

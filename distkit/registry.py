@@ -34,13 +34,20 @@ def _module_exists(target: str) -> bool:
         return False
 
 
+def _own_process_group() -> bool:
+    """A multi-process torch.distributed group the user made (mp.spawn + init_process_group)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def auto_strategy_name(env: LaunchEnv) -> str:
     """The strategy that fits how this process was launched.
 
     torchrun / ``torch.distributed.launch`` -> ``"ddp"``; horovodrun / mpirun -> ``"horovod"``;
     a single process -> ``"dp"`` (which on CPU or one GPU simply runs the module).
     """
-    if env.is_torch_launcher:
+    if env.is_torch_launcher or _own_process_group():
         return "ddp"
     if env.is_horovod_launcher:
         return "horovod"

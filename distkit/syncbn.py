@@ -46,8 +46,9 @@ class GlobalBatchNorm(_BatchNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
-        use_batch_stats = self.training or not self.track_running_stats
-        if not use_batch_stats:
+        if not self.training:
+            # evaluation never communicates: ranks may hold different numbers of batches, so
+            # a collective here could wait forever (without running stats: local statistics)
             return super().forward(input)
         factor = self._momentum_factor()
         channels = input.shape[1]

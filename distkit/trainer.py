@@ -351,7 +351,8 @@ class Trainer:
             parts.append(f"skipped_steps={int(record['skipped_steps'])} (non-finite gradients)")
         tqdm.write(" ".join(parts))
         if loop.timing is not None:
-            tqdm.write(loop.timing.table(self.strategy.comm_phase, self.num_workers))
+            workers = getattr(loop.loader, "num_workers", self.num_workers)
+            tqdm.write(loop.timing.table(self.strategy.comm_phase, workers))
 
     def __repr__(self) -> str:
         return f"Trainer(strategy={self.strategy!r}, max_epochs={self.max_epochs})"

@@ -62,10 +62,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     # The legacy `python -m torch.distributed.launch` passes --local_rank / --local-rank=N;
     # distkit reads the rank itself, so accept and ignore it.
+    parser.add_argument("--checkpoint-dir", default=None, help="save a checkpoint every epoch")
+    parser.add_argument(
+        "--resume", nargs="?", const="auto", default=None,
+        help="continue from the latest checkpoint in --checkpoint-dir, or from a given file",
+    )  # fmt: skip
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.epochs < 1:
         parser.error(f"--epochs must be >= 1, got {args.epochs}")
+    if args.resume == "auto" and args.checkpoint_dir is None:
+        parser.error("--resume without a file needs --checkpoint-dir DIR to look in")
     return args
 
 
@@ -83,6 +90,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         grad_accum_steps=args.grad_accum,
         seed=args.seed,
         num_workers=args.num_workers,
+        checkpoint_dir=args.checkpoint_dir,
+        resume=args.resume,  # "auto": the latest checkpoint in --checkpoint-dir, if any
     )
     with trainer:  # closing tears down the process group distkit created
         return train(trainer, model, optimizer, args)

@@ -73,6 +73,25 @@ def test_checkpoint_folder_keeps_the_last_k_and_points_at_the_latest(tmp_path):
     assert folder.latest() == folder.path_for(6)
 
 
+def test_checkpoint_folder_keeps_the_new_file_among_a_previous_runs_later_steps(tmp_path):
+    folder = ckpt.CheckpointFolder(tmp_path, keep_last=2)
+    for step in (10, 12):  # an older run went further
+        folder.save({"format": ckpt.FORMAT, "version": 1, "step": step}, step)
+    folder.save({"format": ckpt.FORMAT, "version": 1, "step": 2}, 2)
+    assert folder.path_for(2).exists() and folder.latest() == folder.path_for(2)
+    assert not folder.path_for(10).exists()  # the oldest written goes, not the lowest step
+
+
+def test_checkpoint_save_refuses_objects_that_would_not_load(tmp_path):
+    trainer = distkit.Trainer("dp", batch_size=8, max_epochs=1, progress=False)
+    net = nn.Linear(6, 3)
+    trainer.fit(net, torch.optim.SGD(net.parameters(), lr=0.1), make_dataset(16),
+                loss_fn=nn.functional.cross_entropy)  # fmt: skip
+    with pytest.raises(ckpt.CheckpointError, match="cannot be loaded weights-only"):
+        trainer.save_checkpoint(tmp_path / "bad.pt", extra={"obj": _Code()})
+    assert list(tmp_path.iterdir()) == [], "a refused checkpoint left a file behind"
+
+
 def test_checkpoint_conversions_between_apex_amp_and_grad_scaler():
     amp_state = {"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 17}}
     scaler = ckpt.amp_to_grad_scaler(amp_state)

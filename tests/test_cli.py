@@ -55,8 +55,11 @@ def _cmd(strategy: str, *args: str, **fields: Any) -> list[str]:
 
 def _distkit(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 100):
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    # OMP_NUM_THREADS too: the nox session sets it, and distkit run only adds it when unset
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         full_env.pop(key, None)
+    if env is None or "OMP_NUM_THREADS" not in env:
+        full_env.pop("OMP_NUM_THREADS", None)
     return subprocess.run(
         [sys.executable, "-m", "distkit.cli", *args],
         capture_output=True, text=True, env=full_env, cwd=cwd, timeout=timeout,

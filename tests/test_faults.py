@@ -111,6 +111,7 @@ def test_faults_nonfinite_skip_skips_the_same_step_on_every_rank(run_on_ranks):
     results = run_on_ranks(_nan_on, 1, 2, "skip", world_size=2)
     for result in results:
         assert result["history"][0]["skipped_steps"] == 1
+        assert result["history"][0]["train_loss"] == result["history"][0]["train_loss"]  # not NaN
         assert torch.isfinite(result["weight"]).all()
     assert torch.equal(results[0]["weight"], results[1]["weight"])
 

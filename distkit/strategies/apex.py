@@ -22,7 +22,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from distkit._env import LaunchEnv
-from distkit.errors import ApexLegacyApiMissingError, ApexNeedsCudaError, ConfigurationError
+from distkit.errors import (
+    ApexLegacyApiMissingError,
+    ApexNeedsCudaError,
+    ConfigurationError,
+    UnsupportedFeatureError,
+)
 from distkit.strategies import _torch_dist
 from distkit.strategies._apex_detect import ApexInstall, detect_apex
 from distkit.strategies._apex_fused import fused_twin
@@ -142,7 +147,15 @@ class ApexStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         self, model: nn.Module, optimizer: torch.optim.Optimizer
     ) -> tuple[nn.Module, torch.optim.Optimizer]:
         assert self.plan is not None
+        if self.fused_optimizer:
+            optimizer = fused_twin(optimizer, self._module("apex.optimizers"))
         if self._legacy:
+            if self.options.find_unused_parameters:
+                raise UnsupportedFeatureError(
+                    "apex.parallel.DistributedDataParallel has no find_unused_parameters; its "
+                    "allreduce waits for every parameter. Use strategy='ddp' (torch DDP) for "
+                    "models that skip parameters, or make every parameter take part."
+                )
             # apex requires amp.initialize before its DDP wrapper, never after
             amp = self._module("apex.amp")
             model, optimizer = amp.initialize(
@@ -155,8 +168,6 @@ class ApexStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
                     model, delay_allreduce=self.delay_allreduce
                 )
             return model, optimizer
-        if self.fused_optimizer:
-            optimizer = fused_twin(optimizer, self._module("apex.optimizers"))
         if self.world_size > 1:
             model = _torch_dist.wrap_ddp(
                 model, self.device, find_unused_parameters=self.options.find_unused_parameters
