@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -14,6 +15,16 @@ import distkit
 from distkit import checkpoint as ckpt
 from distkit._loop import FitState
 from distkit.strategies.base import Strategy
+
+
+@dataclass
+class Run:
+    """The objects of a trainer's latest ``fit``, for save_checkpoint / load_checkpoint."""
+
+    model: nn.Module  # the user's, unwrapped (a wrapper is never kept beyond the set-up cache)
+    optimizer: torch.optim.Optimizer  # the user's
+    scheduler: Any
+    state: FitState
 
 
 def _version(package: str) -> str | None:

@@ -24,6 +24,7 @@ from distkit._checks import (
 from distkit._evaluation import LossFn, Metrics, evaluate_shard, named_metrics
 from distkit._faults import fail_fast
 from distkit._loop import NONFINITE_POLICIES, FitState, StepFn, TrainLoop
+from distkit._resume import Run
 from distkit._setups import SetupCache
 from distkit.data import GlobalBatchPlan, LoaderSpec
 from distkit.errors import ConfigurationError
@@ -44,16 +45,6 @@ class FitResult:
     """
 
     history: list[dict[str, float]] = field(default_factory=list)
-
-
-@dataclass
-class _Run:
-    """The objects of the latest ``fit``, for save_checkpoint / load_checkpoint."""
-
-    model: nn.Module  # the user's, unwrapped (a wrapper is never kept beyond the set-up cache)
-    optimizer: torch.optim.Optimizer  # the user's
-    scheduler: Any
-    state: FitState
 
 
 class Trainer:
@@ -151,7 +142,7 @@ class Trainer:
         self.strategy.setup_environment()
         self._setups = SetupCache(self.strategy)
         self._finalizer = weakref.finalize(self, self._setups.shutdown)
-        self._run: _Run | None = None
+        self._run: Run | None = None
         self._pending: dict[str, Any] | None = None  # a loaded checkpoint for the next fit
         if self.strategy.device.type == "cuda":
             torch.backends.cudnn.benchmark = True
@@ -228,7 +219,7 @@ class Trainer:
         else:
             state = FitState()
             seed_generators(self.seed + strategy.rank)
-        self._run = _Run(model, optimizer, scheduler, state)
+        self._run = Run(model, optimizer, scheduler, state)
         loop = TrainLoop(
             strategy, wrapped, dist_optimizer, loader, sampler, plan, loss_fn, step_fn,
             scheduler, self.scheduler_interval == "step", self.nonfinite, self.seed,
