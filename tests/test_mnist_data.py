@@ -8,36 +8,20 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import pytest
 import torch
 
 import distkit
+from tests.examples_import import EXAMPLES, LAUNCHER_VARS, ROOT
+from tests.examples_import import load_example as _load
 
 pytestmark = pytest.mark.timeout(120)
-
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = ROOT / "examples"
-LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                 "TORCHELASTIC_RUN_ID", "HOROVOD_RANK", "HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE",
-                 "PMI_SIZE")  # fmt: skip
-
-
-def _load(name: str, filename: str) -> ModuleType:
-    # examples/ is not a package; register under the name mnist.py imports it by.
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / filename)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 mnist_data = _load("mnist_data", "mnist_data.py")

@@ -7,13 +7,11 @@ dependency of this example) is not installed.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
 import os
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import pytest
@@ -22,24 +20,10 @@ import torch.nn.functional as F
 
 import distkit
 from distkit.data import GlobalBatchPlan
+from tests.examples_import import EXAMPLES, LAUNCHER_VARS, ROOT
+from tests.examples_import import load_example as _load
 
 pytestmark = pytest.mark.timeout(180)
-
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = ROOT / "examples"
-LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                 "TORCHELASTIC_RUN_ID", "HOROVOD_RANK", "HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE",
-                 "PMI_SIZE")  # fmt: skip
-
-
-def _load(name: str, filename: str) -> ModuleType:
-    # examples/ is not a package; register under the name seg.py imports it by.
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / filename)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 example_cli = _load("example_cli", "example_cli.py")
