@@ -127,24 +127,23 @@ class TrainLoop:
 
     def epoch_record(self, state: FitState) -> dict[str, float]:
         """The epoch's training summary, reduced over ranks (the same dict on every rank)."""
-        totals = self.strategy.all_reduce(
-            torch.tensor(
-                [float(state.loss_sum), float(state.samples), float(state.skipped_steps)],
-                dtype=torch.float64,
-            ),
-            op="sum",
+        timer = self.timer
+        assert timer is not None, "epoch_record follows run_epoch"
+        mine = torch.tensor(
+            [float(state.loss_sum), float(state.samples), float(state.skipped_steps)],
+            dtype=torch.float64,
         )
-        record = {
+        # one collective for the loss sums and every rank's timing
+        per_rank = self.strategy.all_gather(torch.cat([mine, timer.summary()]))
+        totals = per_rank[:, :3].sum(dim=0)
+        self.timing = EpochTiming.from_ranks(per_rank[:, 3:], timer.samples)
+        return {
             "epoch": state.epoch,
             "train_loss": (totals[0] / totals[1]).item(),
             # every rank skips the same steps
             "skipped_steps": int(totals[2].item()) // self.strategy.world_size,
+            **self.timing.as_record(),
         }
-        if self.timer is not None:
-            per_rank = self.strategy.all_gather(self.timer.summary())
-            self.timing = EpochTiming.from_ranks(per_rank, self.timer.samples)
-            record.update(self.timing.as_record())
-        return record
 
     def _loss(self, batch: Any) -> torch.Tensor:
         if self.step_fn is not None:

@@ -164,8 +164,6 @@ def all_reduce(
 ) -> torch.Tensor:
     """Sum or mean over ranks, out of place, returned on the input's device."""
     work = tensor.detach().to(device=device, copy=True)
-    if op == "mean" and not work.is_floating_point():
-        work = work.double()
     dist.all_reduce(work, op=dist.ReduceOp.SUM)
     if op == "mean":
         work /= world_size

@@ -77,7 +77,7 @@ class Strategy(ABC):
 
     @abstractmethod
     def _all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
-        """Out-of-place sum/mean over ranks."""
+        """Out-of-place sum/mean over ranks (a mean is only asked of floating tensors)."""
 
     @abstractmethod
     def _broadcast(self, obj: Any, src: int) -> Any:
@@ -264,6 +264,8 @@ class Strategy(ABC):
         if op not in REDUCE_OPS:
             raise ConfigurationError(f"unknown reduce op {op!r}. Allowed: {', '.join(REDUCE_OPS)}")
         _require_tensor(tensor, "all_reduce")
+        if op == "mean" and not tensor.is_floating_point():
+            tensor = tensor.double()  # the mean of integers is not an integer
         return self._all_reduce(tensor, op)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:

@@ -94,8 +94,7 @@ class DataParallelStrategy(Strategy):
         return model  # no collectives inside DataParallel: keep the multi-GPU split for eval
 
     def _all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
-        out = tensor.detach().clone()
-        return out.double() if op == "mean" and not out.is_floating_point() else out
+        return tensor.detach().clone()
 
     def _broadcast(self, obj: Any, src: int) -> Any:
         return obj

@@ -163,8 +163,6 @@ class HorovodStrategy(Strategy):
 
     def _all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         work = tensor.detach().to(self.device)
-        if op == "mean" and not work.is_floating_point():
-            work = work.double()
         hvd_op = self._hvd.Average if op == "mean" else self._hvd.Sum
         return self._hvd.allreduce(work, op=hvd_op).to(tensor.device)
 
