@@ -5,6 +5,8 @@ Each case runs on real processes (gloo on loopback for ddp; a single process for
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -34,6 +36,12 @@ def _on_rank_check_contract(strategy_name: str) -> dict:
     out["gather"] = s.all_gather(torch.tensor([rank, 10 + rank])).tolist()
     out["gather_obj"] = s.all_gather_object(f"r{rank}")
     s.barrier()
+    with s.main_process_first():
+        entered = time.time()
+        if s.is_main:
+            time.sleep(0.3)
+        left = time.time()
+    out["first"] = s.all_gather(torch.tensor([entered, left], dtype=torch.float64)).tolist()
     out["sampler"] = s.sampler_kwargs()
     with pytest.raises(distkit.ConfigurationError, match="reduce op"):
         s.all_reduce(t, op="max")
@@ -88,6 +96,8 @@ def check_contract_results(results: list[dict], world: int) -> None:
         assert r["gather"] == [[k, 10 + k] for k in ranks]
         assert r["gather_obj"] == [f"r{k}" for k in ranks]
         assert r["sampler"] == {"num_replicas": world, "rank": r["rank"]}
+        main_left = r["first"][0][1]
+        assert all(entered >= main_left for entered, _ in r["first"][1:]), "rank 0 went first"
         assert r["unwrap_is_model"]
         weights = r["weights_after_setup"]
         assert all(w == weights[0] for w in weights), "ranks start from different weights"
