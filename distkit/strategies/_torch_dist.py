@@ -66,15 +66,25 @@ def init_process_group(
 
 
 def _attempt_store(timeout: timedelta) -> dist.Store:
-    """The launcher's rendezvous store, scoped to this restart attempt.
+    """The launcher's rendezvous store, scoped to this restart attempt and this process group.
 
-    Under ``torchrun --max-restarts`` the restarted workers meet in the same store as the
-    failed ones; without a per-attempt prefix, gloo reads the dead workers' addresses and the
-    restart fails ("connectFullMesh failed ... Connection refused").
+    torchrun's agent keeps one store for the whole job, and torch names every new default
+    group "0" again, so every group would write the same keys. Under ``--max-restarts`` the
+    restarted workers would read the dead workers' addresses; and a second Trainer in the
+    same worker (a sweep) would read the first group's, while a slower rank may still use
+    them: "connectFullMesh failed", "Connection reset by peer", or a hang. So each group gets
+    its own prefix, numbered by a per-rank counter kept in that store: every rank creates
+    its groups in the same order, so the numbers agree, and a rank that races ahead to
+    group n never touches a key a late rank still reads in group n - 1.
+
+    Without torchrun's agent (MASTER_ADDR/PORT set by hand) rank 0 hosts the store, and it
+    may go when rank 0 destroys its group, under a rank that already started the next one.
     """
-    store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+    store, rank, _ = next(dist.rendezvous("env://", timeout=timeout))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"distkit/attempt_{attempt}", store)
+    scope = f"distkit/attempt_{attempt}"
+    group = store.add(f"{scope}/rank_{rank}/groups", 1)
+    return dist.PrefixStore(f"{scope}/group_{group}", store)
 
 
 def _require_rendezvous_env(env: LaunchEnv) -> None:
