@@ -14,24 +14,21 @@ import contextlib
 import os
 import pickle
 import random
-import tempfile
-from collections.abc import Mapping
+import re
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from distkit.errors import DistkitError
+from distkit._files import TempFile, mtime_ns, write_text
+from distkit.errors import CheckpointError
 
 FORMAT = "distkit-checkpoint"
 VERSION = 1
 LATEST = "latest"
 _PREFIX = "step-"
-
-
-class CheckpointError(DistkitError, RuntimeError):
-    """A checkpoint could not be written or read (corrupt, unsafe, or of another format)."""
 
 
 # ---------------------------------------------------------------------- state conversion
@@ -122,21 +119,34 @@ def atomic_save(payload: Mapping[str, Any], path: Path) -> None:
     """Write ``payload`` to ``path`` so that a crash leaves either the old file or the new one.
 
     Temp file in the same folder, flushed and fsynced, renamed over the target, folder fsynced.
+    The file's mode follows the umask, as with ``torch.save``.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    path = Path(path)
+    if path.is_dir():
+        raise CheckpointError(
+            f"{path} is a folder; a checkpoint is a file: pass a file path such as "
+            f"{path / 'model.pt'}"
+        )
+    with _writing(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _save_new(TempFile(path), path, payload)
+
+
+@contextlib.contextmanager
+def _writing(path: Path) -> Iterator[None]:
+    """OS errors of a write as a CheckpointError that names the file (nothing was replaced)."""
     try:
-        with os.fdopen(fd, "wb") as handle:
-            torch.save(dict(payload), handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        _require_weights_only(Path(tmp))
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
+        yield
+    except OSError as exc:
+        raise CheckpointError(
+            f"cannot write the checkpoint {path} ({type(exc).__name__}: {exc.strerror or exc}); "
+            "the previous file, if any, is unchanged. Check that the folder is writable and the "
+            "disk has room"
+        ) from exc
+
+
+def _save_new(tmp: TempFile, path: Path, payload: Mapping[str, Any]) -> None:
+    tmp.publish(path, lambda handle: torch.save(dict(payload), handle), _require_weights_only)
 
 
 def _require_weights_only(path: Path) -> None:
@@ -151,25 +161,6 @@ def _require_weights_only(path: Path) -> None:
         ) from None
 
 
-def _atomic_write_text(text: str, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(folder: Path) -> None:
-    with contextlib.suppress(OSError):  # not every filesystem lets a folder be fsynced
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def load(path: str | os.PathLike[str], map_location: torch.device | str = "cpu") -> dict[str, Any]:
     """Read a distkit checkpoint onto ``map_location``, never running pickled code.
 
@@ -178,11 +169,18 @@ def load(path: str | os.PathLike[str], map_location: torch.device | str = "cpu")
             pickled objects (refused for safety); or not a distkit checkpoint.
     """
     path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"no checkpoint at {path}")
+    _require_torch_file(path)
     try:
         payload = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
+        # torch words every weights-only failure alike; a refused class names a GLOBAL, while
+        # random bytes after a pickle header give "Unsupported operand" and the like
+        if "Unsupported global" not in str(exc):
+            detail = str(exc).partition("WeightsUnpickler error:")[2].strip().split("\n")[0]
+            raise CheckpointError(
+                f"{path} is corrupt: its pickle cannot be read ({detail or exc}). Resume from "
+                "another checkpoint"
+            ) from None
         raise CheckpointError(
             f"{path} needs pickled Python objects to load, and distkit loads checkpoints with "
             "weights_only=True so that a file can never run code. Re-save it with plain "
@@ -206,15 +204,46 @@ def load(path: str | os.PathLike[str], map_location: torch.device | str = "cpu")
     return payload
 
 
-def _mtime(path: Path) -> int:
-    try:
-        return path.stat().st_mtime_ns
-    except FileNotFoundError:
-        return 0
+# torch.save writes a zip archive; before torch 1.6 (or with _use_new_zipfile_serialization=False)
+# a raw pickle stream, which starts with the PROTO opcode
+_TORCH_MAGIC = (b"PK\x03\x04", b"\x80")
+
+
+def _require_torch_file(path: Path) -> None:
+    if path.is_dir():
+        raise CheckpointError(
+            f"{path} is a folder, not a checkpoint file: pass a file in it (step-*.pt), or "
+            f"checkpoint_dir={str(path)!r} with resume='auto' for its newest checkpoint"
+        )
+    if not path.is_file():
+        raise CheckpointError(f"no checkpoint at {path}")
+    with path.open("rb") as handle:
+        head = handle.read(4)
+    if not head:
+        raise CheckpointError(
+            f"{path} is empty (0 bytes): a copy or save that never finished? Resume from "
+            "another checkpoint"
+        )
+    if not head.startswith(_TORCH_MAGIC):
+        raise CheckpointError(
+            f"{path} is not a torch file (it starts with {head!r}; torch.save writes a zip "
+            "archive, which starts with b'PK'): pass a checkpoint written by distkit"
+        )
+
+
+_STEP_FILE = re.compile(r"step-(\d+)\.pt")
+# temp files of distkit._files.TempFile (and of tempfile.mkstemp, which earlier versions used)
+_TEMP_FILE = re.compile(r"\.(step-\d+\.pt|latest|write-check)\.\w+\.tmp")
+
+
+def step_of(path: Path) -> int | None:
+    """The step number in a ``step-XXXXXXXXX.pt`` file name (None for any other name)."""
+    match = _STEP_FILE.fullmatch(path.name)
+    return int(match.group(1)) if match else None
 
 
 class CheckpointFolder:
-    """A folder of ``step-XXXXXXXX.pt`` files with a ``latest`` pointer; keeps the last K.
+    """A folder of ``step-XXXXXXXXX.pt`` files with a ``latest`` pointer; keeps the last K.
 
     Args:
         folder: where checkpoints go (every rank must see it when resuming).
@@ -229,25 +258,66 @@ class CheckpointFolder:
         return self.folder / f"{_PREFIX}{global_step:09d}.pt"
 
     def save(self, payload: Mapping[str, Any], global_step: int) -> Path:
+        """Write the checkpoint of ``global_step``, point ``latest`` at it, prune the folder.
+
+        Temp files that killed saves (or failed ``latest`` writes) left behind are removed
+        too, so the folder holds at most ``keep_last`` checkpoints' worth of data.
+        """
         path = self.path_for(global_step)
-        atomic_save(payload, path)
-        _atomic_write_text(path.name + "\n", self.folder / LATEST)
+        with _writing(path):
+            self.folder.mkdir(parents=True, exist_ok=True)
+            tmp = TempFile(path)
+            # only rank 0 writes here, one save at a time: a temp file older than this one is
+            # left by a writer that is gone (removed first, in case the disk is full)
+            self._remove_temp_files(older_than_ns=tmp.started_ns)
+            _save_new(tmp, path, payload)
+        with _writing(self.folder / LATEST):
+            write_text(path.name + "\n", self.folder / LATEST)
         # by write time, not by step number: files a previous run left with higher step
         # numbers are older than the one just written, and go first
-        others = sorted((p for p in self.checkpoints() if p != path), key=_mtime)
+        others = sorted((p for p in self.checkpoints() if p != path), key=mtime_ns)
         for old in others[: max(0, len(others) - (self.keep_last - 1))]:
             with contextlib.suppress(FileNotFoundError):
                 old.unlink()
         return path
 
+    def _remove_temp_files(self, older_than_ns: int) -> None:
+        for entry in self.folder.iterdir():
+            if _TEMP_FILE.fullmatch(entry.name) and mtime_ns(entry) < older_than_ns:
+                with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+                    entry.unlink()
+
+    def check_writable(self) -> None:
+        """Raise :class:`CheckpointError` now if this process cannot write checkpoints here."""
+        if self.folder.exists() and not self.folder.is_dir():
+            reason = "it is a file, not a folder"
+        else:
+            try:
+                self.folder.mkdir(parents=True, exist_ok=True)
+                probe = TempFile(self.folder / ".write-check")
+                os.close(probe.fd)
+                os.unlink(probe.path)
+                return
+            except OSError as exc:
+                reason = f"{type(exc).__name__}: {exc.strerror or exc}"
+        raise CheckpointError(
+            f"cannot write checkpoints to {self.folder} ({reason}). Pass a checkpoint_dir that "
+            "rank 0 can create and write: it writes every checkpoint"
+        )
+
     def checkpoints(self) -> list[Path]:
-        """Complete checkpoint files, oldest first."""
+        """Complete checkpoint files, in step order (the highest step last)."""
         if not self.folder.is_dir():
             return []
-        return sorted(self.folder.glob(f"{_PREFIX}*.pt"))
+        found = [(step_of(p), p) for p in self.folder.glob(f"{_PREFIX}*.pt")]
+        return [p for step, p in sorted((s, p) for s, p in found if s is not None)]
 
     def latest(self) -> Path | None:
-        """The checkpoint ``latest`` names, else the newest file, else ``None``."""
+        """The checkpoint ``latest`` names, else the highest step, else ``None``.
+
+        ``resume="auto"`` goes by step numbers (see ``distkit._resume``); this is for people
+        and tools that follow the pointer.
+        """
         pointer = self.folder / LATEST
         if pointer.is_file():
             named = self.folder / pointer.read_text().strip()

@@ -45,3 +45,11 @@ class ApexNeedsCudaError(UnsupportedFeatureError):
 
 class ApexLegacyApiMissingError(UnsupportedFeatureError):
     """``strict=True`` asked for apex.amp / apex.parallel, which apex >= 25.07 removed."""
+
+
+class CheckpointError(DistkitError, RuntimeError):
+    """A checkpoint could not be written or read, or does not fit what it is resumed with.
+
+    Missing, corrupt, unsafe (needs pickled code) or of another format; or its tensors do not
+    fit the model, or its optimizer state is another optimizer's.
+    """

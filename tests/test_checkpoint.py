@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import stat
+import time
 import warnings
 from functools import partial
 from pathlib import Path
@@ -228,3 +231,67 @@ def test_checkpoint_portability_matrix(tmp_path, run_on_ranks):
             assert diff <= 1e-5, f"{source} -> {target}: max diff {diff}"
             first = resumed[0]["history"][0]["train_loss"]
             assert first == pytest.approx(reference["history"][0]["train_loss"], abs=1e-6)
+
+
+# ---------------------------------------------------------------- disk hygiene, pointer truth
+def _payload(step: int) -> dict:
+    return {"format": ckpt.FORMAT, "version": 1, "progress": {"global_step": step}}
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_checkpoint_file_mode_follows_the_umask_like_torch_save(umask, tmp_path):
+    previous = os.umask(umask)
+    try:
+        torch.save({"w": 1}, tmp_path / "by_torch.pt")
+        ckpt.atomic_save(_payload(1), tmp_path / "by_distkit.pt")
+        ckpt.CheckpointFolder(tmp_path / "folder").save(_payload(2), 2)
+    finally:
+        os.umask(previous)
+    expected = stat.S_IMODE((tmp_path / "by_torch.pt").stat().st_mode)
+    assert expected == 0o666 & ~umask
+    for path in (tmp_path / "by_distkit.pt", tmp_path / "folder" / "step-000000002.pt"):
+        assert stat.S_IMODE(path.stat().st_mode) == expected, path
+
+
+def _leftover(folder: Path, name: str, age_s: float) -> Path:
+    path = folder / name
+    path.write_bytes(b"x" * 1000)
+    old = time.time() - age_s
+    os.utime(path, (old, old))
+    return path
+
+
+def test_checkpoint_folder_save_removes_temp_files_that_killed_saves_left(tmp_path):
+    folder = ckpt.CheckpointFolder(tmp_path, keep_last=2)
+    folder.save(_payload(2), 2)
+    stale = [
+        _leftover(tmp_path, ".step-000000004.pt.k3j_x9a1.tmp", 60),  # mkstemp's naming
+        _leftover(tmp_path, ".step-000000004.pt.0123456789ab.tmp", 60),
+        _leftover(tmp_path, ".latest.00aa11bb22cc.tmp", 60),
+        _leftover(tmp_path, ".write-check.00aa11bb22cc.tmp", 60),
+    ]
+    live = _leftover(tmp_path, ".step-000000006.pt.feedfeedfeed.tmp", -60)  # being written now
+    mine = _leftover(tmp_path, ".notes.tmp", 60)  # not distkit's: never touched
+    folder.save(_payload(4), 4)
+    assert not any(path.exists() for path in stale)
+    assert live.exists() and mine.exists()
+
+
+def test_checkpoint_folder_disk_use_stays_bounded_by_keep_last(tmp_path):
+    folder = ckpt.CheckpointFolder(tmp_path, keep_last=2)
+    for step in range(1, 9):
+        _leftover(tmp_path, f".step-{step + 1:09d}.pt.{step:012x}.tmp", 60)  # a killed save
+        folder.save(_payload(step), step)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["latest", "step-000000007.pt", "step-000000008.pt"], names
+
+
+def test_checkpoint_failed_latest_write_leaves_no_temp_file(tmp_path):
+    folder = ckpt.CheckpointFolder(tmp_path, keep_last=3)
+    (tmp_path / ckpt.LATEST).mkdir()  # the pointer cannot be replaced
+    with pytest.raises(ckpt.CheckpointError, match=r"cannot write the checkpoint .*latest"):
+        folder.save(_payload(2), 2)
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+    (tmp_path / ckpt.LATEST).rmdir()
+    folder.save(_payload(4), 4)
+    assert folder.latest() == folder.path_for(4)
