@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+import os
 import random
 from typing import Any
 
@@ -23,13 +25,21 @@ def check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
         raise ConfigurationError(f"{name}={value!r}; allowed: {', '.join(allowed)}")
 
 
-def check_fit_args(model: object, optimizer: object, loss_fn: object, step_fn: object) -> None:
+def check_model(model: object) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise ConfigurationError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    return model
+
+
+def check_fit_args(model: object, optimizer: object, loss_fn: object, step_fn: object) -> None:
+    model = check_model(model)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigurationError(
             f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
         )
+    for name, fn in (("loss_fn", loss_fn), ("step_fn", step_fn)):
+        if fn is not None and not callable(fn):
+            raise ConfigurationError(f"{name} must be callable, got {type(fn).__name__}")
     if loss_fn is None and step_fn is None:
         raise ConfigurationError(
             "fit needs loss_fn (called as loss_fn(model(inputs), target)) or step_fn "
@@ -57,3 +67,89 @@ def step_scheduler(scheduler: Any, record: dict[str, float]) -> None:
         scheduler.step(record.get("val_loss", record["train_loss"]))
     else:
         scheduler.step()
+
+
+def check_seconds(name: str, value: object, *, allow_none: bool = True) -> None:
+    """A duration in seconds: a positive int/float (or None where that switches it off)."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        allowed = "a positive number of seconds" + (" or None (off)" if allow_none else "")
+        raise ConfigurationError(f"{name} must be {allowed}, got {value!r}")
+
+
+def check_flags(**values: object) -> None:
+    for name, value in values.items():
+        if not isinstance(value, bool):
+            raise ConfigurationError(f"{name} must be True or False, got {value!r}")
+
+
+def check_path(name: str, value: object, allowed: str) -> None:
+    """An optional path: a str or os.PathLike (an int or True is a mistake, not a file name)."""
+    if value is not None and not isinstance(value, (str, os.PathLike)):
+        raise ConfigurationError(f"{name} must be {allowed}, got {value!r}")
+
+
+def check_scheduler(scheduler: object, optimizer: torch.optim.Optimizer, *, per_step: bool) -> None:
+    """An LR scheduler of ``optimizer`` that can step at the chosen interval."""
+    if scheduler is None:
+        return
+    if not all(callable(getattr(scheduler, name, None)) for name in ("step", "state_dict")):
+        raise ConfigurationError(
+            f"scheduler must be a torch LR scheduler (with step() and state_dict()), got "
+            f"{type(scheduler).__name__}: e.g. torch.optim.lr_scheduler.StepLR(optimizer, 10)"
+        )
+    owner = getattr(scheduler, "optimizer", optimizer)
+    if owner is not optimizer:
+        raise ConfigurationError(
+            f"the scheduler steps another optimizer ({type(owner).__name__} at "
+            f"{id(owner):#x}) than the one passed to fit ({type(optimizer).__name__} at "
+            f"{id(optimizer):#x}), so it would change nothing; build it on fit's optimizer"
+        )
+    if per_step and isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise ConfigurationError(
+            "ReduceLROnPlateau steps on a validation metric, once per epoch, but "
+            "scheduler_interval='step' would step it after every optimizer step without one. "
+            "Use scheduler_interval='epoch' (it then steps on val_loss, or train_loss)"
+        )
+
+
+def check_validation(val_data: object, loss_fn: object, metrics: object) -> None:
+    """What fit evaluates after each epoch is computable (checked before the first epoch)."""
+    if val_data is None and metrics:
+        raise ConfigurationError(
+            "metrics are computed on val_data, and no val_data was given: pass "
+            "val_data=... to fit, or call trainer.evaluate(model, data, metrics=...) yourself"
+        )
+    if val_data is not None and loss_fn is None and not metrics:
+        raise ConfigurationError(
+            "val_data needs a loss_fn, metrics, or both to compute after each epoch (step_fn "
+            "is for training only): pass loss_fn=... or metrics=..."
+        )
+
+
+def check_loss(loss: object, source: str) -> None:
+    """What loss_fn / step_fn returned can be backpropagated (checked every micro-batch)."""
+    if not isinstance(loss, torch.Tensor):
+        raise ConfigurationError(
+            f"{source} returned a {type(loss).__name__}, not a tensor: return the batch-mean "
+            "loss as a scalar torch.Tensor computed from the model's output"
+        )
+    if torch.is_grad_enabled() and not loss.requires_grad:
+        raise ConfigurationError(
+            f"{source} returned a tensor that does not require grad, so backward cannot reach "
+            "the model: compute it from the model's output, without .item(), .detach() or "
+            "torch.no_grad()"
+        )
+
+
+def as_score(name: str, value: object) -> float:
+    """A metric's value as a plain float (numpy scalars, ints and 1-element tensors too)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value.item())
+    if isinstance(value, numbers.Real):  # numpy's number types register as Real
+        return float(value)
+    raise ConfigurationError(
+        f"metric {name!r} returned a {type(value).__name__} ({value!r:.60}); Metric.compute "
+        "must return a number or a dict of numbers"
+    )

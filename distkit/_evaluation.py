@@ -26,6 +26,11 @@ def named_metrics(metrics: Metrics | None) -> dict[str, Metric]:
     else:
         items = [(type(m).__name__.lower(), m) for m in metrics]
     for name, metric in items:
+        if isinstance(metric, type) and issubclass(metric, Metric):
+            raise ConfigurationError(
+                f"metric {name!r} is the class {metric.__name__}; pass an instance: "
+                f"{metric.__name__}()"
+            )
         if not isinstance(metric, Metric):
             raise ConfigurationError(
                 f"metric {name!r} is a {type(metric).__name__}, not a distkit.metrics.Metric; "

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from distkit._checks import check_loss
 from distkit.batch import batch_size_of, split_batch, to_device
 from distkit.data import GlobalBatchPlan, PlanBatchSampler, reseed_workers
 from distkit.errors import DistkitError
@@ -95,6 +96,7 @@ class TrainLoop:
                 with sync:
                     with strategy.autocast():
                         loss = self._loss(batch)
+                    check_loss(loss, "loss_fn" if self.step_fn is None else "step_fn")
                     loss = strategy.reduce_loss(loss, batch_size_of(batch))
                     if self.nonfinite == "raise" and not torch.isfinite(loss):
                         raise NonFiniteLossError(

@@ -6,6 +6,7 @@ import importlib.metadata
 import os
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -13,7 +14,9 @@ from torch import nn
 
 import distkit
 from distkit import checkpoint as ckpt
+from distkit._files import mtime_ns
 from distkit._loop import FitState
+from distkit.errors import ConfigurationError
 from distkit.strategies.base import Strategy
 
 
@@ -25,6 +28,20 @@ class Run:
     optimizer: torch.optim.Optimizer  # the user's
     scheduler: Any
     state: FitState
+    train_samples: int  # len(train_data): a mid-epoch position means something only for it
+
+
+@dataclass(frozen=True)
+class Found:
+    """A checkpoint to resume from, and how to name it in messages."""
+
+    label: str  # the file name and its step, e.g. "step-000000004.pt (step 4)"
+    payload: dict[str, Any]
+
+    @classmethod
+    def of(cls, path: str | os.PathLike[str], payload: dict[str, Any]) -> Found:
+        step = payload.get("progress", {}).get("global_step")
+        return cls(f"{Path(path).name} (step {step})", payload)
 
 
 def _version(package: str) -> str | None:
@@ -34,23 +51,16 @@ def _version(package: str) -> str | None:
         return None
 
 
-def build_payload(
-    strategy: Strategy,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
-    state: FitState,
-    extra: dict[str, Any] | None = None,
-) -> dict[str, Any] | None:
-    """The checkpoint dict on rank 0 (``None`` elsewhere). A collective: call on every rank.
+def rank_state(state: FitState) -> dict[str, Any]:
+    """What each rank adds to a checkpoint: its RNG states and partial loss sums."""
+    return {"rng": ckpt.rng_state(), "loss_sum": float(state.loss_sum), "samples": state.samples}
 
-    ``model`` is the user's unwrapped module.
-    """
-    per_rank = strategy.all_gather_object(
-        {"rng": ckpt.rng_state(), "loss_sum": float(state.loss_sum), "samples": state.samples}
-    )
-    if not strategy.is_main:
-        return None
+
+def build_payload(
+    strategy: Strategy, run: Run, extra: dict[str, Any] | None, ranks: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The checkpoint dict (built on rank 0) from ``run`` and every rank's :func:`rank_state`."""
+    state = run.state
     backend_state = strategy.state_dict()
     scaler = backend_state.get("scaler") or ckpt.amp_to_grad_scaler(backend_state.get("amp", {}))
     return {
@@ -60,22 +70,24 @@ def build_payload(
             "strategy": strategy.name,
             "precision": strategy.options.precision,
             "world_size": strategy.world_size,
+            "optimizer": type(run.optimizer).__name__,
             "distkit": distkit.__version__,
             "torch": str(torch.__version__),
             "horovod": _version("horovod"),
             "apex": _version("apex"),
         },
-        "model": ckpt.model_state(model),
-        "optimizer": optimizer.state_dict(),
+        "model": ckpt.model_state(run.model),
+        "optimizer": run.optimizer.state_dict(),
         "scaler": scaler,
-        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "scheduler": run.scheduler.state_dict() if run.scheduler is not None else None,
         "progress": {
             "epoch": state.epoch,
             "position": state.position,
             "global_step": state.global_step,
             "skipped_steps": state.skipped_steps,
+            "train_samples": run.train_samples,
         },
-        "ranks": per_rank,
+        "ranks": ranks,
         "history": [dict(record) for record in state.history],
         "extra": extra or {},
     }
@@ -119,24 +131,125 @@ def restore_run(payload: dict[str, Any], strategy: Strategy, scheduler: Any, see
     return state
 
 
-def find_resume_payload(
+def find_resume(
     resume: str | os.PathLike[str] | None,
     folder: ckpt.CheckpointFolder | None,
     device: torch.device,
-) -> dict[str, Any] | None:
-    """The checkpoint to resume from: a path, the latest in ``folder`` ("auto"), or none."""
+) -> Found | None:
+    """The checkpoint to resume from: a path, the newest readable one in ``folder`` ("auto"),
+    or none.
+
+    "auto" goes by the step numbers in the file names, the highest first, falling back to the
+    one before when a file is unreadable; the ``latest`` pointer is only a hint, checked
+    against the choice (it can lag behind after a crash between the file and the pointer).
+    """
     if resume is None:
         return None
     if str(resume) != "auto":
-        return ckpt.load(resume, map_location=device)
+        return Found.of(resume, ckpt.load(resume, map_location=device))
     if folder is None:
         return None
-    latest = folder.latest()
-    candidates = [latest] if latest is not None else []
-    candidates += [p for p in reversed(folder.checkpoints()) if p != latest]
-    for path in candidates:
+    for path in reversed(folder.checkpoints()):
         try:
-            return ckpt.load(path, map_location=device)
+            found = Found.of(path, ckpt.load(path, map_location=device))
         except ckpt.CheckpointError as exc:  # fall back to the previous complete one
             warnings.warn(f"skipping unreadable checkpoint: {exc}", stacklevel=2)
+            continue
+        _compare_with_pointer(folder, path)
+        return found
     return None
+
+
+def _compare_with_pointer(folder: ckpt.CheckpointFolder, chosen: Path) -> None:
+    pointed = folder.latest()
+    if pointed is None or pointed == chosen:
+        return
+    if mtime_ns(pointed) > mtime_ns(chosen):  # written after the chosen one: another run's
+        warnings.warn(
+            f"resuming from {chosen.name}, the highest step in {folder.folder}, although "
+            f"'latest' names {pointed.name}, written after it: the folder holds files of two "
+            "runs. Give each run its own checkpoint_dir",
+            stacklevel=3,
+        )
+
+
+def check_fits(
+    found: Found,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    train_samples: int | None = None,
+) -> None:
+    """Refuse, naming the difference, a checkpoint that does not fit this model, optimizer or
+    training data (checked before anything is loaded, so a refused fit changes nothing)."""
+    for key in ("model", "progress"):
+        if not isinstance(found.payload.get(key), dict):
+            raise ckpt.CheckpointError(
+                f"{found.label} has no {key} state: it is not a checkpoint distkit can resume "
+                "from (write checkpoints with Trainer.save_checkpoint or checkpoint_dir=...)"
+            )
+    _check_model_fits(found, model)
+    _check_optimizer_fits(found, optimizer)
+    if train_samples is None:
+        return
+    progress = found.payload["progress"]
+    position, saved = int(progress["position"]), progress.get("train_samples")
+    if position and (position >= train_samples or saved not in (None, train_samples)):
+        of = "" if saved is None else f" of {saved}"
+        raise ConfigurationError(
+            f"{found.label} stopped mid-epoch after {position}{of} samples; train_data has "
+            f"{train_samples}. A mid-epoch resume continues the epoch's order, which depends on "
+            "the data's length: resume with the same train_data, or from a checkpoint saved at "
+            "the end of an epoch (checkpoint_every='epoch')"
+        )
+
+
+def _check_model_fits(found: Found, model: nn.Module) -> None:
+    saved = ckpt.strip_wrapper_prefix(found.payload["model"])
+    current = model.state_dict()
+    problems = [
+        f"{key}: checkpoint {tuple(saved[key].shape)}, model {tuple(value.shape)}"
+        for key, value in current.items()
+        if key in saved and isinstance(value, torch.Tensor) and saved[key].shape != value.shape
+    ]
+    missing = [key for key in current if key not in saved]
+    unexpected = [key for key in saved if key not in current]
+    if missing:
+        problems.append(f"not in the checkpoint: {', '.join(missing[:5])}")
+    if unexpected:
+        problems.append(f"not in the model: {', '.join(unexpected[:5])}")
+    if problems:
+        raise ckpt.CheckpointError(
+            f"{found.label} does not fit this model: {'; '.join(problems[:5])}. Resume with the "
+            "model it was saved from (same layers and sizes)"
+        )
+
+
+def _check_optimizer_fits(found: Found, optimizer: torch.optim.Optimizer) -> None:
+    state = found.payload.get("optimizer")
+    if not state:
+        return
+    name, mine = found.payload.get("producer", {}).get("optimizer"), type(optimizer).__name__
+    groups = state.get("param_groups", [])
+    saved_keys = set().union(*(g.keys() for g in groups)) if groups else set()
+    my_keys = set().union(*(g.keys() for g in optimizer.param_groups))
+    # a newer torch adds settings to an optimizer (and fills them in when loading); two
+    # optimizers differ when each has settings the other lacks (SGD's momentum, Adam's betas)
+    other_kind = (name is not None and name != mine) or (
+        name is None and saved_keys - my_keys and my_keys - saved_keys
+    )
+    fix = (
+        "Resume with the optimizer it was saved with, or start this one afresh from the "
+        "weights alone: model.load_state_dict(distkit.checkpoint.load(path)['model'])"
+    )
+    if other_kind:
+        raise ckpt.CheckpointError(
+            f"{found.label} holds the optimizer state of {name or 'another optimizer'}; this "
+            f"optimizer is {mine}. {fix}"
+        )
+    sizes = [len(g["params"]) for g in groups]
+    my_sizes = [len(g["params"]) for g in optimizer.param_groups]
+    if sizes != my_sizes:
+        raise ckpt.CheckpointError(
+            f"{found.label} holds optimizer state for parameter groups of sizes {sizes}; this "
+            f"optimizer's are {my_sizes}. {fix}"
+        )

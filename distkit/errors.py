@@ -47,6 +47,20 @@ class ApexLegacyApiMissingError(UnsupportedFeatureError):
     """``strict=True`` asked for apex.amp / apex.parallel, which apex >= 25.07 removed."""
 
 
+class RankDisagreementError(DistkitError, RuntimeError):
+    """The ranks cannot run a collective call together; every rank raises it instead of hanging.
+
+    They differ in what must match (the checkpoint they resume from, data lengths, model
+    shapes, settings), some of them failed to prepare the call, they are in different calls
+    (``save_checkpoint`` on rank 0 only), or another rank left while this one waited. The
+    message names the ranks and their values.
+    """
+
+
+class TrainerClosedError(DistkitError, RuntimeError):
+    """The trainer was closed (by ``close()``, or after a failed multi-process ``fit``)."""
+
+
 class CheckpointError(DistkitError, RuntimeError):
     """A checkpoint could not be written or read, or does not fit what it is resumed with.
 

@@ -12,22 +12,26 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from distkit import _resume
+from distkit import _agreement, _resume
 from distkit import checkpoint as ckpt
 from distkit._checks import (
+    as_score,
     check_choice,
-    check_fit_args,
+    check_flags,
     check_ints,
+    check_path,
+    check_seconds,
     seed_generators,
     step_scheduler,
 )
-from distkit._evaluation import LossFn, Metrics, evaluate_shard, named_metrics
+from distkit._evaluation import LossFn, Metrics, evaluate_shard
 from distkit._faults import fail_fast
 from distkit._loop import NONFINITE_POLICIES, FitState, StepFn, TrainLoop
+from distkit._preparation import prepare_evaluate, prepare_fit, prepare_save
 from distkit._resume import Run
 from distkit._setups import SetupCache
-from distkit.data import GlobalBatchPlan, LoaderSpec
-from distkit.errors import ConfigurationError
+from distkit.data import LoaderSpec
+from distkit.errors import ConfigurationError, TrainerClosedError
 from distkit.precision import normalize_precision
 from distkit.registry import make_strategy
 from distkit.strategies.base import Strategy, TrainOptions
@@ -102,6 +106,7 @@ class Trainer:
         nonfinite: str = "raise",
         fault_timeout: float | None = 10.0,
     ) -> None:
+        check_seconds("fault_timeout", fault_timeout)
         check_ints(max_epochs=(max_epochs, 0), batch_size=(batch_size, 1),
                     grad_accum_steps=(grad_accum_steps, 1), num_workers=(num_workers, 0),
                     keep_last=(keep_last, 1))  # fmt: skip
@@ -111,6 +116,16 @@ class Trainer:
             check_ints(max_steps=(max_steps, 1))
         if checkpoint_every != "epoch":
             check_ints(checkpoint_every=(checkpoint_every, 1))
+        check_ints(seed=(seed, 0))
+        check_flags(
+            shuffle=shuffle,
+            sync_batchnorm=sync_batchnorm,
+            find_unused_parameters=find_unused_parameters,
+            progress=progress,
+            drop_last=drop_last,
+        )
+        check_path("resume", resume, "'auto', a checkpoint path, or None")
+        check_path("checkpoint_dir", checkpoint_dir, "a folder path (str or os.PathLike) or None")
         if str(resume) == "auto" and checkpoint_dir is None:
             raise ConfigurationError("resume='auto' needs checkpoint_dir=... to look in")
         self.max_epochs = max_epochs
@@ -143,7 +158,7 @@ class Trainer:
         self._setups = SetupCache(self.strategy)
         self._finalizer = weakref.finalize(self, self._setups.shutdown)
         self._run: Run | None = None
-        self._pending: dict[str, Any] | None = None  # a loaded checkpoint for the next fit
+        self._pending: _resume.Found | None = None  # a loaded checkpoint for the next fit
         if self.strategy.device.type == "cuda":
             torch.backends.cudnn.benchmark = True
 
@@ -163,6 +178,14 @@ class Trainer:
     @property
     def device(self) -> torch.device:
         return self.strategy.device
+
+    @property
+    def closed(self) -> bool:
+        """Whether the trainer was closed (``close()``, or a failed multi-process ``fit``).
+
+        A closed trainer cannot fit, evaluate or save: create a new one.
+        """
+        return not self._finalizer.alive
 
     def close(self) -> None:
         """Tear the strategy down (destroys a process group distkit created). Idempotent."""
@@ -198,19 +221,21 @@ class Trainer:
             scheduler: an LR scheduler, stepped per ``scheduler_interval``.
             step_fn: ``step_fn(model, batch)`` -> loss, for batches of any other layout.
         """
-        check_fit_args(model, optimizer, loss_fn, step_fn)
+        self._require_open("fit")
         strategy = self.strategy
-        spec = self._loader_spec(train_data, "train_data", shuffle=self.shuffle)
-        plan = GlobalBatchPlan(
-            len(spec), batch_size=spec.batch_size, world_size=strategy.world_size,
-            rank=strategy.rank, grad_accum_steps=self.grad_accum_steps, shuffle=spec.shuffle,
-            seed=self.seed, drop_last=spec.drop_last or self.drop_last,
-        )  # fmt: skip
-        loader, sampler = spec.train_loader(plan, seed=self.seed + strategy.rank)
-        payload = self._pending or _resume.find_resume_payload(
-            self.resume, self.checkpoints, strategy.device
+        # every rank checks its arguments and finds its checkpoint, then all agree (or all
+        # raise) before the first collective of the set-up
+        prepared, _ = _agreement.exchange(
+            strategy,
+            "fit",
+            lambda: prepare_fit(
+                self, model, optimizer, train_data, loss_fn, val_data, metrics, scheduler, step_fn
+            ),
         )
         self._pending = None
+        spec, plan = prepared.spec, prepared.plan
+        loader, sampler = spec.train_loader(plan, seed=self.seed + strategy.rank)
+        payload = None if prepared.found is None else prepared.found.payload
         if payload is not None:
             _resume.load_weights(payload, model, optimizer)
         wrapped, dist_optimizer = self._setups.setup(model, optimizer)
@@ -219,7 +244,7 @@ class Trainer:
         else:
             state = FitState()
             seed_generators(self.seed + strategy.rank)
-        self._run = Run(model, optimizer, scheduler, state)
+        self._run = Run(model, optimizer, scheduler, state, len(spec))
         loop = TrainLoop(
             strategy, wrapped, dist_optimizer, loader, sampler, plan, loss_fn, step_fn,
             scheduler, self.scheduler_interval == "step", self.nonfinite, self.seed,
@@ -268,13 +293,28 @@ class Trainer:
     ) -> None:
         """Save the latest ``fit``'s run to ``path`` (atomically, by rank 0).
 
-        Call it on every rank: each rank's RNG state is gathered into the file. ``extra`` holds
-        your own tensors/numbers/strings (no arbitrary objects: the file loads weights-only).
+        A collective: call it on every rank (each rank's RNG state is gathered into the file,
+        which rank 0 writes). Called on some ranks only, it raises
+        :class:`~distkit.errors.RankDisagreementError` there instead of hanging. ``extra``
+        holds your own tensors/numbers/strings (no arbitrary objects: the file loads
+        weights-only).
         """
-        payload = self._payload(extra)
+        self._require_open("save_checkpoint")
+        payload = self._payload(extra, path)
+        failure = None
         if payload is not None:
-            ckpt.atomic_save(payload, Path(path))
-        self.strategy.barrier()
+            try:
+                ckpt.atomic_save(payload, Path(path))
+            except Exception as exc:
+                failure = exc
+        # in place of a barrier: every rank learns whether rank 0 wrote the file
+        outcome = self.strategy.broadcast(
+            None if failure is None else f"{type(failure).__name__}: {failure}", src=0
+        )
+        if failure is not None:
+            raise failure
+        if outcome is not None:
+            raise ckpt.CheckpointError(f"rank 0 could not write the checkpoint: {outcome}")
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, Any]:
         """Load a checkpoint onto this rank's device; the next ``fit`` continues from it.
@@ -282,19 +322,25 @@ class Trainer:
         Model and optimizer states go into the latest ``fit``'s objects at once, if there are
         any. Returns ``{"producer", "progress", "extra"}`` from the file.
         """
-        payload = ckpt.load(path, map_location=self.strategy.device)
+        self._require_open("load_checkpoint")
+        found = _resume.Found.of(path, ckpt.load(path, map_location=self.strategy.device))
         if self._run is not None:
-            _resume.load_weights(payload, self._run.model, self._run.optimizer)
-        self._pending = payload
-        return {key: payload.get(key) for key in ("producer", "progress", "extra")}
+            _resume.check_fits(found, self._run.model, self._run.optimizer)
+            _resume.load_weights(found.payload, self._run.model, self._run.optimizer)
+        self._pending = found
+        return {key: found.payload.get(key) for key in ("producer", "progress", "extra")}
 
-    def _payload(self, extra: dict[str, Any] | None) -> dict[str, Any] | None:
-        if self._run is None:
-            raise ConfigurationError("save_checkpoint needs a model: call fit(...) first")
-        run = self._run
-        return _resume.build_payload(
-            self.strategy, run.model, run.optimizer, run.scheduler, run.state, extra
+    def _payload(
+        self, extra: dict[str, Any] | None, path: str | os.PathLike[str] | None = None
+    ) -> dict[str, Any] | None:
+        """The checkpoint on rank 0 (None elsewhere): a collective that every rank joins."""
+        _, ranks = _agreement.exchange(
+            self.strategy, "save_checkpoint", lambda: prepare_save(self, extra, path)
         )
+        if not self.is_main:
+            return None
+        assert self._run is not None
+        return _resume.build_payload(self.strategy, self._run, extra, ranks)
 
     def _save_to_folder(self) -> None:
         assert self.checkpoints is not None and self._run is not None
@@ -309,19 +355,31 @@ class Trainer:
     ) -> dict[str, float]:  # fmt: skip
         """Loss and metrics over ``data``, each sample counted exactly once over all ranks.
 
-        Returns the same dict on every rank: ``{"loss": ..., <metric name>: ...}``.
+        A collective: call it on every rank, with the whole ``data`` (distkit shards it).
+        Returns the same dict on every rank: ``{"loss": ..., <metric name>: ...}``, plain
+        floats (a metric's numpy or tensor scalars are converted).
         """
-        named = named_metrics(metrics)
-        if loss_fn is None and not named:
-            raise ConfigurationError("evaluate needs a loss_fn, metrics, or both")
+        self._require_open("evaluate")
         strategy = self.strategy
-        loader = self._loader_spec(data, "val_data", shuffle=False).eval_loader(
+        (named, spec), _ = _agreement.exchange(
+            strategy, "evaluate", lambda: prepare_evaluate(self, model, data, loss_fn, metrics)
+        )
+        loader = spec.eval_loader(
             world_size=strategy.world_size, rank=strategy.rank, seed=self.seed + strategy.rank
         )
         wrapped = self._setups.wrapped(model)
-        return evaluate_shard(strategy, strategy.eval_model(wrapped), loader, loss_fn, named)
+        scores = evaluate_shard(strategy, strategy.eval_model(wrapped), loader, loss_fn, named)
+        return {key: as_score(key, value) for key, value in scores.items()}
 
     # ------------------------------------------------------------------ helpers
+    def _require_open(self, call: str) -> None:
+        if self.closed:
+            raise TrainerClosedError(
+                f"{call}() on a closed trainer: the trainer is closed; create a new Trainer (a "
+                "trainer closes on close(), at the end of its with-block, and when a "
+                "multi-process fit fails)"
+            )
+
     def _loader_spec(self, data: Any, what: str, *, shuffle: bool) -> LoaderSpec:
         return LoaderSpec.from_data(
             data, batch_size=self.batch_size, shuffle=shuffle, num_workers=self.num_workers,

@@ -158,7 +158,13 @@ def test_checkpoint_resume_mid_epoch_is_exact(strategy, world, batch, tmp_path, 
     folder = str(tmp_path / "ckpt")
     run_on_ranks(partial(_train, max_steps=5, every=5), strategy, batch, folder, world_size=world)
     saved = ckpt.load(ckpt.CheckpointFolder(folder).latest())
-    assert saved["progress"] == {"epoch": 0, "position": 40, "global_step": 5, "skipped_steps": 0}
+    assert saved["progress"] == {
+        "epoch": 0,
+        "position": 40,
+        "global_step": 5,
+        "skipped_steps": 0,
+        "train_samples": 64,
+    }
     assert not any(key.startswith("module.") for key in saved["model"])
     resumed = run_on_ranks(
         partial(_train, resume="auto"), strategy, batch, folder, world_size=world
@@ -175,8 +181,9 @@ def test_checkpoint_resume_skips_a_corrupt_latest_file(tmp_path, run_on_ranks):
     newest.write_bytes(newest.read_bytes()[:100])  # as if the disk lost it
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        payload = distkit._resume.find_resume_payload("auto", ckpt.CheckpointFolder(folder), "cpu")
-    assert payload is not None and payload["progress"]["global_step"] == 3
+        found = distkit._resume.find_resume("auto", ckpt.CheckpointFolder(folder), "cpu")
+    assert found is not None and found.payload["progress"]["global_step"] == 3
+    assert found.label == "step-000000003.pt (step 3)"
     assert any("skipping unreadable checkpoint" in str(w.message) for w in caught)
 
 
@@ -295,3 +302,58 @@ def test_checkpoint_failed_latest_write_leaves_no_temp_file(tmp_path):
     (tmp_path / ckpt.LATEST).rmdir()
     folder.save(_payload(4), 4)
     assert folder.latest() == folder.path_for(4)
+
+
+def test_checkpoint_resume_auto_takes_the_highest_step_when_latest_lags(tmp_path):
+    folder = ckpt.CheckpointFolder(tmp_path)
+    for step in (2, 4):
+        folder.save(_payload(step), step)
+    (tmp_path / ckpt.LATEST).write_text("step-000000002.pt\n")  # as if it crashed before this
+    old = time.time() - 60
+    os.utime(tmp_path / ckpt.LATEST, (old, old))
+    os.utime(folder.path_for(2), (old, old))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a lagging pointer is normal: no warning
+        found = distkit._resume.find_resume("auto", folder, "cpu")
+    assert found is not None and found.label == "step-000000004.pt (step 4)"
+
+
+def test_checkpoint_resume_auto_orders_by_step_number_not_by_name(tmp_path):
+    folder = ckpt.CheckpointFolder(tmp_path)
+    folder.save(_payload(999_999_999), 999_999_999)
+    folder.save(_payload(1_000_000_000), 1_000_000_000)  # 10 digits: sorts first by name
+    found = distkit._resume.find_resume("auto", folder, "cpu")
+    assert found is not None and found.payload["progress"]["global_step"] == 1_000_000_000
+
+
+def test_checkpoint_resume_auto_warns_about_a_second_run_in_the_folder(tmp_path):
+    folder = ckpt.CheckpointFolder(tmp_path, keep_last=5)
+    folder.save(_payload(12), 12)  # an earlier run went further
+    old = time.time() - 60
+    os.utime(folder.path_for(12), (old, old))
+    folder.save(_payload(2), 2)  # this run's latest
+    with pytest.warns(UserWarning, match="holds files of two runs"):
+        found = distkit._resume.find_resume("auto", folder, "cpu")
+    assert found is not None and found.label == "step-000000012.pt (step 12)"
+
+
+def _save_where_rank_zero_cannot_write(path: str) -> str:
+    trainer = distkit.Trainer("ddp", batch_size=4, progress=False)
+    net = nn.Linear(6, 3)
+    trainer.fit(net, torch.optim.SGD(net.parameters(), lr=0.1), make_dataset(16),
+                loss_fn=nn.functional.cross_entropy)  # fmt: skip
+    try:
+        trainer.save_checkpoint(path)
+    except ckpt.CheckpointError as exc:
+        return str(exc)
+    finally:
+        trainer.close()
+    return "no error"
+
+
+def test_checkpoint_save_failing_on_rank_zero_fails_on_every_rank(tmp_path, run_on_ranks):
+    (tmp_path / "occupied").write_text("a file, not a folder")
+    target = str(tmp_path / "occupied" / "c.pt")
+    messages = run_on_ranks(_save_where_rank_zero_cannot_write, target, world_size=2, timeout=60)
+    assert messages[0].startswith(f"cannot write the checkpoint {target} "), messages[0]
+    assert messages[1].startswith("rank 0 could not write the checkpoint:"), messages[1]

@@ -1,0 +1,126 @@
+"""What each collective call of the trainer checks before it starts, and what must match.
+
+Each ``prepare_*`` runs on every rank before the call's first collective and changes nothing:
+it validates the arguments (so a wrong one fails at the call, not in torch later), finds what
+the call needs, and says which values every rank must agree on (see :mod:`distkit._agreement`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from distkit import _agreement, _resume
+from distkit import checkpoint as ckpt
+from distkit._checks import (
+    check_fit_args,
+    check_model,
+    check_path,
+    check_scheduler,
+    check_validation,
+)
+from distkit._evaluation import LossFn, Metrics, named_metrics
+from distkit._loop import StepFn
+from distkit.data import GlobalBatchPlan, LoaderSpec
+from distkit.errors import ConfigurationError
+from distkit.metrics import Metric
+
+if TYPE_CHECKING:
+    from distkit.trainer import Trainer
+
+
+@dataclass(frozen=True)
+class FitPlan:
+    """What a fit found before agreeing: its data, batch plan and checkpoint."""
+
+    spec: LoaderSpec
+    plan: GlobalBatchPlan
+    found: _resume.Found | None
+
+
+def prepare_fit(
+    trainer: Trainer,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    train_data: Any,
+    loss_fn: LossFn | None,
+    val_data: Any,
+    metrics: Metrics | None,
+    scheduler: Any,
+    step_fn: StepFn | None,
+) -> _agreement.Prepared[FitPlan]:
+    check_fit_args(model, optimizer, loss_fn, step_fn)
+    check_scheduler(scheduler, optimizer, per_step=trainer.scheduler_interval == "step")
+    check_validation(val_data, loss_fn, metrics)
+    named_metrics(metrics)
+    strategy = trainer.strategy
+    spec = trainer._loader_spec(train_data, "train_data", shuffle=trainer.shuffle)
+    plan = GlobalBatchPlan(
+        len(spec), batch_size=spec.batch_size, world_size=strategy.world_size,
+        rank=strategy.rank, grad_accum_steps=trainer.grad_accum_steps, shuffle=spec.shuffle,
+        seed=trainer.seed, drop_last=spec.drop_last or trainer.drop_last,
+    )  # fmt: skip
+    val = None if val_data is None else trainer._loader_spec(val_data, "val_data", shuffle=False)
+    if trainer.checkpoints is not None and strategy.is_main:
+        trainer.checkpoints.check_writable()  # now, not after the first epoch trained
+    found = trainer._pending or _resume.find_resume(
+        trainer.resume, trainer.checkpoints, strategy.device
+    )
+    if found is not None:
+        _resume.check_fits(found, model, optimizer, len(spec))
+    agreed = {
+        "resume from": "no checkpoint" if found is None else found.label,
+        "train_data samples": str(len(spec)),
+        "batch plan": f"{spec.batch_size} per rank x {trainer.grad_accum_steps} accumulated, "
+        f"{len(plan)} micro-batches per epoch, shuffle={plan.shuffle}, "
+        f"drop_last={plan.drop_last}",
+        "val_data samples": "none" if val is None else str(len(val)),
+        "model": _agreement.describe_model(model),
+        "optimizer": f"{type(optimizer).__name__}, {len(optimizer.param_groups)} group(s)",
+        "scheduler": "none" if scheduler is None else type(scheduler).__name__,
+        "settings": f"strategy={strategy.name} {strategy.options}, "
+        f"max_epochs={trainer.max_epochs}, max_steps={trainer.max_steps}, seed={trainer.seed}, "
+        f"scheduler_interval={trainer.scheduler_interval}, nonfinite={trainer.nonfinite}, "
+        f"checkpoint_every={trainer.checkpoint_every}",
+    }
+    details = {"model": lambda: _agreement.named_shapes(model)}
+    return _agreement.Prepared(agreed, FitPlan(spec, plan, found), details=details)
+
+
+def prepare_evaluate(
+    trainer: Trainer, model: nn.Module, data: Any, loss_fn: LossFn | None, metrics: Metrics | None
+) -> _agreement.Prepared[tuple[dict[str, Metric], LoaderSpec]]:
+    check_model(model)
+    named = named_metrics(metrics)
+    if loss_fn is None and not named:
+        raise ConfigurationError("evaluate needs a loss_fn, metrics, or both")
+    spec = trainer._loader_spec(data, "val_data", shuffle=False)
+    agreed = {"data samples": str(len(spec)), "metrics": ", ".join(named) or "none"}
+    return _agreement.Prepared(agreed, (named, spec))
+
+
+def prepare_save(
+    trainer: Trainer, extra: object, path: str | os.PathLike[str] | None
+) -> _agreement.Prepared[None]:
+    run = trainer._run
+    if run is None:
+        raise ConfigurationError("save_checkpoint needs a model: call fit(...) first")
+    if extra is not None and not isinstance(extra, dict):
+        raise ConfigurationError(
+            "extra must be a dict (of tensors, numbers, strings, lists and dicts), got "
+            f"{type(extra).__name__}"
+        )
+    if path is not None:
+        check_path("path", path, "a file path (str or os.PathLike)")
+        if trainer.is_main and Path(path).is_dir():  # rank 0 writes
+            raise ckpt.CheckpointError(
+                f"{path} is a folder; a checkpoint is a file: pass a path such as "
+                f"{Path(path) / 'model.pt'}"
+            )
+    shared = _resume.rank_state(run.state)
+    return _agreement.Prepared({"global step": str(run.state.global_step)}, None, shared)

@@ -1,0 +1,699 @@
+"""Hostile inputs: every wrong argument gets an error at the call that is wrong, of a typed
+distkit error (or the builtin it subclasses), naming what was given and the fix; inputs that
+look odd but are valid give the correct result.
+
+Each case is one row: what to do, the error type, and a phrase of its message. Single process
+(strategy "dp"); the multi-process disagreements are in tests/test_agreement.py.
+"""
+
+from __future__ import annotations
+
+import re
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
+
+import distkit
+from distkit import checkpoint as ckpt
+from distkit.errors import ConfigurationError, RankDisagreementError, TrainerClosedError
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore::UserWarning")]
+
+
+# ---------------------------------------------------------------- a small run to be hostile to
+def _data(n: int = 8) -> TensorDataset:
+    generator = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(n, 3, generator=generator), torch.arange(n) % 2)
+
+
+def _trainer(**kwargs: Any) -> distkit.Trainer:
+    return distkit.Trainer("dp", **{"batch_size": 4, "progress": False, **kwargs})
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Linear(3, 2)
+
+
+def _untrained(model: nn.Module, batch: Any) -> torch.Tensor:
+    raise AssertionError("a training step ran before the bad input was reported")
+
+
+def _fit(trainer: distkit.Trainer | None = None, **kwargs: Any) -> Any:
+    """fit a tiny classifier; keyword arguments replace fit's (model, optimizer included)."""
+    trainer = trainer or _trainer()
+    model = kwargs.pop("model", None) or _model()
+    optimizer = kwargs.pop("optimizer", None) or torch.optim.SGD(model.parameters(), lr=0.1)
+    data = kwargs.pop("train_data", _data())
+    kwargs.setdefault("loss_fn", nn.functional.cross_entropy)
+    return trainer.fit(model, optimizer, data, **kwargs)
+
+
+def _fit_untrained(**kwargs: Any) -> Any:
+    """fit whose training step must never run: the error must come first."""
+    return _fit(loss_fn=None, step_fn=_untrained, **kwargs)
+
+
+class _Stream(IterableDataset):
+    def __iter__(self):
+        return iter(_data())
+
+
+class _NumpyScore(distkit.Metric):
+    """A metric whose compute returns a numpy scalar, as many hand-written ones do."""
+
+    def batch_state(self, output, target):
+        return torch.stack([(output.argmax(1) == target).sum(), torch.tensor(len(target))])
+
+    def state_shape(self):
+        return (2,)
+
+    def compute(self, state):
+        return np.float64(state[0].item() / state[1].item())
+
+
+class _TextScore(_NumpyScore):
+    def compute(self, state):
+        return "good"
+
+
+class _TensorScores(_NumpyScore):
+    def compute(self, state):
+        return {"hits": state[0], "rate": np.float32(0.5), "count": int(state[1])}
+
+
+def _fitted(tmp: Path, optimizer: str = "sgd", **trainer_kwargs: Any) -> distkit.Trainer:
+    trainer = _trainer(**trainer_kwargs)
+    model = _model()
+    opt: torch.optim.Optimizer = (
+        torch.optim.Adam(model.parameters(), lr=0.01)
+        if optimizer == "adam"
+        else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    )
+    _fit(trainer, model=model, optimizer=opt)
+    return trainer
+
+
+def _saved(tmp: Path, optimizer: str = "sgd", **trainer_kwargs: Any) -> Path:
+    path = tmp / "saved.pt"
+    _fitted(tmp, optimizer, **trainer_kwargs).save_checkpoint(path)
+    return path
+
+
+def _mid_epoch_checkpoint(tmp: Path) -> Path:
+    """A checkpoint at step 1 of 2 in epoch 0 of 8 samples (position 4)."""
+    folder = tmp / "ckpt"
+    _fit(_trainer(checkpoint_dir=folder, checkpoint_every=1, max_steps=1))
+    found = ckpt.CheckpointFolder(folder).checkpoints()
+    assert found and ckpt.load(found[-1])["progress"]["position"] == 4
+    return found[-1]
+
+
+def _dp() -> distkit.Strategy:
+    strategy = distkit.DataParallelStrategy()
+    strategy.setup_environment()
+    return strategy
+
+
+def _closed() -> distkit.Trainer:
+    trainer = _trainer()
+    trainer.close()
+    return trainer
+
+
+def _write(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
+def _plateau_per_step(tmp: Path) -> Any:
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
+    trainer = _trainer(scheduler_interval="step")
+    return _fit(trainer, model=model, optimizer=optimizer, scheduler=scheduler,
+                loss_fn=None, step_fn=_untrained)  # fmt: skip
+
+
+def _scheduler_of_other_optimizer(tmp: Path) -> Any:
+    model = _model()
+    other = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(other, step_size=1)
+    return _fit_untrained(model=model, scheduler=scheduler)
+
+
+def _sgd_into_adam(tmp: Path) -> Any:
+    path = _saved(tmp, "sgd")
+    model = _model()
+    trainer = _trainer(resume=path)
+    return _fit(trainer, model=model, optimizer=torch.optim.Adam(model.parameters()),
+                loss_fn=None, step_fn=_untrained)  # fmt: skip
+
+
+def _sgd_into_adam_by_load_checkpoint(tmp: Path) -> Any:
+    path = _saved(tmp, "sgd")
+    trainer = _fitted(tmp, "adam")
+    return trainer.load_checkpoint(path)
+
+
+def _other_shapes(tmp: Path) -> Any:
+    path = _saved(tmp)
+    model = nn.Linear(3, 5)
+    return _fit_untrained(trainer=_trainer(resume=path), model=model)
+
+
+def _smaller_dataset_mid_epoch(tmp: Path) -> Any:
+    path = _mid_epoch_checkpoint(tmp)
+    return _fit_untrained(trainer=_trainer(resume=path), train_data=_data(4))
+
+
+def _unwritable_dir_is_a_file(tmp: Path) -> Any:
+    target = _write(tmp / "occupied", b"x")
+    return _fit_untrained(trainer=_trainer(checkpoint_dir=target))
+
+
+def _unwritable_dir_below_a_file(tmp: Path) -> Any:
+    _write(tmp / "occupied", b"x")
+    return _fit_untrained(trainer=_trainer(checkpoint_dir=tmp / "occupied" / "ckpt"))
+
+
+def _resume_from(data: bytes) -> Callable[[Path], Any]:
+    def act(tmp: Path) -> Any:
+        return _fit_untrained(trainer=_trainer(resume=_write(tmp / "c.pt", data)))
+
+    return act
+
+
+# ---------------------------------------------------------------- the table
+# Trainer(argument=value) -> ConfigurationError with this phrase
+TRAINER_ARGUMENTS: list[tuple[str, object, str]] = [
+    ("max_epochs", "3", "max_epochs must be an integer >= 0, got '3'"),
+    ("max_epochs", True, "max_epochs must be an integer >= 0, got True"),
+    ("batch_size", 0, "batch_size must be an integer >= 1, got 0"),
+    ("batch_size", 2.5, "batch_size must be an integer >= 1, got 2.5"),
+    ("grad_accum_steps", 0, "grad_accum_steps must be an integer >= 1"),
+    ("num_workers", -1, "num_workers must be an integer >= 0"),
+    ("keep_last", 0, "keep_last must be an integer >= 1"),
+    ("max_steps", 0, "max_steps must be an integer >= 1"),
+    ("checkpoint_every", 0, "checkpoint_every must be an integer >= 1"),
+    ("checkpoint_every", "step", "checkpoint_every must be"),
+    ("precision", "fp8", "unknown precision 'fp8'"),
+    ("scheduler_interval", "batch", "scheduler_interval='batch'; allowed: epoch, step"),
+    ("nonfinite", "ignore", "nonfinite='ignore'; allowed: raise, skip"),
+    ("seed", "0", "seed must be an integer >= 0, got '0'"),
+    ("shuffle", "no", "shuffle must be True or False, got 'no'"),
+    ("sync_batchnorm", 1, "sync_batchnorm must be True or False, got 1"),
+    ("resume", True, "resume must be 'auto', a checkpoint path, or None, got True"),
+    ("resume", 123, "resume must be 'auto', a checkpoint path, or None, got 123"),
+    ("resume", "auto", "resume='auto' needs checkpoint_dir"),
+    ("fault_timeout", 0, "fault_timeout must be a positive number of seconds or None (off)"),
+    ("fault_timeout", -5.0, "fault_timeout must be a positive number of seconds"),
+    ("fault_timeout", "10", "fault_timeout must be a positive number of seconds"),
+    ("checkpoint_dir", 5, "checkpoint_dir must be a folder path (str or os.PathLike) or None"),
+]
+
+
+@pytest.mark.parametrize(
+    ("argument", "value", "phrase"),
+    [pytest.param(*row, id=f"{row[0]}={row[1]!r}") for row in TRAINER_ARGUMENTS],
+)
+def test_hostile_trainer_argument_is_refused_by_name(argument, value, phrase):
+    with pytest.raises(ConfigurationError, match=re.escape(phrase)):
+        _trainer(**{argument: value})
+
+
+# (case id, what to do with a tmp folder, the error type, a phrase of its message)
+CASES: list[tuple[str, Callable[[Path], Any], type[BaseException], str]] = [
+    # Trainer(strategy) (the other Trainer arguments: TRAINER_ARGUMENTS)
+    (
+        "strategy-typo",
+        lambda t: distkit.Trainer("horvod"),
+        distkit.UnknownStrategyError,
+        "Did you mean 'horovod'?",
+    ),
+    (
+        "strategy-int",
+        lambda t: distkit.Trainer(3),
+        distkit.UnknownStrategyError,
+        "strategy must be a name or a distkit.Strategy instance, got int 3",
+    ),
+    # fit(...) arguments
+    (
+        "model-not-module",
+        lambda t: _fit(model="net", optimizer=torch.optim.SGD(_model().parameters(), lr=0.1)),
+        ConfigurationError,
+        "model must be a torch.nn.Module, got str",
+    ),
+    (
+        "optimizer-not-optimizer",
+        lambda t: _fit(optimizer=object()),
+        ConfigurationError,
+        "optimizer must be a torch.optim.Optimizer, got object",
+    ),
+    (
+        "optimizer-of-another-model",
+        lambda t: _fit(optimizer=torch.optim.SGD(_model().parameters(), lr=0.1)),
+        ConfigurationError,
+        "not parameters of the model",
+    ),
+    ("no-loss", lambda t: _fit(loss_fn=None), ConfigurationError, "fit needs loss_fn"),
+    (
+        "loss_fn-not-callable",
+        lambda t: _fit(loss_fn="cross_entropy"),
+        ConfigurationError,
+        "loss_fn must be callable, got str",
+    ),
+    (
+        "step_fn-not-callable",
+        lambda t: _fit(loss_fn=None, step_fn=3),
+        ConfigurationError,
+        "step_fn must be callable, got int",
+    ),
+    (
+        "step_fn-returns-float",
+        lambda t: _fit(loss_fn=None, step_fn=lambda m, b: 1.5),
+        ConfigurationError,
+        "step_fn returned a float, not a tensor",
+    ),
+    (
+        "step_fn-returns-constant",
+        lambda t: _fit(loss_fn=None, step_fn=lambda m, b: torch.tensor(1.0)),
+        ConfigurationError,
+        "step_fn returned a tensor that does not require grad",
+    ),
+    (
+        "step_fn-returns-none",
+        lambda t: _fit(loss_fn=None, step_fn=lambda m, b: None),
+        ConfigurationError,
+        "step_fn returned a NoneType, not a tensor",
+    ),
+    (
+        "loss_fn-returns-per-sample",
+        lambda t: _fit(loss_fn=lambda o, y: nn.functional.cross_entropy(o, y, reduction="none")),
+        ConfigurationError,
+        "Return the batch-mean loss from loss_fn / step_fn",
+    ),
+    (
+        "scheduler-of-another-optimizer",
+        _scheduler_of_other_optimizer,
+        ConfigurationError,
+        "the scheduler steps another optimizer",
+    ),
+    (
+        "scheduler-not-a-scheduler",
+        lambda t: _fit_untrained(scheduler="cosine"),
+        ConfigurationError,
+        "scheduler must be a torch LR scheduler",
+    ),
+    (
+        "plateau-per-step",
+        _plateau_per_step,
+        ConfigurationError,
+        "ReduceLROnPlateau steps on a validation metric",
+    ),
+    (
+        "train_data-str",
+        lambda t: _fit(train_data="data.csv"),
+        ConfigurationError,
+        "train_data must be a torch Dataset",
+    ),
+    (
+        "train_data-int",
+        lambda t: _fit(train_data=64),
+        ConfigurationError,
+        "train_data must be a torch Dataset",
+    ),
+    (
+        "train_data-stream",
+        lambda t: _fit(train_data=_Stream()),
+        ConfigurationError,
+        "train_data has no length (_Stream)",
+    ),
+    (
+        "train_data-empty",
+        lambda t: _fit(train_data=_data(0)),
+        ConfigurationError,
+        "train_data is empty (0 samples)",
+    ),
+    (
+        "train_data-loader-batch_sampler",
+        lambda t: _fit(train_data=DataLoader(_data(), batch_size=None)),
+        ConfigurationError,
+        "distkit must own batching",
+    ),
+    (
+        "train_data-loader-distributed-sampler",
+        lambda t: _fit(
+            train_data=DataLoader(
+                _data(), sampler=DistributedSampler(_data(), num_replicas=1, rank=0), batch_size=2
+            )
+        ),
+        ConfigurationError,
+        "uses a DistributedSampler",
+    ),
+    (
+        "drop_last-leaves-nothing",
+        lambda t: _fit(trainer=_trainer(batch_size=16, drop_last=True)),
+        ConfigurationError,
+        "drop_last=True leaves no batch",
+    ),
+    (
+        "val_data-empty",
+        lambda t: _fit_untrained(val_data=_data(0), metrics=[distkit.Accuracy()]),
+        ConfigurationError,
+        "val_data is empty (0 samples)",
+    ),
+    (
+        "val_data-stream",
+        lambda t: _fit_untrained(val_data=_Stream(), metrics=[distkit.Accuracy()]),
+        ConfigurationError,
+        "val_data has no length",
+    ),
+    (
+        "val_data-nothing-to-compute",
+        lambda t: _fit_untrained(val_data=_data()),
+        ConfigurationError,
+        "val_data needs a loss_fn, metrics, or both",
+    ),
+    (
+        "metrics-without-val_data",
+        lambda t: _fit_untrained(metrics=[distkit.Accuracy()]),
+        ConfigurationError,
+        "metrics are computed on val_data",
+    ),
+    (
+        "metric-not-a-metric",
+        lambda t: _fit_untrained(val_data=_data(), metrics={"acc": len}),
+        ConfigurationError,
+        "metric 'acc' is a builtin_function_or_method",
+    ),
+    (
+        "metric-class-not-instance",
+        lambda t: _fit_untrained(val_data=_data(), metrics={"acc": distkit.Accuracy}),
+        ConfigurationError,
+        "pass an instance: Accuracy()",
+    ),
+    (
+        "metric-returns-text",
+        lambda t: _trainer().evaluate(_model(), _data(), metrics={"txt": _TextScore()}),
+        ConfigurationError,
+        "metric 'txt' returned a str",
+    ),
+    # evaluate(...)
+    (
+        "evaluate-nothing-to-compute",
+        lambda t: _trainer().evaluate(_model(), _data()),
+        ConfigurationError,
+        "evaluate needs a loss_fn, metrics, or both",
+    ),
+    (
+        "evaluate-model-not-module",
+        lambda t: _trainer().evaluate("net", _data(), loss_fn=nn.functional.cross_entropy),
+        ConfigurationError,
+        "model must be a torch.nn.Module, got str",
+    ),
+    (
+        "evaluate-empty",
+        lambda t: _trainer().evaluate(_model(), _data(0), loss_fn=nn.functional.cross_entropy),
+        ConfigurationError,
+        "val_data is empty",
+    ),
+    # checkpoints
+    (
+        "checkpoint_dir-is-a-file",
+        _unwritable_dir_is_a_file,
+        ckpt.CheckpointError,
+        "cannot write checkpoints to",
+    ),
+    (
+        "checkpoint_dir-below-a-file",
+        _unwritable_dir_below_a_file,
+        ckpt.CheckpointError,
+        "cannot write checkpoints to",
+    ),
+    (
+        "resume-missing-file",
+        lambda t: _fit_untrained(trainer=_trainer(resume=t / "no.pt")),
+        ckpt.CheckpointError,
+        "no checkpoint at",
+    ),
+    (
+        "resume-random-bytes",
+        _resume_from(bytes((i * 37 + 11) % 256 for i in range(64))),
+        ckpt.CheckpointError,
+        "is not a torch file",
+    ),
+    (
+        "resume-text-file",
+        _resume_from(b"step-000000004.pt\n"),
+        ckpt.CheckpointError,
+        "is not a torch file",
+    ),
+    ("resume-empty-file", _resume_from(b""), ckpt.CheckpointError, "is empty"),
+    (
+        "resume-garbage-after-a-pickle-header",
+        _resume_from(b"\x80\x02" + b"garbage" * 9),
+        ckpt.CheckpointError,
+        "is corrupt: its pickle cannot be read (Unsupported operand",
+    ),
+    (
+        "resume-zip-that-is-not-torch",
+        lambda t: _fit_untrained(trainer=_trainer(resume=_zip(t))),
+        ckpt.CheckpointError,
+        "is not a readable checkpoint (truncated or corrupt?)",
+    ),
+    (
+        "resume-checkpoint-that-needs-code",
+        lambda t: _fit_untrained(trainer=_trainer(resume=_needs_code(t))),
+        ckpt.CheckpointError,
+        "needs pickled Python objects to load",
+    ),
+    (
+        "resume-plain-state-dict",
+        lambda t: _fit_untrained(trainer=_trainer(resume=_plain_state_dict(t))),
+        ckpt.CheckpointError,
+        "not a distkit checkpoint",
+    ),
+    (
+        "resume-distkit-file-without-model",
+        lambda t: _fit_untrained(trainer=_trainer(resume=_no_model(t))),
+        ckpt.CheckpointError,
+        "has no model state: it is not a checkpoint distkit can resume from",
+    ),
+    (
+        "resume-a-folder",
+        lambda t: _fit_untrained(trainer=_trainer(resume=t)),
+        ckpt.CheckpointError,
+        "is a folder, not a checkpoint file",
+    ),
+    (
+        "resume-sgd-into-adam",
+        _sgd_into_adam,
+        ckpt.CheckpointError,
+        "optimizer state of SGD; this optimizer is Adam",
+    ),
+    (
+        "load_checkpoint-sgd-into-adam",
+        _sgd_into_adam_by_load_checkpoint,
+        ckpt.CheckpointError,
+        "optimizer state of SGD; this optimizer is Adam",
+    ),
+    (
+        "resume-other-model-shapes",
+        _other_shapes,
+        ckpt.CheckpointError,
+        "does not fit this model: weight: checkpoint (2, 3), model (5, 3)",
+    ),
+    (
+        "resume-mid-epoch-smaller-dataset",
+        _smaller_dataset_mid_epoch,
+        ConfigurationError,
+        "stopped mid-epoch after 4 of 8 samples; train_data has 4",
+    ),
+    (
+        "save-before-fit",
+        lambda t: _trainer().save_checkpoint(t / "c.pt"),
+        ConfigurationError,
+        "save_checkpoint needs a model: call fit(...) first",
+    ),
+    (
+        "save-extra-not-a-dict",
+        lambda t: _fitted(t).save_checkpoint(t / "c.pt", extra=[1, 2]),
+        ConfigurationError,
+        "extra must be a dict",
+    ),
+    (
+        "save-extra-object",
+        lambda t: _fitted(t).save_checkpoint(t / "c.pt", extra={"f": _model()}),
+        ckpt.CheckpointError,
+        "cannot be loaded weights-only",
+    ),
+    (
+        "save-to-a-folder",
+        lambda t: _fitted(t).save_checkpoint(t),
+        ckpt.CheckpointError,
+        "is a folder",
+    ),
+    # a closed trainer
+    (
+        "fit-after-close",
+        lambda t: _fit(_closed()),
+        TrainerClosedError,
+        "the trainer is closed; create a new Trainer",
+    ),
+    (
+        "evaluate-after-close",
+        lambda t: _closed().evaluate(_model(), _data(), loss_fn=nn.functional.cross_entropy),
+        TrainerClosedError,
+        "the trainer is closed",
+    ),
+    (
+        "save-after-close",
+        lambda t: _closed().save_checkpoint(t / "c.pt"),
+        TrainerClosedError,
+        "the trainer is closed",
+    ),
+    # collectives
+    (
+        "all_reduce-op-max",
+        lambda t: _dp().all_reduce(torch.ones(2), op="max"),
+        ConfigurationError,
+        "unknown reduce op 'max'. Allowed: mean, sum",
+    ),
+    (
+        "all_reduce-list",
+        lambda t: _dp().all_reduce([1.0]),
+        ConfigurationError,
+        "all_reduce takes a torch.Tensor, got list",
+    ),
+    (
+        "all_gather-number",
+        lambda t: _dp().all_gather(3),
+        ConfigurationError,
+        "all_gather takes a torch.Tensor, got int",
+    ),
+    (
+        "broadcast-src-out-of-range",
+        lambda t: _dp().broadcast(1, src=1),
+        ConfigurationError,
+        "src=1 is not a rank; allowed 0..0",
+    ),
+]
+
+
+def _zip(tmp: Path) -> Path:
+    path = tmp / "archive.pt"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("notes.txt", "not a checkpoint")
+    return path
+
+
+class _Code:
+    """Loading an instance of a class would need to run code."""
+
+
+def _needs_code(tmp: Path) -> Path:
+    path = tmp / "code.pt"
+    torch.save({"format": ckpt.FORMAT, "version": 1, "obj": _Code()}, path)
+    return path
+
+
+def _no_model(tmp: Path) -> Path:
+    path = tmp / "no_model.pt"
+    torch.save({"format": ckpt.FORMAT, "version": 1, "progress": {"global_step": 1}}, path)
+    return path
+
+
+def _plain_state_dict(tmp: Path) -> Path:
+    path = tmp / "plain.pt"
+    torch.save(_model().state_dict(), path)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("act", "error", "phrase"), [pytest.param(*row[1:], id=row[0]) for row in CASES]
+)
+def test_hostile_input_gets_a_typed_error_naming_it(act, error, phrase, tmp_path):
+    with pytest.raises(error, match=re.escape(phrase)):
+        act(tmp_path)
+
+
+# ---------------------------------------------------------------- odd but valid: the right result
+def _numpy_metric_in_history(tmp: Path) -> None:
+    trainer = _trainer(checkpoint_dir=tmp / "ckpt")
+    result = _fit(trainer, val_data=_data(), metrics={"score": _NumpyScore()})
+    value = result.history[0]["val_score"]
+    assert type(value) is float and 0.0 <= value <= 1.0
+    saved = ckpt.load(ckpt.CheckpointFolder(tmp / "ckpt").checkpoints()[-1])  # saved and loads
+    assert type(saved["history"][0]["val_score"]) is float
+
+
+def _any_number_type_becomes_float(tmp: Path) -> None:
+    scores = _trainer().evaluate(_model(), _data(), metrics={"s": _TensorScores()})
+    assert {k: type(v) for k, v in scores.items()} == {
+        "s_hits": float, "s_rate": float, "s_count": float
+    }  # fmt: skip
+    assert scores["s_rate"] == 0.5 and scores["s_count"] == 8.0
+
+
+def _max_epochs_zero_trains_nothing(tmp: Path) -> None:
+    model = _model()
+    before = model.weight.detach().clone()
+    assert _fit(_trainer(max_epochs=0), model=model, loss_fn=None, step_fn=_untrained).history == []
+    assert torch.equal(model.weight, before)
+
+
+def _resume_auto_in_empty_folder_starts_fresh(tmp: Path) -> None:
+    result = _fit(_trainer(checkpoint_dir=tmp / "new", resume="auto"))
+    assert len(result.history) == 1
+
+
+def _resume_mid_epoch_same_dataset(tmp: Path) -> None:
+    path = _mid_epoch_checkpoint(tmp)
+    result = _fit(_trainer(resume=path))
+    assert len(result.history) == 1
+
+
+def _fit_after_failed_fit(tmp: Path) -> None:
+    trainer = _trainer()
+    with pytest.raises(ConfigurationError):
+        _fit(trainer, loss_fn="nope")
+    assert len(_fit(trainer).history) == 1  # a refused call leaves the trainer usable
+
+
+def _close_twice(tmp: Path) -> None:
+    trainer = _trainer()
+    assert not trainer.closed
+    trainer.close()
+    trainer.close()
+    assert trainer.closed
+
+
+RESULTS: list[tuple[str, Callable[[Path], None]]] = [
+    ("metric-numpy-float-becomes-float-and-saves", _numpy_metric_in_history),
+    ("metric-number-types-become-float", _any_number_type_becomes_float),
+    ("max_epochs-zero-trains-nothing", _max_epochs_zero_trains_nothing),
+    ("resume-auto-empty-folder-starts-fresh", _resume_auto_in_empty_folder_starts_fresh),
+    ("resume-mid-epoch-same-dataset", _resume_mid_epoch_same_dataset),
+    ("fit-after-refused-fit", _fit_after_failed_fit),
+    ("close-twice", _close_twice),
+]
+
+
+@pytest.mark.parametrize("check", [pytest.param(fn, id=name) for name, fn in RESULTS])
+def test_hostile_looking_input_gives_the_correct_result(check, tmp_path):
+    check(tmp_path)
+
+
+def test_hostile_single_rank_errors_keep_their_own_type(tmp_path):
+    # one process: a local error is raised as itself, never as a disagreement between ranks
+    with pytest.raises(ckpt.CheckpointError) as caught:
+        _fit_untrained(trainer=_trainer(resume=tmp_path / "missing.pt"))
+    assert not isinstance(caught.value, RankDisagreementError)
