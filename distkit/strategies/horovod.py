@@ -76,9 +76,12 @@ class HorovodStrategy(Strategy):
         return Topology(hvd.rank(), hvd.local_rank(), hvd.size(), device)
 
     def teardown(self) -> None:
-        if self._hvd_module is not None:
-            self._hvd_module.shutdown()
-            self._hvd_module = None
+        # Horovod stays initialised for the next Trainer in this process, whose hvd.init() is
+        # then a no-op; Horovod shuts itself down at exit. A fresh hvd.init() after
+        # hvd.shutdown() meets in horovodrun's rendezvous server, which can still hold the
+        # last init's addresses (it loses track of some finished scopes), and then gloo fails
+        # with "Connection refused" (2 in 8 jobs of 20 Trainers here).
+        self._hvd_module = None
         super().teardown()
 
     def _setup_model_and_optimizer(

@@ -5,7 +5,8 @@
 
 Each run builds a fresh Trainer and fits the same tiny model for a few steps. Runs take turns
 ending in three ways a user would write: ``close()``, a ``with`` block, and simply dropping the
-trainer. Every run must end with the same parameters (same seed, same data). Each rank writes
+trainer. Every run must end with the same parameters (same seed, same data), bit for bit on
+2 ranks (with 3 or more, Horovod's tensor fusion may sum in another order). Each rank writes
 ``OUT/rank<r>.json``: the runs it finished and whether they all agreed; rank 0 also prints one
 line per run.
 """
