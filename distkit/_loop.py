@@ -17,6 +17,7 @@ from distkit.batch import batch_size_of, split_batch, to_device
 from distkit.data import GlobalBatchPlan, PlanBatchSampler, reseed_workers
 from distkit.errors import DistkitError
 from distkit.strategies.base import Strategy
+from distkit.syncbn import placeholder_batch
 from distkit.timing import EpochTiming, StepTimer
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
@@ -93,8 +94,10 @@ class TrainLoop:
                 batch = to_device(batch, strategy.device)
                 timer.mark("data")
                 sync = contextlib.nullcontext() if micro.last_in_step else strategy.no_sync(model)
+                # a placeholder (no real sample here) stays out of sync BatchNorm's statistics
+                empty = placeholder_batch(model) if micro.count == 0 else contextlib.nullcontext()
                 with sync:
-                    with strategy.autocast():
+                    with empty, strategy.autocast():
                         loss = self._loss(batch)
                     check_loss(loss, "loss_fn" if self.step_fn is None else "step_fn")
                     loss = strategy.reduce_loss(loss, batch_size_of(batch))

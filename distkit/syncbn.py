@@ -5,15 +5,32 @@ all-reduces each channel's sum and count, then its sum of squared deviations, th
 differentiable all-reduce the strategy supplies, so its forward *and* backward equal plain
 BatchNorm over the whole global batch. It is not a ``SyncBatchNorm`` subclass, so DDP accepts
 it on CPU.
+
+Placeholders. A rank with no real sample in a short last global batch trains on one
+placeholder sample of loss weight 0 (see :mod:`distkit.data`). Inside :func:`placeholder_batch`
+the sync-BN layers count that rank's batch as empty: they still join every collective (no rank
+waits), but add nothing to the mean, the variance or the running statistics, so an uneven last
+batch normalises exactly as one process with the whole global batch would. Which layer each
+backend uses, and why:
+
+* CPU, every backend: :class:`GlobalBatchNorm` (sum and count zero for a placeholder).
+* DDP and apex on CUDA: :class:`MaskedSyncBatchNorm`, torch's ``SyncBatchNorm`` fed an empty
+  batch for a placeholder (torch drops zero counts from its statistics, in forward and
+  backward). Legacy apex's ``apex.parallel.SyncBatchNorm`` is not used: it takes no empty
+  batch, so it has no way to count a placeholder as no sample.
+* Horovod on CUDA: :class:`GlobalBatchNorm` over ``hvd.allreduce``; ``hvd.SyncBatchNorm``
+  cannot take an empty batch (no zero-count filtering).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 AllReduceSum = Callable[[torch.Tensor], torch.Tensor]
@@ -22,11 +39,17 @@ AllReduceSum = Callable[[torch.Tensor], torch.Tensor]
 class GlobalBatchNorm(_BatchNorm):
     """BatchNorm (1d/2d/3d inputs) whose training statistics span every rank's batch.
 
+    A rank whose batch is only a placeholder (``placeholder`` set, by :func:`placeholder_batch`)
+    adds no sample to the statistics but still takes part in every all-reduce.
+
     Args:
         num_features: channels (dimension 1 of the input).
         all_reduce_sum: differentiable sum over ranks (identity in a single process).
         eps, momentum, affine, track_running_stats: as in ``torch.nn.BatchNorm2d``.
     """
+
+    #: this rank's batch holds no real sample (set by :func:`placeholder_batch`)
+    placeholder: bool = False
 
     def __init__(
         self,
@@ -56,13 +79,18 @@ class GlobalBatchNorm(_BatchNorm):
         x = input.float()
         # two reductions (mean, then squared deviations) rather than E[x^2] - E[x]^2, which
         # cancels catastrophically for features far from zero
+        local_sum = x.sum(dims)
         local_count = torch.full((1,), input.numel() / channels, dtype=x.dtype, device=x.device)
-        packed = self._all_reduce_sum(torch.cat([x.sum(dims), local_count]))
+        if self.placeholder:
+            # nothing to add, but stay in the graph so this rank joins the backward all-reduce
+            local_sum, local_count = local_sum * 0, local_count * 0
+        packed = self._all_reduce_sum(torch.cat([local_sum, local_count]))
         count = packed[-1]
         mean = packed[:channels] / count
         shape = [1, channels] + [1] * (input.dim() - 2)
         centered = x - mean.view(shape)
-        var = self._all_reduce_sum((centered * centered).sum(dims)) / count
+        squares = (centered * centered).sum(dims)
+        var = self._all_reduce_sum(squares * 0 if self.placeholder else squares) / count
         if self.training and self.track_running_stats and self.running_mean is not None:
             assert self.running_var is not None
             with torch.no_grad():
@@ -83,6 +111,68 @@ class GlobalBatchNorm(_BatchNorm):
         if self.momentum is None:  # cumulative moving average, as torch does
             return 1.0 / float(self.num_batches_tracked)
         return self.momentum
+
+
+class MaskedSyncBatchNorm(nn.SyncBatchNorm):
+    """``torch.nn.SyncBatchNorm`` that leaves a placeholder batch out of every statistic.
+
+    For a placeholder (inside :func:`placeholder_batch`, in training) torch's layer runs on an
+    empty batch, so this rank joins the statistics all-gather and, in backward, the gradient
+    all-reduce with a count of zero. The placeholder's own output is a stand-in (the input
+    normalised by the running statistics, already updated with the global batch's): finite and
+    tied into the graph, and its loss weight is 0.
+    """
+
+    #: this rank's batch holds no real sample (set by :func:`placeholder_batch`)
+    placeholder: bool = False
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not (self.placeholder and self.training):
+            return super().forward(input)
+        # in the dtype the other ranks' statistics have (fp32 for fp16/bf16 input): torch
+        # builds an empty batch's zeros in the input's dtype, and collectives need one dtype
+        stats_dtype = torch.promote_types(input.dtype, torch.float32)
+        empty = super().forward(input[:0].to(stats_dtype))
+        return self._stand_in(input) + empty.sum()  # the sum of nothing: 0, but in the graph
+
+    def _stand_in(self, input: torch.Tensor) -> torch.Tensor:
+        mean, var = self.running_mean, self.running_var
+        if mean is None or var is None:
+            dtype = torch.promote_types(input.dtype, torch.float32)
+            mean = torch.zeros(self.num_features, dtype=dtype, device=input.device)
+            var = torch.ones_like(mean)
+        return F.batch_norm(input, mean, var, self.weight, self.bias, False, 0.0, self.eps)
+
+
+MASKED_BATCHNORMS = (GlobalBatchNorm, MaskedSyncBatchNorm)
+
+
+@contextlib.contextmanager
+def placeholder_batch(model: nn.Module) -> Iterator[None]:
+    """Within the block, ``model``'s sync-BN layers count this rank's batch as holding no sample.
+
+    Enter it around the forward pass of a placeholder micro-batch (count 0, loss weight 0).
+    Other BatchNorm layers are left alone: a per-rank BatchNorm never sees other ranks' samples.
+    """
+    layers = [layer for layer in model.modules() if isinstance(layer, MASKED_BATCHNORMS)]
+    for layer in layers:
+        layer.placeholder = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.placeholder = False
+
+
+def convert_to_masked_sync_batchnorm(module: nn.Module) -> nn.Module:
+    """Replace every BatchNorm layer in ``module`` (in place) with :class:`MaskedSyncBatchNorm`."""
+
+    def make(bn: _BatchNorm) -> nn.Module:
+        return MaskedSyncBatchNorm(
+            bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats
+        )
+
+    return replace_batchnorm(module, make, skip=MaskedSyncBatchNorm)
 
 
 def convert_to_global_batchnorm(module: nn.Module, all_reduce_sum: AllReduceSum) -> nn.Module:

@@ -1,12 +1,23 @@
-"""GlobalBatchNorm equals plain BatchNorm over the global batch, in one process and over two."""
+"""Sync BatchNorm equals plain BatchNorm over the global batch: one layer in one process and
+over two, and whole fits with uneven last batches (placeholders) on 2 and 3 ranks.
+"""
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 import torch
 from torch import nn
 
-from distkit.syncbn import GlobalBatchNorm, convert_to_global_batchnorm
+from distkit.syncbn import (
+    GlobalBatchNorm,
+    MaskedSyncBatchNorm,
+    convert_to_global_batchnorm,
+    convert_to_masked_sync_batchnorm,
+    placeholder_batch,
+)
+from tests.horovod_runner import horovodrun_path
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -249,3 +260,239 @@ def test_global_batchnorm_two_ranks_equals_full_batch_batchnorm(run_on_ranks):
     assert not torch.allclose(
         torch.tensor(results[0]["weight_grad"]), torch.tensor(results[1]["weight_grad"])
     )
+
+
+def test_placeholder_batch_marks_sync_layers_only_and_always_unmarks():
+    model = nn.Sequential(GlobalBatchNorm(3, _identity), MaskedSyncBatchNorm(3), nn.BatchNorm1d(3))
+
+    with pytest.raises(RuntimeError, match="inside"), placeholder_batch(model):
+        assert model[0].placeholder and model[1].placeholder
+        assert not hasattr(model[2], "placeholder")
+        raise RuntimeError("inside")
+
+    assert not (model[0].placeholder or model[1].placeholder)
+
+
+def test_convert_to_masked_sync_batchnorm_replaces_nested_layers_sharing_state():
+    model = _Net()
+    before = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+
+    assert convert_to_masked_sync_batchnorm(model) is model
+
+    norms = [model.features[1], model.blocks[0], model.head.norm]
+    assert all(type(norm) is MaskedSyncBatchNorm for norm in norms)
+    assert all(param is before[name] for name, param in model.named_parameters())
+    assert all(buffer is buffers[name] for name, buffer in model.named_buffers())
+
+
+REAL = 6  # rank 0's samples; rank 1 holds only a placeholder
+
+
+def _on_rank_placeholder_step():
+    import contextlib
+
+    import torch.distributed as dist
+
+    from distkit.strategies._torch_dist import differentiable_all_reduce_sum
+
+    dist.init_process_group("gloo", init_method="env://")
+    try:
+        rank = dist.get_rank()
+        model = convert_to_global_batchnorm(_model(), differentiable_all_reduce_sum)
+        x, upstream = _global_batch()
+        # rank 1's placeholder: a copy of a real sample, trained with loss weight 0
+        x_local = (x[:REAL] if rank == 0 else x[:1]).clone().requires_grad_()
+        empty = placeholder_batch(model) if rank == 1 else contextlib.nullcontext()
+        with empty:
+            out = model(x_local)
+        weight = 1.0 if rank == 0 else 0.0
+        ((out * upstream[: len(x_local)]).sum() * weight / REAL).backward()
+        bn = model[1]
+        return {
+            "out": out.detach(),
+            "x_grad": x_local.grad,
+            "weight_grad": bn.weight.grad,
+            "conv_grad": model[0].weight.grad,
+            "running_mean": bn.running_mean.clone(),
+            "running_var": bn.running_var.clone(),
+        }
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+def test_global_batchnorm_placeholder_rank_adds_nothing(run_on_ranks):
+    real, placeholder = run_on_ranks(_on_rank_placeholder_step, world_size=2, timeout=50)
+
+    model = _model()
+    x, upstream = _global_batch()
+    x = x[:REAL].clone().requires_grad_()
+    out = model(x)
+    ((out * upstream[:REAL]).sum() / REAL).backward()
+    bn = model[1]
+    torch.testing.assert_close(real["out"], out.detach(), atol=ATOL, rtol=1e-5)
+    torch.testing.assert_close(real["x_grad"], x.grad, atol=ATOL, rtol=1e-5)
+    for key, want in (("weight_grad", bn.weight.grad), ("conv_grad", model[0].weight.grad)):
+        torch.testing.assert_close(real[key] + placeholder[key], want, atol=ATOL, rtol=1e-5)
+    for result in (real, placeholder):
+        torch.testing.assert_close(result["running_mean"], bn.running_mean, atol=ATOL, rtol=0)
+        torch.testing.assert_close(result["running_var"], bn.running_var, atol=ATOL, rtol=1e-5)
+    assert torch.isfinite(placeholder["out"]).all()
+    assert not placeholder["x_grad"].any()
+
+
+# ------------------------------------------------------- uneven last batches (placeholders)
+# A rank with no real sample in a short last global batch trains on a placeholder sample of
+# loss weight 0. Sync BatchNorm must leave it out of the mean, the variance and the running
+# statistics, or the run differs from one process with the global batch.
+
+
+def _conv_bn_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+        nn.Linear(4 * 4 * 4, 3),
+    )  # fmt: skip
+
+
+def _images(n: int):
+    from torch.utils.data import TensorDataset
+
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(n, 1, 4, 4, generator=gen) * 2 + 1
+    return TensorDataset(x, (x.mean(dim=(1, 2, 3)) > 1).long() + (x[:, 0, 0, 0] > 2).long())
+
+
+def fit_bn_model(
+    strategy: str, batch_size: int, n: int, model: str, grad_accum_steps: int = 1,
+    sync_batchnorm: bool = True,
+) -> dict:  # fmt: skip
+    """Per rank (or in one process): fit a BatchNorm model, return its state and history."""
+    import distkit
+    from tests.workloads import make_bn_model, make_dataset, state_of, without_timing
+
+    torch.backends.cudnn.allow_tf32 = False  # CUDA: TF32 convolutions are not 1e-5 exact
+    torch.backends.cuda.matmul.allow_tf32 = False
+    net = _conv_bn_model() if model == "conv" else make_bn_model()
+    data = _images(n) if model == "conv" else make_dataset(n)
+    with distkit.Trainer(
+        strategy, batch_size=batch_size, max_epochs=2, grad_accum_steps=grad_accum_steps,
+        sync_batchnorm=sync_batchnorm, progress=False, seed=3,
+    ) as trainer:  # fmt: skip
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        result = trainer.fit(
+            net, optimizer, data, loss_fn=nn.functional.cross_entropy, val_data=data
+        )
+        return {"state": state_of(net), "history": without_timing(result.history)}
+
+
+# (world, batch per rank, samples, model, grad_accum_steps); each ends with a global batch
+# smaller than the world, so some rank holds a placeholder
+UNEVEN = {
+    "3-ranks-bn1d": (3, 4, 14, "bn1d", 1),  # 12 + 2: rank 2 has no sample
+    "3-ranks-conv": (3, 4, 14, "conv", 1),
+    "3-ranks-bn1d-accum": (3, 2, 14, "bn1d", 2),  # 6 + 6 | 2: rank 2 empty in a 1-micro step
+    "2-ranks-conv": (2, 4, 17, "conv", 1),  # 8 + 8 + 1: rank 1 has no sample
+    "2-ranks-conv-accum": (2, 4, 25, "conv", 2),  # 8 + 8 | 8 + 1: placeholder in a 2-micro step
+}
+
+
+def _assert_matches_one_process(results: list, case: str, atol: float = ATOL) -> None:
+    """Every rank's parameters, running statistics and history equal plain BatchNorm's."""
+    from tests.horovod_runner import RankError
+    from tests.workloads import max_abs_diff
+
+    world, batch, n, model, accum = UNEVEN[case]
+    one = fit_bn_model("ddp", world * batch, n, model, accum, sync_batchnorm=False)
+    assert len(results) == world
+    for result in results:
+        if isinstance(result, RankError):
+            raise AssertionError(str(result))
+        assert max_abs_diff(result["state"], one["state"]) <= atol  # running stats included
+        for got, want in zip(result["history"], one["history"], strict=True):
+            assert got.keys() == want.keys()
+            for key in want:  # train_loss, val_loss, ...
+                assert abs(got[key] - want[key]) <= atol, (key, got[key], want[key])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", list(UNEVEN))
+def test_sync_batchnorm_leaves_placeholders_out_under_ddp(case, run_on_ranks):
+    world, batch, n, model, accum = UNEVEN[case]
+
+    results = run_on_ranks(fit_bn_model, "ddp", batch, n, model, accum, world_size=world)
+
+    _assert_matches_one_process(results, case)
+
+
+@pytest.fixture(scope="module")
+def horovod_uneven(tmp_path_factory):
+    """{case: per-rank results} from one horovodrun launch per world size."""
+    from tests.horovod_runner import run_with_horovodrun
+
+    out: dict[str, list] = {}
+    for world in sorted({spec[0] for spec in UNEVEN.values()}):
+        cases = [case for case, spec in UNEVEN.items() if spec[0] == world]
+        calls = [(__name__, "fit_bn_model", ("horovod", *UNEVEN[case][1:]), {}) for case in cases]
+        workdir = tmp_path_factory.mktemp(f"horovod{world}")
+        per_rank = run_with_horovodrun(calls, workdir, np=world, timeout=240)
+        for i, case in enumerate(cases):
+            out[case] = [per_rank[rank][i] for rank in range(world)]
+    return out
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(horovodrun_path() is None, reason="Horovod is not installed "
+                    "(python -m distkit.horovod_build builds it; nox -s tests does)")  # fmt: skip
+@pytest.mark.parametrize("case", list(UNEVEN))
+def test_sync_batchnorm_leaves_placeholders_out_under_horovod(case, horovod_uneven):
+    _assert_matches_one_process(horovod_uneven[case], case)
+
+
+# CUDA: DDP and apex use torch's SyncBatchNorm fed an empty batch for a placeholder, Horovod
+# uses GlobalBatchNorm over hvd.allreduce. Same cases, 2 ranks; a looser tolerance, as CUDA
+# reductions run in another order than one process's.
+CUDA_CASES = [case for case, spec in UNEVEN.items() if spec[0] == 2]
+CUDA_ATOL = 1e-4
+needs_two_gpus = pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (one per rank)"
+)
+
+
+@needs_two_gpus
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", CUDA_CASES)
+def test_sync_batchnorm_on_cuda_leaves_placeholders_out_under_ddp(case, run_on_ranks):
+    world, batch, n, model, accum = UNEVEN[case]
+
+    results = run_on_ranks(fit_bn_model, "ddp", batch, n, model, accum, world_size=world)
+
+    _assert_matches_one_process(results, case, atol=CUDA_ATOL)
+
+
+@needs_two_gpus
+@pytest.mark.skipif(
+    importlib.util.find_spec("apex") is None, reason="needs NVIDIA apex and 2 CUDA GPUs"
+)
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", CUDA_CASES)
+def test_sync_batchnorm_on_cuda_leaves_placeholders_out_under_apex(case, run_on_ranks):
+    world, batch, n, model, accum = UNEVEN[case]
+
+    results = run_on_ranks(fit_bn_model, "apex", batch, n, model, accum, world_size=world)
+
+    _assert_matches_one_process(results, case, atol=CUDA_ATOL)
+
+
+@needs_two_gpus
+@pytest.mark.skipif(horovodrun_path() is None, reason="needs Horovod and 2 CUDA GPUs")
+@pytest.mark.timeout(600)
+def test_sync_batchnorm_on_cuda_leaves_placeholders_out_under_horovod(tmp_path):
+    from tests.horovod_runner import run_with_horovodrun
+
+    calls = [(__name__, "fit_bn_model", ("horovod", *UNEVEN[case][1:]), {}) for case in CUDA_CASES]
+    per_rank = run_with_horovodrun(calls, tmp_path, np=2, timeout=300)
+
+    for i, case in enumerate(CUDA_CASES):
+        _assert_matches_one_process([per_rank[0][i], per_rank[1][i]], case, atol=CUDA_ATOL)

@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from distkit._env import LaunchEnv
 from distkit.errors import ConfigurationError, LauncherMismatchError
 from distkit.strategies.base import Topology
-from distkit.syncbn import convert_to_global_batchnorm
+from distkit.syncbn import convert_to_global_batchnorm, convert_to_masked_sync_batchnorm
 
 _FAILURE_KEY = "distkit/failure"
 
@@ -125,9 +125,12 @@ def wrap_ddp(
 
 
 def convert_sync_batchnorm(model: nn.Module, device: torch.device) -> nn.Module:
-    """torch's SyncBatchNorm on CUDA; on CPU, where torch refuses it, GlobalBatchNorm over gloo."""
+    """torch's SyncBatchNorm on CUDA; on CPU, where torch refuses it, GlobalBatchNorm over gloo.
+
+    Both leave placeholder samples out of their statistics (see :mod:`distkit.syncbn`).
+    """
     if device.type == "cuda":
-        return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        return convert_to_masked_sync_batchnorm(model)
     return convert_to_global_batchnorm(model, differentiable_all_reduce_sum)
 
 

@@ -138,9 +138,10 @@ class ApexStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         return self.install is not None and self.install.has_legacy_api
 
     def convert_sync_batchnorm(self, model: nn.Module) -> nn.Module:
-        if self._legacy:
-            converted: nn.Module = self._module("apex.parallel").convert_syncbn_model(model)
-            return converted
+        # torch's SyncBatchNorm (masked) for both generations, not legacy apex's
+        # convert_syncbn_model: apex.parallel.SyncBatchNorm has no way to count a placeholder
+        # sample as none (it takes no empty batch), so uneven last batches would normalise
+        # wrongly. Converting before amp.initialize keeps the order apex requires.
         return _torch_dist.convert_sync_batchnorm(model, self.device)
 
     def _setup_model_and_optimizer(

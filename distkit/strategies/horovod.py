@@ -13,7 +13,7 @@ from distkit._env import LaunchEnv
 from distkit._imports import require
 from distkit.errors import ConfigurationError, LauncherMismatchError, UnsupportedFeatureError
 from distkit.strategies.base import Strategy, Topology
-from distkit.syncbn import convert_to_global_batchnorm, replace_batchnorm
+from distkit.syncbn import convert_to_global_batchnorm
 
 HOROVOD_HINT = (
     "PyPI's horovod 0.28.1 does not build against torch >= 2.1 as shipped; build it for the "
@@ -146,16 +146,9 @@ class HorovodStrategy(Strategy):
         return contextlib.nullcontext()
 
     def convert_sync_batchnorm(self, model: nn.Module) -> nn.Module:
-        if self.device.type == "cuda":
-            sync_bn = self._hvd.SyncBatchNorm
-            return replace_batchnorm(
-                model,
-                lambda bn: sync_bn(
-                    bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats
-                ),
-                skip=sync_bn,
-            )
-        # hvd.SyncBatchNorm refuses CPU tensors; Horovod's allreduce is differentiable
+        # GlobalBatchNorm on CUDA too: hvd.SyncBatchNorm cannot leave a placeholder sample out
+        # (it takes no empty batch), and it refuses CPU tensors. Horovod's allreduce is
+        # differentiable, so GlobalBatchNorm's backward sums the gradients over ranks.
         return convert_to_global_batchnorm(model, self._allreduce_sum_differentiable)
 
     def _allreduce_sum_differentiable(self, tensor: torch.Tensor) -> torch.Tensor:
