@@ -193,7 +193,8 @@ def check_fits(
         return
     progress = found.payload["progress"]
     position, saved = int(progress["position"]), progress.get("train_samples")
-    if position and (position >= train_samples or saved not in (None, train_samples)):
+    # a checkpoint from the last step of an epoch has position == its length: still valid
+    if position and (position > train_samples or saved not in (None, train_samples)):
         of = "" if saved is None else f" of {saved}"
         raise ConfigurationError(
             f"{found.label} stopped mid-epoch after {position}{of} samples; train_data has "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -301,20 +302,7 @@ class Trainer:
         """
         self._require_open("save_checkpoint")
         payload = self._payload(extra, path)
-        failure = None
-        if payload is not None:
-            try:
-                ckpt.atomic_save(payload, Path(path))
-            except Exception as exc:
-                failure = exc
-        # in place of a barrier: every rank learns whether rank 0 wrote the file
-        outcome = self.strategy.broadcast(
-            None if failure is None else f"{type(failure).__name__}: {failure}", src=0
-        )
-        if failure is not None:
-            raise failure
-        if outcome is not None:
-            raise ckpt.CheckpointError(f"rank 0 could not write the checkpoint: {outcome}")
+        self._write_on_rank_zero(payload, lambda ready: ckpt.atomic_save(ready, Path(path)))
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, Any]:
         """Load a checkpoint onto this rank's device; the next ``fit`` continues from it.
@@ -344,9 +332,31 @@ class Trainer:
 
     def _save_to_folder(self) -> None:
         assert self.checkpoints is not None and self._run is not None
-        payload = self._payload(None)
+        folder, step = self.checkpoints, self._run.state.global_step
+        self._write_on_rank_zero(self._payload(None), lambda ready: folder.save(ready, step))
+
+    def _write_on_rank_zero(
+        self, payload: dict[str, Any] | None, write: Callable[[dict[str, Any]], object]
+    ) -> None:
+        """Rank 0 writes ``payload``; then every rank learns how that went (a broadcast).
+
+        So a failed write fails every rank, and no rank goes on to read the folder (a next
+        ``fit`` with ``resume="auto"``) while rank 0 is still writing to it. It costs no
+        time: the other ranks would wait for rank 0 at their next collective anyway.
+        """
+        failure = None
         if payload is not None:
-            self.checkpoints.save(payload, self._run.state.global_step)
+            try:
+                write(payload)
+            except Exception as exc:
+                failure = exc
+        outcome = self.strategy.broadcast(
+            None if failure is None else f"{type(failure).__name__}: {failure}", src=0
+        )
+        if failure is not None:
+            raise failure
+        if outcome is not None:
+            raise ckpt.CheckpointError(f"rank 0 could not write the checkpoint: {outcome}")
 
     # ------------------------------------------------------------------ evaluate
     def evaluate(

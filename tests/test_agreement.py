@@ -285,3 +285,33 @@ def test_agreement_evaluate_on_data_of_other_lengths_fails_every_rank(run_on_ran
     for result in run_on_ranks(_evaluate_on_rank, [20, 21], timeout=TIMEOUT):
         assert "data samples: rank 0: 20; rank 1: 21" in result, result
         assert "the whole evaluation data" in result
+
+
+def _fit_twice_with_auto_resume(folder: str) -> list:
+    """Two fits on one trainer; the 2nd resumes from the checkpoint the 1st saved last (at the
+    end of its epoch, after the last collective of that fit)."""
+    trainer = distkit.Trainer("ddp", batch_size=4, max_epochs=1, progress=False,
+                              checkpoint_dir=folder, resume="auto")  # fmt: skip
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 50_000), nn.Tanh(), nn.Linear(50_000, 3))  # ~5 MB files
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    out: list = []
+    try:
+        for epochs in (1, 2):
+            trainer.max_epochs = epochs
+            result = trainer.fit(model, optimizer, make_dataset(16),
+                                 loss_fn=nn.functional.cross_entropy)  # fmt: skip
+            out.append(len(result.history))
+    except RankDisagreementError as exc:
+        out.append(str(exc))
+    finally:
+        trainer.close()
+    return out
+
+
+def test_agreement_a_fit_right_after_a_fit_finds_the_checkpoint_it_saved_last(
+    tmp_path, run_on_ranks
+):
+    # rank 0 writes the last checkpoint; no rank may look for it before the write is done
+    results = run_on_ranks(_fit_twice_with_auto_resume, str(tmp_path), timeout=TIMEOUT)
+    assert results == [[1, 2], [1, 2]], results

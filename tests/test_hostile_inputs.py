@@ -661,6 +661,15 @@ def _resume_mid_epoch_same_dataset(tmp: Path) -> None:
     assert len(result.history) == 1
 
 
+def _resume_from_the_last_step_of_an_epoch(tmp: Path) -> None:
+    folder = tmp / "ckpt"
+    _fit(_trainer(checkpoint_dir=folder, checkpoint_every=1, max_steps=2))  # 2 steps = 1 epoch
+    last = ckpt.load(ckpt.CheckpointFolder(folder).checkpoints()[-1])["progress"]
+    assert last["position"] == last["train_samples"] == 8  # saved before the epoch closed
+    result = _fit(_trainer(resume=ckpt.CheckpointFolder(folder).checkpoints()[-1]))
+    assert len(result.history) == 1
+
+
 def _fit_after_failed_fit(tmp: Path) -> None:
     trainer = _trainer()
     with pytest.raises(ConfigurationError):
@@ -682,6 +691,7 @@ RESULTS: list[tuple[str, Callable[[Path], None]]] = [
     ("max_epochs-zero-trains-nothing", _max_epochs_zero_trains_nothing),
     ("resume-auto-empty-folder-starts-fresh", _resume_auto_in_empty_folder_starts_fresh),
     ("resume-mid-epoch-same-dataset", _resume_mid_epoch_same_dataset),
+    ("resume-from-the-last-step-of-an-epoch", _resume_from_the_last_step_of_an_epoch),
     ("fit-after-refused-fit", _fit_after_failed_fit),
     ("close-twice", _close_twice),
 ]
