@@ -15,12 +15,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from distkit._channel import SideChannel
 from distkit._env import LaunchEnv
 from distkit.errors import ConfigurationError, LauncherMismatchError
 from distkit.strategies.base import Topology
 from distkit.syncbn import convert_to_global_batchnorm, convert_to_masked_sync_batchnorm
-
-_FAILURE_KEY = "distkit/failure"
 
 
 def init_process_group(
@@ -63,6 +62,30 @@ def init_process_group(
             chosen, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
         )
     return topology, True
+
+
+DEFAULT_TIMEOUT = timedelta(minutes=30)
+
+
+def as_timeout(value: timedelta | float | None) -> timedelta | None:
+    """A strategy's ``timeout`` argument as a timedelta (None stays None), validated."""
+    if value is None:
+        return None
+    timeout = value if isinstance(value, timedelta) else timedelta(seconds=value)
+    if timeout.total_seconds() <= 0:
+        raise ConfigurationError(f"timeout must be positive, got {value!r}")
+    return timeout
+
+
+def resolve_timeout(explicit: timedelta | None, trainer_seconds: float | None) -> timedelta:
+    """The strategy's own timeout, else the Trainer's ``collective_timeout``, else 30 minutes."""
+    from_trainer = None if trainer_seconds is None else timedelta(seconds=trainer_seconds)
+    if explicit is not None and from_trainer is not None and explicit != from_trainer:
+        raise ConfigurationError(
+            f"the strategy was given timeout={explicit.total_seconds():g}s and the Trainer "
+            f"collective_timeout={trainer_seconds:g}s; give it in one place only"
+        )
+    return explicit or from_trainer or DEFAULT_TIMEOUT
 
 
 def _attempt_store(timeout: timedelta) -> dist.Store:
@@ -156,14 +179,31 @@ class TorchDistributedCollectives:
     def barrier(self) -> None:
         dist.barrier()
 
-    def announce_failure(self, message: str) -> None:
-        dist.distributed_c10d._get_default_store().set(_FAILURE_KEY, message)
+    def side_channel(self) -> SideChannel | None:
+        if not dist.is_initialized():
+            return None
+        return StoreChannel(dist.distributed_c10d._get_default_store())
 
-    def peer_failure(self) -> str | None:
-        store = dist.distributed_c10d._get_default_store()
-        if store.check([_FAILURE_KEY]):
-            return bytes(store.get(_FAILURE_KEY)).decode()
-        return None
+
+class StoreChannel:
+    """:class:`~distkit._channel.SideChannel` over the process group's rendezvous store."""
+
+    def __init__(self, store: dist.Store) -> None:
+        self._store = store
+
+    def set(self, key: str, value: str) -> None:
+        self._store.set(key, value)
+
+    def get(self, key: str) -> str | None:
+        if not self._store.check([key]):
+            return None  # get() would block until the key appears
+        return bytes(self._store.get(key)).decode()
+
+    def set_first(self, key: str, value: str) -> str:
+        return bytes(self._store.compare_set(key, "", value)).decode()
+
+    def get_many(self, keys: list[str]) -> list[str | None]:
+        return [self.get(key) for key in keys]
 
 
 def destroy_process_group() -> None:

@@ -1,8 +1,9 @@
 """NVIDIA apex, both generations, launched like DDP (torchrun / torch.distributed.launch).
 
-* Legacy apex (<= 25.04): ``convert_syncbn_model`` -> ``amp.initialize`` -> apex
-  ``DistributedDataParallel``, backward through ``amp.scale_loss``, accumulation through apex
-  DDP's allreduce switch, ``amp.state_dict()`` checkpointed.
+* Legacy apex (<= 25.04): sync BatchNorm conversion (torch's masked SyncBatchNorm, not
+  ``convert_syncbn_model``) -> ``amp.initialize`` -> apex ``DistributedDataParallel``,
+  backward through ``amp.scale_loss``, accumulation through apex DDP's allreduce switch,
+  ``amp.state_dict()`` checkpointed.
 * Modern apex (>= 25.07, no ``apex.amp`` / ``apex.parallel``): torch autocast + GradScaler +
   torch DDP, with apex's fused optimizers swapped in on request.
 """
@@ -33,7 +34,6 @@ from distkit.strategies._apex_detect import ApexInstall, detect_apex
 from distkit.strategies._apex_fused import fused_twin
 from distkit.strategies._apex_levels import ApexPlan, resolve_plan
 from distkit.strategies.base import Strategy, Topology
-from distkit.strategies.ddp import DEFAULT_TIMEOUT
 
 
 def _require_cuda() -> None:
@@ -71,7 +71,7 @@ class ApexStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         fused_optimizer: bool = False,
         strict: bool = False,
         backend: str | None = None,
-        timeout: timedelta | float = DEFAULT_TIMEOUT,
+        timeout: timedelta | float | None = None,
     ) -> None:
         super().__init__()
         self.opt_level = opt_level
@@ -81,7 +81,7 @@ class ApexStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         self.fused_optimizer = fused_optimizer
         self.strict = strict
         self.backend = backend
-        self.timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
+        self.timeout = _torch_dist.as_timeout(timeout)
         self.install: ApexInstall | None = None
         self.plan: ApexPlan | None = None
         self._owns_group = False
@@ -102,7 +102,10 @@ class ApexStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
             self.options.precision, self.opt_level, legacy=legacy, strict=self.strict
         )
         topology, self._owns_group = _torch_dist.init_process_group(
-            LaunchEnv.detect(), backend=self.backend, timeout=self.timeout, strategy=self.name
+            LaunchEnv.detect(),
+            backend=self.backend,
+            timeout=_torch_dist.resolve_timeout(self.timeout, self.options.collective_timeout),
+            strategy=self.name,
         )
         if topology.rank == 0:
             warnings.warn(self.describe(), stacklevel=2)

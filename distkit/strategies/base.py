@@ -22,6 +22,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from distkit import _channel
+from distkit._channel import SideChannel
 from distkit.errors import ConfigurationError, DistkitError
 from distkit.precision import Precision, normalize_precision
 
@@ -36,6 +38,8 @@ class TrainOptions:
     grad_accum_steps: int = 1
     sync_batchnorm: bool = False
     find_unused_parameters: bool = False
+    #: how long a collective may wait for the other ranks, in seconds (None: the backend's own)
+    collective_timeout: float | None = None
 
 
 @dataclass(frozen=True)
@@ -231,12 +235,21 @@ class Strategy(ABC):
         """``num_replicas`` and ``rank`` for a ``DistributedSampler``."""
         return {"num_replicas": self.world_size, "rank": self.rank}
 
-    def announce_failure(self, message: str) -> None:  # noqa: B027 (an optional hook)
-        """Tell the other ranks this one failed (default: the launcher will notice the exit)."""
+    def side_channel(self) -> SideChannel | None:
+        """A key-value channel beside the collectives, or None (default: none).
+
+        distkit uses it for failure notices, progress heartbeats and the stacks of stuck
+        ranks; it is only touched from the watchdog thread and on failure, never per step.
+        """
+        return None
+
+    def announce_failure(self, message: str) -> bool:
+        """Tell the other ranks this one failed; True if no other rank had announced first."""
+        return _channel.announce_failure(self.side_channel(), message)
 
     def peer_failure(self) -> str | None:
-        """A failure notice another rank left, if any (polled by a watchdog during fit)."""
-        return None
+        """The first failure notice any rank left, if any (polled by the watchdog during fit)."""
+        return _channel.peer_failure(self.side_channel())
 
     def is_peer_loss(self, exc: BaseException) -> bool:
         """Whether ``exc`` only reports that another rank went away (not this rank's fault)."""

@@ -15,8 +15,6 @@ from distkit.errors import ConfigurationError
 from distkit.strategies import _torch_dist
 from distkit.strategies.base import Strategy, Topology
 
-DEFAULT_TIMEOUT = timedelta(minutes=30)
-
 
 class DDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
     """One process per device, gradients averaged by DDP during ``backward``.
@@ -26,7 +24,8 @@ class DDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
 
     Args:
         backend: torch.distributed backend; ``None`` picks nccl on CUDA and gloo on CPU.
-        timeout: how long a collective may wait for the other ranks (seconds or timedelta).
+        timeout: how long a collective may wait for the other ranks (seconds or timedelta);
+            ``None``: the Trainer's ``collective_timeout``, else 30 minutes.
         **ddp_kwargs: passed to ``DistributedDataParallel`` as they are (``static_graph``,
             ``bucket_cap_mb``, ``gradient_as_bucket_view``, ...); ``device_ids`` and
             ``find_unused_parameters`` are set by distkit.
@@ -38,14 +37,12 @@ class DDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         self,
         *,
         backend: str | None = None,
-        timeout: timedelta | float = DEFAULT_TIMEOUT,
+        timeout: timedelta | float | None = None,
         **ddp_kwargs: Any,
     ) -> None:
         super().__init__()
         self.backend = backend
-        self.timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
-        if self.timeout.total_seconds() <= 0:
-            raise ConfigurationError(f"timeout must be positive, got {timeout!r}")
+        self.timeout = _torch_dist.as_timeout(timeout)
         reserved = {"device_ids", "find_unused_parameters", "module"} & set(ddp_kwargs)
         if reserved:
             raise ConfigurationError(
@@ -57,7 +54,10 @@ class DDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
 
     def _setup_environment(self) -> Topology:
         topology, self._owns_group = _torch_dist.init_process_group(
-            LaunchEnv.detect(), backend=self.backend, timeout=self.timeout, strategy=self.name
+            LaunchEnv.detect(),
+            backend=self.backend,
+            timeout=_torch_dist.resolve_timeout(self.timeout, self.options.collective_timeout),
+            strategy=self.name,
         )
         return topology
 

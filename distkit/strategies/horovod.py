@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import contextlib
+import uuid
 from types import ModuleType
 from typing import Any
 
 import torch
 from torch import nn
 
+from distkit._channel import SideChannel
 from distkit._env import LaunchEnv
 from distkit._imports import require
 from distkit.errors import ConfigurationError, LauncherMismatchError, UnsupportedFeatureError
+from distkit.strategies._horovod_channel import HorovodKVChannel
 from distkit.strategies.base import Strategy, Topology
 from distkit.syncbn import convert_to_global_batchnorm
 
@@ -49,6 +52,7 @@ class HorovodStrategy(Strategy):
         self.compression = compression
         self.op = op
         self._hvd_module: ModuleType | None = None
+        self._channel: HorovodKVChannel | None = None
         self._synchronized = False  # gradients already all-reduced for the coming step
 
     @property
@@ -66,8 +70,12 @@ class HorovodStrategy(Strategy):
                 "script.py`, or keep torchrun and use strategy='ddp'."
             )
         hvd = require("horovod.torch", feature="strategy='horovod'", hint=HOROVOD_HINT)
+        self._refuse_collective_timeout()
         hvd.init()
         self._hvd_module = hvd
+        # one scope per Horovod group in the launcher's key-value server (a uuid from rank 0)
+        scope = hvd.broadcast_object(uuid.uuid4().hex, root_rank=0, name="distkit.scope")
+        self._channel = HorovodKVChannel.from_env(f"distkit-{scope}")
         if torch.cuda.is_available():
             device = torch.device("cuda", hvd.local_rank())
             torch.cuda.set_device(device)
@@ -75,7 +83,22 @@ class HorovodStrategy(Strategy):
             device = torch.device("cpu")
         return Topology(hvd.rank(), hvd.local_rank(), hvd.size(), device)
 
+    def _refuse_collective_timeout(self) -> None:
+        if self.options.collective_timeout is not None:
+            raise UnsupportedFeatureError(
+                f"collective_timeout={self.options.collective_timeout:g}: Horovod has no "
+                "per-collective timeout. Its stall check (HOROVOD_STALL_CHECK_TIME_SECONDS / "
+                "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS) did not stop a stalled allreduce in our "
+                "tests (horovod 0.28.1, gloo, with or without the response cache). Drop "
+                "collective_timeout; hang_warning still names a stuck rank, and a job time "
+                "limit (your scheduler's, or `timeout` around horovodrun) bounds the wait."
+            )
+
+    def side_channel(self) -> SideChannel | None:
+        return self._channel
+
     def teardown(self) -> None:
+        self._channel = None
         # Horovod stays initialised for the next Trainer in this process, whose hvd.init() is
         # then a no-op; Horovod shuts itself down at exit. A fresh hvd.init() after
         # hvd.shutdown() meets in horovodrun's rendezvous server, which can still hold the
