@@ -11,6 +11,7 @@ from distkit.errors import (
     DistkitError,
     LauncherMismatchError,
     MissingDependencyError,
+    PeerFailureError,
     UnknownStrategyError,
     UnsupportedFeatureError,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "MeanIoU",
     "Metric",
     "MissingDependencyError",
+    "PeerFailureError",
     "Strategy",
     "Topology",
     "TrainOptions",

@@ -1,85 +1,292 @@
-"""When one rank fails, every rank stops soon, and the failing rank's error is shown once.
+"""When one rank fails, every rank stops soon, and the user's own handlers still run.
 
 Without this, a rank that raises leaves the others blocked in a collective until its timeout
-(30 minutes by default). During ``fit`` on more than one process:
+(30 minutes by default). During ``fit``:
 
-* the rank that raises prints its traceback, tells its peers through the strategy (for
-  torch.distributed, a key in the rendezvous store) and exits with status 1 at once, skipping
-  teardown that could block on the dead collective. Launchers (torchrun, horovodrun, mpirun)
-  then stop the other workers, or restart the group under ``torchrun --max-restarts``;
-* a watchdog thread on every rank polls for such a notice and exits its rank within
-  ``fault_timeout`` seconds, which covers launchers that do not stop the others.
+* the rank that raises leaves a notice for its peers (through the strategy's side channel),
+  closes its trainer, waits (briefly) until every peer's watchdog has seen the notice, and
+  **re-raises its exception**: the user's ``except``, ``finally`` and ``with`` blocks run, and
+  an uncaught error prints its traceback once;
+* a peer whose collective fails because of that (when the failed rank's connections close)
+  raises :class:`~distkit.PeerFailureError` naming the failed rank and its error; if its main
+  thread is still stuck ``fault_timeout`` seconds after the notice, its watchdog says so in one
+  line and exits the process;
+* Ctrl-C: the first rank to see it prints one line for the whole job, and every rank raises
+  :class:`~distkit.errors.TrainingInterrupted` (a ``KeyboardInterrupt`` that exits with status
+  130 and no traceback when uncaught).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 import threading
-import traceback
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from distkit._channel import SideChannel, ack_key
+from distkit._progress import Progress
+from distkit._signals import Terminated, terminate_as_exception
+from distkit._watchdog import EXIT_CODE, Watchdog
+from distkit.errors import DistkitError, PeerFailureError, TrainingInterrupted
 
 if TYPE_CHECKING:
     from distkit.strategies.base import Strategy
 
-EXIT_CODE = 1
+INTERRUPT = "interrupt"
+ERROR = "error"
+MAX_INTERVAL_S = 1.0  # how often a watchdog looks for a failure notice, at most
+DEFAULT_TERM_GRACE_S = 10.0  # after a SIGTERM, when fault_timeout=None
 
 
 @contextlib.contextmanager
-def fail_fast(strategy: Strategy, fault_timeout: float | None) -> Iterator[None]:
-    """Run the block; on an exception in a multi-process run, stop every rank promptly."""
-    if fault_timeout is None or strategy.world_size == 1:
-        yield
-        return
-    stop = threading.Event()
-    watchdog = threading.Thread(
-        target=_watch, args=(strategy, stop, max(0.2, fault_timeout / 4)), daemon=True
-    )
-    watchdog.start()
-    try:
-        yield
-    except BaseException as exc:
-        stop.set()
-        _die(strategy, exc)
-    finally:
-        stop.set()
-        # the watchdog must be out of the store before anyone can destroy the process group
-        # (a store call racing with teardown aborts the process)
-        watchdog.join()
+def fail_fast(
+    strategy: Strategy,
+    *,
+    fault_timeout: float | None,
+    hang_warning: float | None,
+    progress: Progress,
+    on_failure: Callable[[], None],
+) -> Iterator[None]:
+    """Run a ``fit``; on an exception, tell the peers, run ``on_failure``, then raise.
 
-
-def _die(strategy: Strategy, exc: BaseException) -> None:
-    rank = strategy.rank
-    earlier = strategy.peer_failure()
-    if earlier is None and strategy.is_peer_loss(exc):
-        earlier = f"another rank stopped ({type(exc).__name__}: {str(exc).splitlines()[0]})"
-    if earlier is not None:  # a consequence of another rank's failure: say so in one line
-        print(f"distkit: rank {rank} stopping: {earlier}", file=sys.stderr, flush=True)
-    else:
-        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        print(f"distkit: rank {rank} failed:\n{text}", file=sys.stderr, flush=True)
-        summary = f"rank {rank} failed with {type(exc).__name__}: {exc}"
-        with contextlib.suppress(Exception):
-            strategy.announce_failure(summary)
-    sys.stdout.flush()
-    os._exit(EXIT_CODE)  # teardown could block on the collective the peers abandoned
-
-
-def _watch(strategy: Strategy, stop: threading.Event, interval: float) -> None:
-    while not stop.wait(interval):
+    Args:
+        strategy: the trainer's strategy (its side channel carries the notices).
+        fault_timeout: seconds a rank may stay stuck after a peer failed before it exits
+            (None: no watchdog exit, and the failing rank keeps its frames' variables).
+        hang_warning: seconds without progress before rank 0 names a stuck rank (None: off).
+        progress: this rank's progress, written by the training loop.
+        on_failure: releases what the run holds (closes the trainer); runs before the
+            exception propagates, bounded by ``fault_timeout``.
+    """
+    if strategy.world_size == 1:
         try:
-            notice = strategy.peer_failure()
-        except Exception:
-            # the store went away: its host may have died (then our next collective fails
-            # and we stop through the except path) or just finished first: never guess
-            return
-        if notice is not None and not stop.is_set():
-            print(
-                f"distkit: rank {strategy.rank} stopping because {notice} (see its error above)",
-                file=sys.stderr,
-                flush=True,
+            yield
+        except KeyboardInterrupt as exc:
+            if isinstance(exc, TrainingInterrupted):
+                raise
+            where = _where(progress)
+            _say(f"distkit: rank 0 interrupted (Ctrl-C) in {where}; stopping every rank")
+            raise TrainingInterrupted(f"training interrupted (Ctrl-C) in {where}") from None
+        return
+    periods = [t / 4 for t in (fault_timeout, hang_warning) if t is not None]
+    interval = max(0.2, min([MAX_INTERVAL_S, *periods]))
+    channel = strategy.side_channel()
+    watchdog = None
+    if channel is not None and (fault_timeout is not None or hang_warning is not None):
+        watchdog = Watchdog(
+            channel, rank=strategy.rank, world_size=strategy.world_size, progress=progress,
+            interval=interval, grace=fault_timeout, hang_warning=hang_warning,
+        )  # fmt: skip
+        watchdog.start()
+    try:
+        with terminate_as_exception(fault_timeout or DEFAULT_TERM_GRACE_S) as term:
+            try:
+                yield
+            except BaseException as exc:
+                term.handling = True  # from now on a SIGTERM only marks it, a SIGINT is ignored
+                if watchdog is not None:
+                    watchdog.stop()
+                # without a watchdog on this rank there is none on the peers either: no acks
+                ack_wait = 0.0 if watchdog is None else 2 * interval + 1.0
+                failure = _Failure(strategy, progress, fault_timeout, on_failure, ack_wait)
+                seen = None if watchdog is None else watchdog.notice
+                replacement = failure.handle(exc, seen, terminated=term.received)
+                if replacement is None:
+                    raise
+                raise replacement from None
+    finally:
+        if watchdog is not None:
+            # out of the store before anyone can destroy the process group (a store call
+            # racing with teardown aborts the process)
+            watchdog.stop()
+
+
+@dataclass
+class _Failure:
+    """What one rank does with the exception that ended its multi-process ``fit``."""
+
+    strategy: Strategy
+    progress: Progress
+    grace: float | None
+    on_failure: Callable[[], None]
+    ack_wait: float  # how long the first failing rank waits for its peers to see its notice
+
+    def handle(
+        self, exc: BaseException, seen: str | None, *, terminated: bool = False
+    ) -> BaseException | None:
+        """Announce, release, and choose what to raise (None: the original exception).
+
+        ``terminated``: a SIGTERM arrived (the launcher stops this rank, usually because a
+        peer failed); ``seen``: the failure notice the watchdog read, if any.
+        """
+        if isinstance(exc, TrainingInterrupted):
+            return None  # already handled (a nested fit)
+        rank = self.strategy.rank
+        notice, reachable = self._read_notice(seen)
+        peer = notice if notice is not None and notice.get("rank") != rank else None
+        if isinstance(exc, Terminated) or (terminated and peer is None):
+            if peer is not None:  # stopped by the launcher because that peer failed
+                self._release(exc, first=False)
+                return _peer_failure_error(rank, peer)
+            where = _where(self.progress)
+            first = reachable and self._announce(INTERRUPT, f"terminated (SIGTERM) in {where}")
+            if first:
+                _say(f"distkit: rank {rank} terminated (SIGTERM) in {where}; stopping every rank")
+            self._release(exc, first)
+            return TrainingInterrupted(f"training terminated (SIGTERM) in {where}", code=143)
+        if isinstance(exc, KeyboardInterrupt):
+            where = _where(self.progress)
+            text = f"interrupted (Ctrl-C) in {where}"
+            first = self._announce(INTERRUPT, text) if reachable else rank == 0 and not notice
+            if first:
+                _say(f"distkit: rank {rank} {text}; stopping every rank")
+            self._release(exc, first)
+            return TrainingInterrupted(f"training {text}")
+        if peer is not None and peer.get("kind") == INTERRUPT:
+            # a peer was interrupted (or terminated): stop the same way, silently
+            text = str(peer.get("text", "interrupted"))
+            self._release(exc, first=False)
+            code = 143 if "SIGTERM" in text else 130
+            return TrainingInterrupted(
+                f"training stopped: rank {peer.get('rank')} {text}", code=code
             )
-            sys.stdout.flush()
-            os._exit(EXIT_CODE)
+        if self.strategy.is_peer_loss(exc) or (peer is not None and _collective_error(exc)):
+            if peer is None:
+                detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                peer = {"kind": ERROR, "rank": None, "text": f"a peer went away ({detail})"}
+                if reachable:
+                    self._announce(ERROR, peer["text"])
+            self._release(exc, first=False)
+            return _peer_failure_error(rank, peer)
+        first = reachable and self._announce(ERROR, _summary(exc))
+        self._release(exc, first)
+        return None
+
+    def _read_notice(self, seen: str | None) -> tuple[dict[str, Any] | None, bool]:
+        """The first failure notice (read now, or as the watchdog saw it) and whether the
+        side channel answered."""
+        raw, reachable = seen, False
+        with contextlib.suppress(Exception):  # the channel's host may have gone
+            raw = self.strategy.peer_failure() or seen
+            reachable = self.strategy.side_channel() is not None
+        if raw is None:
+            return None, reachable
+        try:
+            notice = json.loads(raw)
+        except ValueError:
+            notice = None
+        if not isinstance(notice, dict):
+            notice = {"kind": ERROR, "rank": None, "text": raw}
+        return notice, reachable
+
+    def _announce(self, kind: str, text: str) -> bool:
+        """Leave a notice for the peers; True if it was the job's first."""
+        message = json.dumps({"kind": kind, "rank": self.strategy.rank, "text": text})
+        try:
+            return self.strategy.announce_failure(message)
+        except Exception:
+            return self.strategy.rank == 0  # the channel broke: let rank 0 speak for the job
+
+    def _release(self, exc: BaseException, first: bool) -> None:
+        """Close the trainer (bounded by ``grace``); the first failing rank then waits for acks.
+
+        Peers learn of the failure from the side channel. When this rank hosts that channel
+        (rank 0 under a plain ``env://`` rendezvous, without torchrun's agent), it must live
+        until every peer's watchdog has read the notice, so the first failing rank waits (at
+        most ``ack_wait``) for their acknowledgements before its error propagates.
+        """
+        channel = self.strategy.side_channel() if first else None
+        if not first:
+            _acknowledge(self.strategy)  # another rank's notice came first: it may wait for us
+        peers = [r for r in range(self.strategy.world_size) if r != self.strategy.rank]
+        if self.grace is not None:
+            _drop_traceback_locals(exc)
+        _bounded(self.on_failure, self.grace)
+        if channel is not None:
+            _wait_for_acks(channel, peers, self.ack_wait)
+
+
+def _where(progress: Progress) -> str:
+    return f"epoch {progress.epoch + 1}, step {progress.step + 1}"
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _collective_error(exc: BaseException) -> bool:
+    # what a collective raises when a peer closed its connections (gloo, Horovod)
+    return isinstance(exc, RuntimeError) and not isinstance(exc, DistkitError)
+
+
+def _summary(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _peer_failure_error(rank: int, notice: dict[str, Any]) -> PeerFailureError:
+    failed = notice.get("rank")
+    reason = str(notice.get("text", ""))
+    who = "another rank" if failed is None else f"rank {failed}"
+    return PeerFailureError(
+        f"rank {rank} stopped because {who} failed: {reason} (its own output shows the traceback)",
+        failed_rank=failed,
+        reason=reason,
+    )
+
+
+def _acknowledge(strategy: Strategy) -> None:
+    with contextlib.suppress(Exception):
+        channel = strategy.side_channel()
+        if channel is not None:
+            channel.set(ack_key(strategy.rank), "1")
+
+
+def _drop_traceback_locals(exc: BaseException) -> None:
+    """Clear the local variables of the finished frames ``exc`` passed through.
+
+    They hold the wrapped model, which holds the process group; releasing them lets the
+    trainer's close free it. The traceback's text (files, lines, source) is unchanged; only
+    post-mortem inspection of those frames' variables is lost (``fault_timeout=None`` keeps
+    them).
+    """
+    tb = exc.__traceback__
+    while tb is not None:
+        with contextlib.suppress(RuntimeError):  # a frame still executing (fit, this one)
+            tb.tb_frame.clear()
+        tb = tb.tb_next
+
+
+def _wait_for_acks(channel: SideChannel, peers: list[int], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    with contextlib.suppress(Exception):
+        while time.monotonic() < deadline:
+            if all(v is not None for v in channel.get_many([ack_key(r) for r in peers])):
+                return
+            time.sleep(0.02)
+
+
+def _bounded(on_failure: Callable[[], None], grace: float | None) -> None:
+    """Run ``on_failure``; if it blocks beyond ``grace`` seconds, exit the process."""
+    timer = None
+    if grace is not None:
+        timer = threading.Timer(grace, _exit_stuck, args=(grace,))
+        timer.daemon = True
+        timer.start()
+    try:
+        with contextlib.suppress(Exception):  # the original error matters more
+            on_failure()
+    finally:
+        if timer is not None:
+            timer.cancel()
+
+
+def _exit_stuck(grace: float) -> None:
+    _say(f"distkit: releasing the process group took more than {grace:g}s after a failure; exiting")
+    sys.stdout.flush()
+    os._exit(EXIT_CODE)

@@ -13,6 +13,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from distkit._checks import check_loss
+from distkit._progress import Progress
 from distkit.batch import batch_size_of, split_batch, to_device
 from distkit.data import GlobalBatchPlan, PlanBatchSampler, reseed_workers
 from distkit.errors import DistkitError
@@ -60,6 +61,7 @@ class TrainLoop:
     seed: int
     progress: bool
     max_epochs: int
+    rank_progress: Progress = field(default_factory=Progress)  # read by the watchdog thread
     timer: StepTimer | None = None  # the current epoch's
     timing: EpochTiming | None = None  # the last finished epoch's, over all ranks
 
@@ -85,6 +87,8 @@ class TrainLoop:
             dynamic_ncols=True,
         )
         micro_batches = self.plan.micro_batches(state.position)
+        progress = self.rank_progress
+        progress.epoch, progress.step, progress.phase = state.epoch, state.global_step, "data"
         stopped = False
         timer = self.timer = StepTimer(strategy.device)
         start_position = state.position
@@ -93,6 +97,7 @@ class TrainLoop:
             for batch, micro in zip(self.loader, micro_batches, strict=True):
                 batch = to_device(batch, strategy.device)
                 timer.mark("data")
+                progress.phase = "forward"
                 sync = contextlib.nullcontext() if micro.last_in_step else strategy.no_sync(model)
                 # a placeholder (no real sample here) stays out of sync BatchNorm's statistics
                 empty = placeholder_batch(model) if micro.count == 0 else contextlib.nullcontext()
@@ -109,6 +114,7 @@ class TrainLoop:
                             "such steps on every rank."
                         )
                     timer.mark("forward")
+                    progress.phase = "backward"
                     strategy.backward(loss * micro.weight, self.optimizer)
                 timer.mark("backward")
                 counted = micro.count
@@ -120,13 +126,16 @@ class TrainLoop:
                 state.position += micro.samples
                 bar.update()
                 if micro.last_in_step:
+                    progress.phase = "optimizer"
                     self._step(state)
                     timer.mark("optimizer")
                     timer.steps += 1
+                    progress.step = state.global_step
                     stopped = after_step(state)
                     timer.mark("other")  # checkpoints: not part of a step
                     if stopped:
                         break
+                progress.phase = "data"
         timer.samples = state.position - start_position
         return stopped
 

@@ -47,6 +47,34 @@ class ApexLegacyApiMissingError(UnsupportedFeatureError):
     """``strict=True`` asked for apex.amp / apex.parallel, which apex >= 25.07 removed."""
 
 
+class PeerFailureError(DistkitError, RuntimeError):
+    """Another rank failed (or vanished) during ``fit``, so this rank stopped too.
+
+    Attributes:
+        failed_rank: the rank that failed first, if known.
+        reason: what that rank reported (its exception type and message), or how it was lost.
+    """
+
+    def __init__(self, message: str, *, failed_rank: int | None = None, reason: str = "") -> None:
+        super().__init__(message)
+        self.failed_rank = failed_rank
+        self.reason = reason
+
+
+class TrainingInterrupted(KeyboardInterrupt, SystemExit):
+    """Ctrl-C (SIGINT) or SIGTERM stopped a ``fit``; every rank raises it (one line is printed).
+
+    It is a ``KeyboardInterrupt``, so ``except KeyboardInterrupt`` and ``finally`` blocks run as
+    usual, and a ``SystemExit`` with ``code`` 130 (Ctrl-C) or 143 (SIGTERM), so a script that
+    does not catch it exits with the shell's status for that signal, without a traceback on
+    every rank.
+    """
+
+    def __init__(self, message: str, *, code: int = 130) -> None:
+        super().__init__(message)
+        self.code = code  # 130 for Ctrl-C (SIGINT), 143 for SIGTERM
+
+
 class RankDisagreementError(DistkitError, RuntimeError):
     """The ranks cannot run a collective call together; every rank raises it instead of hanging.
 

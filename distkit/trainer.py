@@ -28,7 +28,8 @@ from distkit._checks import (
 from distkit._evaluation import LossFn, Metrics, evaluate_shard
 from distkit._faults import fail_fast
 from distkit._loop import NONFINITE_POLICIES, FitState, StepFn, TrainLoop
-from distkit._preparation import prepare_evaluate, prepare_fit, prepare_save
+from distkit._preparation import FitPlan, prepare_evaluate, prepare_fit, prepare_save
+from distkit._progress import Progress
 from distkit._resume import Run
 from distkit._setups import SetupCache
 from distkit.data import LoaderSpec
@@ -80,7 +81,16 @@ class Trainer:
         resume: ``"auto"`` (latest checkpoint in ``checkpoint_dir`` if any), a path, or None.
         nonfinite: a NaN/inf loss ``"raise"``s (naming step and rank) or, with ``"skip"``, the
             step is skipped on every rank; either way skips are counted in the history.
-        fault_timeout: seconds within which every rank stops after one fails (None: off).
+        fault_timeout: seconds within which every rank stops after one fails: the failing
+            rank re-raises its error after telling its peers, which raise
+            :class:`~distkit.PeerFailureError`; a rank still stuck after this long exits
+            (None: no watchdog exit; errors still propagate).
+        hang_warning: seconds without progress after which rank 0 names a rank that holds the
+            others up (its step, phase and stack); a warning only (None: off).
+        collective_timeout: seconds a collective may wait for the other ranks before it fails
+            (the hard bound for a hung rank); None: the backend's default (30 minutes for
+            torch.distributed), or the strategy instance's own ``timeout``. Horovod has no
+            collective timeout and refuses it.
     """
 
     def __init__(
@@ -106,8 +116,12 @@ class Trainer:
         resume: str | os.PathLike[str] | None = None,
         nonfinite: str = "raise",
         fault_timeout: float | None = 10.0,
+        hang_warning: float | None = 300.0,
+        collective_timeout: float | None = None,
     ) -> None:
         check_seconds("fault_timeout", fault_timeout)
+        check_seconds("hang_warning", hang_warning)
+        check_seconds("collective_timeout", collective_timeout)
         check_ints(max_epochs=(max_epochs, 0), batch_size=(batch_size, 1),
                     grad_accum_steps=(grad_accum_steps, 1), num_workers=(num_workers, 0),
                     keep_last=(keep_last, 1))  # fmt: skip
@@ -143,6 +157,9 @@ class Trainer:
         self.checkpoint_every = checkpoint_every
         self.resume = resume
         self.fault_timeout = fault_timeout
+        self.hang_warning = hang_warning
+        self._rank_progress = Progress()  # where this rank is, for the watchdog's hang reports
+        self._failure_channel: Any = None
         self.checkpoints = (
             None if checkpoint_dir is None else ckpt.CheckpointFolder(checkpoint_dir, keep_last)
         )
@@ -153,6 +170,7 @@ class Trainer:
                 grad_accum_steps=grad_accum_steps,
                 sync_batchnorm=sync_batchnorm,
                 find_unused_parameters=find_unused_parameters,
+                collective_timeout=collective_timeout,
             )
         )
         self.strategy.setup_environment()
@@ -191,6 +209,13 @@ class Trainer:
     def close(self) -> None:
         """Tear the strategy down (destroys a process group distkit created). Idempotent."""
         self._finalizer()
+
+    def _close_after_failure(self) -> None:
+        # Keep the side channel (for torch.distributed, the rendezvous store, which rank 0
+        # hosts when no torchrun agent does) alive while this trainer lives: peers read the
+        # failure notice from it after our closed connections wake them up.
+        self._failure_channel = self.strategy.side_channel()
+        self.close()
 
     def __enter__(self) -> Trainer:
         return self
@@ -234,11 +259,29 @@ class Trainer:
             ),
         )
         self._pending = None
-        spec, plan = prepared.spec, prepared.plan
-        loader, sampler = spec.train_loader(plan, seed=self.seed + strategy.rank)
         payload = None if prepared.found is None else prepared.found.payload
         if payload is not None:
             _resume.load_weights(payload, model, optimizer)
+        # The wrapped model lives only in frames below this one: on a failure they are
+        # cleared, so the process group's connections close at once (see distkit._faults).
+        with fail_fast(
+            strategy, fault_timeout=self.fault_timeout, hang_warning=self.hang_warning,
+            progress=self._rank_progress, on_failure=self._close_after_failure,
+        ):  # fmt: skip
+            state = self._train(
+                prepared, payload, model, optimizer, scheduler, loss_fn, step_fn, val_data,
+                metrics,
+            )  # fmt: skip
+        return FitResult(history=[dict(record) for record in state.history])
+
+    def _train(
+        self, prepared: FitPlan, payload: dict[str, Any] | None, model: nn.Module,
+        optimizer: torch.optim.Optimizer, scheduler: Any, loss_fn: LossFn | None,
+        step_fn: StepFn | None, val_data: Any, metrics: Metrics | None,
+    ) -> FitState:  # fmt: skip
+        strategy = self.strategy
+        spec, plan = prepared.spec, prepared.plan
+        loader, sampler = spec.train_loader(plan, seed=self.seed + strategy.rank)
         wrapped, dist_optimizer = self._setups.setup(model, optimizer)
         if payload is not None:
             state = _resume.restore_run(payload, strategy, scheduler, self.seed)
@@ -249,11 +292,10 @@ class Trainer:
         loop = TrainLoop(
             strategy, wrapped, dist_optimizer, loader, sampler, plan, loss_fn, step_fn,
             scheduler, self.scheduler_interval == "step", self.nonfinite, self.seed,
-            self.progress, self.max_epochs,
+            self.progress, self.max_epochs, rank_progress=self._rank_progress,
         )  # fmt: skip
-        with fail_fast(strategy, self.fault_timeout):
-            self._fit_epochs(loop, state, model, val_data, loss_fn, metrics)
-        return FitResult(history=[dict(record) for record in state.history])
+        self._fit_epochs(loop, state, model, val_data, loss_fn, metrics)
+        return state
 
     def _fit_epochs(
         self, loop: TrainLoop, state: FitState, model: nn.Module, val_data: Any,
@@ -264,6 +306,7 @@ class Trainer:
                 return  # max_steps reached inside the epoch
             record = loop.epoch_record(state)
             if val_data is not None:
+                self._rank_progress.phase = "validation"
                 scores = self.evaluate(model, val_data, loss_fn=loss_fn, metrics=metrics)
                 record.update({f"val_{key}": value for key, value in scores.items()})
             if loop.scheduler is not None and self.scheduler_interval == "epoch":
@@ -332,6 +375,7 @@ class Trainer:
 
     def _save_to_folder(self) -> None:
         assert self.checkpoints is not None and self._run is not None
+        self._rank_progress.phase = "checkpoint"
         folder, step = self.checkpoints, self._run.state.global_step
         self._write_on_rank_zero(self._payload(None), lambda ready: folder.save(ready, step))
 

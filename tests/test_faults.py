@@ -57,7 +57,9 @@ def _assert_stopped_fast(proc: subprocess.CompletedProcess, seconds: float) -> N
     assert proc.returncode != 0
     assert seconds < 45, f"took {seconds:.0f}s to stop"
     output = proc.stdout + proc.stderr
-    lines = [re.sub(r"^\[\d+\]<std(?:out|err)>:", "", line) for line in output.splitlines()]
+    # horovodrun prefixes "[1]<stderr>:", torchrun "[rank1]: "
+    prefix = r"^(?:\[\d+\]<std(?:out|err)>:|\[rank\d+\]: )"
+    lines = [re.sub(prefix, "", line) for line in output.splitlines()]
     tracebacks = [line for line in lines if line.startswith("ValueError: boom")]
     assert len(tracebacks) == 1, output[-4000:]  # the failing rank's error, shown once
     assert "rank 0 done" not in output

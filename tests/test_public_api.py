@@ -31,6 +31,7 @@ PUBLIC_NAMES = [
     "MeanIoU",
     "Metric",
     "MissingDependencyError",
+    "PeerFailureError",
     "Strategy",
     "Topology",
     "TrainOptions",
