@@ -131,13 +131,13 @@ class _Failure:
         peer = notice if notice is not None and notice.get("rank") != rank else None
         if isinstance(exc, Terminated) or (terminated and peer is None):
             if peer is not None:  # stopped by the launcher because that peer failed
-                self._release(exc, first=False)
+                self._release(first=False)
                 return _peer_failure_error(rank, peer)
             where = _where(self.progress)
             first = reachable and self._announce(INTERRUPT, f"terminated (SIGTERM) in {where}")
             if first:
                 _say(f"distkit: rank {rank} terminated (SIGTERM) in {where}; stopping every rank")
-            self._release(exc, first)
+            self._release(first)
             return TrainingInterrupted(f"training terminated (SIGTERM) in {where}", code=143)
         if isinstance(exc, KeyboardInterrupt):
             where = _where(self.progress)
@@ -145,12 +145,12 @@ class _Failure:
             first = self._announce(INTERRUPT, text) if reachable else rank == 0 and not notice
             if first:
                 _say(f"distkit: rank {rank} {text}; stopping every rank")
-            self._release(exc, first)
+            self._release(first)
             return TrainingInterrupted(f"training {text}")
         if peer is not None and peer.get("kind") == INTERRUPT:
             # a peer was interrupted (or terminated): stop the same way, silently
             text = str(peer.get("text", "interrupted"))
-            self._release(exc, first=False)
+            self._release(first=False)
             code = 143 if "SIGTERM" in text else 130
             return TrainingInterrupted(
                 f"training stopped: rank {peer.get('rank')} {text}", code=code
@@ -161,10 +161,10 @@ class _Failure:
                 peer = {"kind": ERROR, "rank": None, "text": f"a peer went away ({detail})"}
                 if reachable:
                     self._announce(ERROR, peer["text"])
-            self._release(exc, first=False)
+            self._release(first=False)
             return _peer_failure_error(rank, peer)
         first = reachable and self._announce(ERROR, _summary(exc))
-        self._release(exc, first)
+        self._release(first)
         return None
 
     def _read_notice(self, seen: str | None) -> tuple[dict[str, Any] | None, bool]:
@@ -192,7 +192,7 @@ class _Failure:
         except Exception:
             return self.strategy.rank == 0  # the channel broke: let rank 0 speak for the job
 
-    def _release(self, exc: BaseException, first: bool) -> None:
+    def _release(self, first: bool) -> None:
         """Close the trainer (bounded by ``grace``); the first failing rank then waits for acks.
 
         Peers learn of the failure from the side channel. When this rank hosts that channel
@@ -204,8 +204,6 @@ class _Failure:
         if not first:
             _acknowledge(self.strategy)  # another rank's notice came first: it may wait for us
         peers = [r for r in range(self.strategy.world_size) if r != self.strategy.rank]
-        if self.grace is not None:
-            _drop_traceback_locals(exc)
         _bounded(self.on_failure, self.grace)
         if channel is not None:
             _wait_for_acks(channel, peers, self.ack_wait)
@@ -245,21 +243,6 @@ def _acknowledge(strategy: Strategy) -> None:
         channel = strategy.side_channel()
         if channel is not None:
             channel.set(ack_key(strategy.rank), "1")
-
-
-def _drop_traceback_locals(exc: BaseException) -> None:
-    """Clear the local variables of the finished frames ``exc`` passed through.
-
-    They hold the wrapped model, which holds the process group; releasing them lets the
-    trainer's close free it. The traceback's text (files, lines, source) is unchanged; only
-    post-mortem inspection of those frames' variables is lost (``fault_timeout=None`` keeps
-    them).
-    """
-    tb = exc.__traceback__
-    while tb is not None:
-        with contextlib.suppress(RuntimeError):  # a frame still executing (fit, this one)
-            tb.tb_frame.clear()
-        tb = tb.tb_next
 
 
 def _wait_for_acks(channel: SideChannel, peers: list[int], seconds: float) -> None:

@@ -174,6 +174,8 @@ class Trainer:
             )
         )
         self.strategy.setup_environment()
+        # kept past close(): handlers after a failed fit still ask "am I rank 0?"
+        self._topology = self.strategy.topology
         self._setups = SetupCache(self.strategy)
         self._finalizer = weakref.finalize(self, self._setups.shutdown)
         self._run: Run | None = None
@@ -184,19 +186,19 @@ class Trainer:
     # ------------------------------------------------------------------ topology
     @property
     def rank(self) -> int:
-        return self.strategy.rank
+        return self._topology.rank
 
     @property
     def world_size(self) -> int:
-        return self.strategy.world_size
+        return self._topology.world_size
 
     @property
     def is_main(self) -> bool:
-        return self.strategy.is_main
+        return self._topology.rank == 0
 
     @property
     def device(self) -> torch.device:
-        return self.strategy.device
+        return self._topology.device
 
     @property
     def closed(self) -> bool:

@@ -110,7 +110,8 @@ def _peer_failure_on_rank(fail_rank: int) -> dict:
     except KeyError as exc:
         seen.update(kind="own", text=str(exc))
     finally:
-        seen["closed"] = not torch.distributed.is_initialized()
+        seen["closed"] = not torch.distributed.is_initialized() and trainer.closed
+        seen["is_main"] = trainer.is_main  # handlers still know who they are
     return seen
 
 
@@ -123,6 +124,7 @@ def test_fault_handlers_peer_failure_error_names_the_failed_rank_and_its_error(r
     assert "rank 1 stopped because rank 0 failed" in peer["text"]
     # both trainers released their process group before the handlers ran
     assert own["closed"] and peer["closed"]
+    assert own["is_main"] and not peer["is_main"]
 
 
 @pytest.mark.parametrize(
