@@ -61,8 +61,7 @@ def build_payload(
 ) -> dict[str, Any]:
     """The checkpoint dict (built on rank 0) from ``run`` and every rank's :func:`rank_state`."""
     state = run.state
-    backend_state = strategy.state_dict()
-    scaler = backend_state.get("scaler") or ckpt.amp_to_grad_scaler(backend_state.get("amp", {}))
+    scaler = strategy.state_dict().get("scaler", {})  # GradScaler form, whatever the backend
     return {
         "format": ckpt.FORMAT,
         "version": ckpt.VERSION,
@@ -104,8 +103,7 @@ def load_weights(
 
 def restore_run(payload: dict[str, Any], strategy: Strategy, scheduler: Any, seed: int) -> FitState:
     """Scaler, scheduler, progress and RNG from ``payload``; call after the strategy's setup."""
-    scaler = payload.get("scaler") or {}
-    strategy.load_state_dict({"scaler": scaler, "amp": ckpt.grad_scaler_to_amp(scaler)})
+    strategy.load_state_dict({"scaler": payload.get("scaler") or {}})
     if scheduler is not None and payload.get("scheduler") is not None:
         scheduler.load_state_dict(payload["scheduler"])
     progress = payload["progress"]

@@ -4,8 +4,8 @@ A checkpoint is a plain ``torch.save`` of a dict of tensors, numbers, strings, l
 so ``torch.load(..., weights_only=True)`` reads it and a file that needs pickled code is
 refused. The model state is the unwrapped module's (no ``module.`` prefixes) in fp32; the
 optimizer state is the torch optimizer's own ``state_dict`` (keyed by parameter order, the
-same whatever wrapper trained it); the loss scaler is in torch ``GradScaler`` form (apex amp's
-is converted both ways).
+same whatever wrapper trained it); the loss scaler is in torch ``GradScaler`` form (a strategy
+with a scaler of its own converts to and from it in its ``state_dict`` hooks).
 """
 
 from __future__ import annotations
@@ -48,32 +48,6 @@ def strip_wrapper_prefix(state: Mapping[str, torch.Tensor]) -> dict[str, torch.T
     if state and all(key.startswith("module.") for key in state):
         return {key[len("module.") :]: value for key, value in state.items()}
     return dict(state)
-
-
-def amp_to_grad_scaler(amp_state: Mapping[str, Any]) -> dict[str, Any]:
-    """apex ``amp.state_dict()`` -> torch ``GradScaler.state_dict()`` form."""
-    scaler = amp_state.get("loss_scaler0")
-    if not scaler:
-        return {}
-    return {
-        "scale": float(scaler["loss_scale"]),
-        "growth_factor": 2.0,
-        "backoff_factor": 0.5,
-        "growth_interval": 2000,
-        "_growth_tracker": int(scaler.get("unskipped", 0)),
-    }
-
-
-def grad_scaler_to_amp(scaler_state: Mapping[str, Any]) -> dict[str, Any]:
-    """torch ``GradScaler.state_dict()`` -> apex ``amp.state_dict()`` form."""
-    if not scaler_state:
-        return {}
-    return {
-        "loss_scaler0": {
-            "loss_scale": float(scaler_state["scale"]),
-            "unskipped": int(scaler_state.get("_growth_tracker", 0)),
-        }
-    }
 
 
 def rng_state() -> dict[str, Any]:

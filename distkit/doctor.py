@@ -140,7 +140,7 @@ def _horovod_facts(cuda: bool) -> HorovodFacts:
 
 def _apex_facts() -> ApexFacts:
     from distkit.errors import ApexImpostorError, ApexNotInstalledError
-    from distkit.strategies._apex_detect import detect_apex
+    from distkit.strategies.apex._detect import detect_apex
 
     try:
         found = detect_apex()

@@ -8,6 +8,7 @@ each such test says so. The real-apex tests at the end skip without CUDA and NVI
 from __future__ import annotations
 
 import importlib.util
+import math
 import warnings
 from functools import partial
 
@@ -23,9 +24,11 @@ from distkit.errors import (
     ApexNotInstalledError,
     ConfigurationError,
 )
-from distkit.strategies._apex_detect import detect_apex
-from distkit.strategies._apex_levels import resolve_plan
 from distkit.strategies.apex import ApexStrategy
+from distkit.strategies.apex._detect import detect_apex
+from distkit.strategies.apex._levels import resolve_plan
+from distkit.strategies.apex.legacy import amp_to_grad_scaler, grad_scaler_to_amp
+from distkit.strategies.base import TrainOptions
 from tests.fakes import use_fake_apex
 from tests.workloads import make_dataset, make_mlp, max_abs_diff, train_with_distkit
 
@@ -224,6 +227,59 @@ def test_apex_legacy_amp_state_round_trips_through_a_checkpoint(tmp_path, run_on
     assert saved["scaler"]["scale"] == result["saved_scale"] == 512.0  # GradScaler form
     assert result["loaded"], "amp.load_state_dict was not called on resume"
     assert result["scale_after_resume"] == 512.0
+
+
+def test_apex_amp_loss_scale_converts_to_and_from_grad_scaler_form():
+    """The legacy generation checkpoints amp's loss scaler in the neutral GradScaler form."""
+    amp_state = {"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 17}}
+    scaler = amp_to_grad_scaler(amp_state)
+    assert scaler["scale"] == 1024.0 and scaler["_growth_tracker"] == 17
+    assert grad_scaler_to_amp(scaler) == amp_state
+    real = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    real.load_state_dict(scaler)
+    assert real.get_scale() == 1024.0
+    assert amp_to_grad_scaler({}) == {} and grad_scaler_to_amp({}) == {}
+
+
+def _legacy_overflow_steps() -> dict:
+    """Per rank, FAKE legacy apex and FAKE CUDA: an overflowing step, then a finite one."""
+    _fake_cuda()
+    with use_fake_apex("legacy"):
+        import apex
+
+        strategy = ApexStrategy()
+        strategy.connect(TrainOptions(precision="fp16"))
+        net = make_mlp()
+        model, optimizer = strategy.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        x, y = make_dataset(8).tensors
+        weights = [p.detach().clone() for p in net.parameters()]
+        stepped, unchanged = [], []
+        for factor in (math.inf, 1.0):
+            strategy.backward(nn.functional.cross_entropy(model(x), y) * factor, optimizer)
+            stepped.append(strategy.optimizer_step(optimizer))
+            optimizer.zero_grad()
+            now = list(net.parameters())
+            unchanged.append(all(torch.equal(a, b) for a, b in zip(weights, now, strict=True)))
+        out = {
+            "generation": type(strategy.generation).__name__,
+            "stepped": stepped,
+            "unchanged": unchanged,
+            "counted": strategy.precision.skipped_steps,
+            "amp_skips": len(apex.calls_named("amp.skip_step")),
+            "state": strategy.state_dict(),
+        }
+        strategy.teardown()
+    return out
+
+
+def test_apex_legacy_overflow_is_a_skipped_step(run_on_ranks):
+    """FAKE legacy apex and FAKE CUDA: amp's skip is seen through its public loss scale."""
+    result = run_on_ranks(_legacy_overflow_steps, world_size=1)[0]
+    assert result["generation"] == "LegacyApex"
+    assert result["stepped"] == [False, True] and result["unchanged"] == [True, False]
+    assert result["counted"] == result["amp_skips"] == 1
+    halved_once = {"loss_scaler0": {"loss_scale": 2.0**15, "unskipped": 1}}
+    assert result["state"] == {"scaler": amp_to_grad_scaler(halved_once)}  # no amp form
 
 
 # ---------------------------------------------------------------- modern path

@@ -259,11 +259,15 @@ class Strategy(ABC):
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """Backend state to checkpoint beside the model (default: the precision's scaler)."""
+        """Backend state to checkpoint beside the model (default: the precision's scaler).
+
+        The loss scaler goes under ``"scaler"`` in torch ``GradScaler.state_dict()`` form, the
+        checkpoint's neutral form: a backend with a scaler of its own converts it here.
+        """
         return {"scaler": self.precision.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
+        """Restore what :meth:`state_dict` returned (or any strategy's, in the neutral form)."""
         self.precision.load_state_dict(state.get("scaler", {}))
 
     # ------------------------------------------------------------------ collectives

@@ -1,0 +1,171 @@
+"""NVIDIA apex, both generations, launched like DDP (torchrun / torch.distributed.launch).
+
+:class:`ApexStrategy` is the one ``strategy="apex"``. Which apex is installed is only known once
+it is probed (after the CUDA check, in ``setup_environment``); then it hands the hooks in
+which the generations differ to one of two small classes:
+
+* :class:`~distkit.strategies.apex.legacy.LegacyApex` (apex <= 25.04): ``amp.initialize`` ->
+  apex ``DistributedDataParallel``, backward through ``amp.scale_loss``;
+* :class:`~distkit.strategies.apex.modern.ModernApex` (apex >= 25.07, no ``apex.amp`` /
+  ``apex.parallel``): torch autocast + GradScaler + torch DDP.
+
+Both get apex's fused optimizers on request. The process group, the collectives and sync
+BatchNorm are the same for both, and stay here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import warnings
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+
+from distkit._env import LaunchEnv
+from distkit.errors import ApexNeedsCudaError, DistkitError
+from distkit.strategies import _torch_dist
+from distkit.strategies.apex._detect import ApexInstall, detect_apex
+from distkit.strategies.apex._fused import fused_twin
+from distkit.strategies.apex._generation import ApexSettings, Generation
+from distkit.strategies.apex.legacy import LegacyApex
+from distkit.strategies.apex.modern import ModernApex
+from distkit.strategies.base import Strategy, Topology
+
+#: the class of each generation :func:`~distkit.strategies.apex._detect.detect_apex` reports
+GENERATIONS: dict[str, Callable[[Strategy, ApexSettings, ApexInstall], Generation]] = {
+    "legacy": LegacyApex,
+    "modern": ModernApex,
+}
+
+
+def _require_cuda() -> None:
+    """apex is CUDA-only; say so before anything else happens."""
+    if not torch.cuda.is_available():
+        raise ApexNeedsCudaError(
+            "strategy='apex' needs CUDA: NVIDIA apex (amp, its DDP, fused optimizers) runs on "
+            "GPUs only, and no CUDA device is available here. On CPU use strategy='ddp' with "
+            "precision='bf16' (or 'fp16'): the same script, native autocast instead of amp."
+        )
+
+
+class ApexStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
+    """NVIDIA apex data parallelism; says at start-up which apex path runs.
+
+    Args:
+        opt_level: ``"O0"``-``"O3"``; ``None`` follows the Trainer's precision ("32" -> O0,
+            "fp16" -> O1). Contradictions with the precision are refused.
+        delay_allreduce: legacy apex DDP's option (all-reduce once, after backward).
+        keep_batchnorm_fp32, loss_scale: passed to ``amp.initialize`` (legacy).
+        fused_optimizer: swap Adam/AdamW/SGD for apex's FusedAdam/FusedSGD.
+        strict: refuse to fall back to native torch when apex lacks ``amp`` / ``parallel``.
+        backend, timeout: as for :class:`~distkit.strategies.ddp.DDPStrategy`.
+    """
+
+    name = "apex"
+
+    def __init__(
+        self,
+        *,
+        opt_level: str | None = None,
+        delay_allreduce: bool = False,
+        keep_batchnorm_fp32: bool | None = None,
+        loss_scale: float | str | None = None,
+        fused_optimizer: bool = False,
+        strict: bool = False,
+        backend: str | None = None,
+        timeout: timedelta | float | None = None,
+    ) -> None:
+        super().__init__()
+        self.settings = ApexSettings(
+            opt_level=opt_level,
+            delay_allreduce=delay_allreduce,
+            keep_batchnorm_fp32=keep_batchnorm_fp32,
+            loss_scale=loss_scale,
+            fused_optimizer=fused_optimizer,
+            strict=strict,
+        )
+        self.backend = backend
+        self.timeout = _torch_dist.as_timeout(timeout)
+        self.install: ApexInstall | None = None
+        self._generation: Generation | None = None
+        self._owns_group = False
+
+    # ------------------------------------------------------------------ set-up
+    def _setup_environment(self) -> Topology:
+        _require_cuda()
+        self.install = detect_apex()
+        self._generation = GENERATIONS[self.install.generation](self, self.settings, self.install)
+        topology, self._owns_group = _torch_dist.init_process_group(
+            LaunchEnv.detect(),
+            backend=self.backend,
+            timeout=_torch_dist.resolve_timeout(self.timeout, self.options.collective_timeout),
+            strategy=self.name,
+        )
+        if topology.rank == 0:
+            warnings.warn(self.describe(), stacklevel=2)
+        return topology
+
+    @property
+    def generation(self) -> Generation:
+        """The installed apex generation's hooks (chosen in ``setup_environment``)."""
+        if self._generation is None:
+            raise DistkitError(
+                "strategy 'apex' has not probed apex yet: call setup_environment() first "
+                "(distkit.Trainer does this when it is created)"
+            )
+        return self._generation
+
+    def describe(self) -> str:
+        """One line: which apex path runs, and how the opt level was read."""
+        path = self.generation.describe()
+        assert self.install is not None  # probed with the generation
+        return f"distkit apex ({self.install.version}): {path}"
+
+    def _precision_name(self) -> str:
+        return self.generation.plan.precision
+
+    def teardown(self) -> None:
+        if self._owns_group:
+            _torch_dist.destroy_process_group()
+            self._owns_group = False
+        super().teardown()
+
+    def convert_sync_batchnorm(self, model: nn.Module) -> nn.Module:
+        # torch's SyncBatchNorm (masked) for both generations, not legacy apex's
+        # convert_syncbn_model: apex.parallel.SyncBatchNorm has no way to count a placeholder
+        # sample as none (it takes no empty batch), so uneven last batches would normalise
+        # wrongly. Converting before amp.initialize keeps the order apex requires.
+        return _torch_dist.convert_sync_batchnorm(model, self.device)
+
+    def _setup_model_and_optimizer(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        if self.settings.fused_optimizer:  # before amp.initialize, which patches the optimizer
+            optimizer = fused_twin(optimizer, importlib.import_module("apex.optimizers"))
+        return self.generation.setup(model, optimizer)
+
+    # ------------------------------------------------------------------ the generation's hooks
+    def autocast(self) -> contextlib.AbstractContextManager[None]:
+        return self.generation.autocast()
+
+    def backward(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
+        self.generation.backward(loss, optimizer)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        return self.generation.optimizer_step(optimizer)
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        return self.generation.no_sync(model)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return self.generation.unwrap(model)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.generation.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.generation.load_state_dict(state)

@@ -1,0 +1,58 @@
+"""What the user asked of apex, and what each apex generation implements."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from distkit.strategies.apex._levels import ApexPlan
+
+
+@dataclass(frozen=True)
+class ApexSettings:
+    """:class:`~distkit.strategies.apex.ApexStrategy`'s apex options, as given."""
+
+    opt_level: str | None = None
+    delay_allreduce: bool = False
+    keep_batchnorm_fp32: bool | None = None
+    loss_scale: float | str | None = None
+    fused_optimizer: bool = False
+    strict: bool = False
+
+
+class Generation(Protocol):
+    """The hooks in which legacy and modern apex differ; ``ApexStrategy`` forwards to one.
+
+    Each generation is created once apex is detected, from the strategy (for its topology,
+    options and precision), the :class:`ApexSettings` and the install; it refuses settings it
+    cannot honour there. Its state hooks speak the neutral form (a ``"scaler"`` entry in
+    torch ``GradScaler`` form), whatever the generation keeps internally.
+    """
+
+    plan: ApexPlan
+
+    def describe(self) -> str:
+        """Which apex path runs and how the opt level was read (the start-up message)."""
+        ...
+
+    def setup(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[nn.Module, torch.optim.Optimizer]: ...
+
+    def autocast(self) -> contextlib.AbstractContextManager[None]: ...
+
+    def backward(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None: ...
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool: ...
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]: ...
+
+    def unwrap(self, model: nn.Module) -> nn.Module: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...

@@ -1,0 +1,142 @@
+"""Legacy apex (<= 25.04): ``apex.amp`` casts and scales, apex's DDP averages.
+
+The order is the one apex requires: sync BatchNorm conversion (done by the strategy, torch's
+masked layer) -> ``amp.initialize`` -> ``apex.parallel.DistributedDataParallel``. Backward goes
+through ``amp.scale_loss``, accumulation through apex DDP's allreduce switch, and amp's loss
+scaler is checkpointed in torch ``GradScaler`` form (converted here, both ways), so
+checkpoints move between apex and the other strategies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from distkit.errors import UnsupportedFeatureError
+from distkit.strategies.apex._detect import ApexInstall
+from distkit.strategies.apex._generation import ApexSettings
+from distkit.strategies.apex._levels import resolve_plan
+from distkit.strategies.base import Strategy
+
+
+def amp_to_grad_scaler(amp_state: Mapping[str, Any]) -> dict[str, Any]:
+    """apex ``amp.state_dict()`` -> torch ``GradScaler.state_dict()`` form."""
+    scaler = amp_state.get("loss_scaler0")
+    if not scaler:
+        return {}
+    return {
+        "scale": float(scaler["loss_scale"]),
+        "growth_factor": 2.0,
+        "backoff_factor": 0.5,
+        "growth_interval": 2000,
+        "_growth_tracker": int(scaler.get("unskipped", 0)),
+    }
+
+
+def grad_scaler_to_amp(scaler_state: Mapping[str, Any]) -> dict[str, Any]:
+    """torch ``GradScaler.state_dict()`` -> apex ``amp.state_dict()`` form."""
+    if not scaler_state:
+        return {}
+    return {
+        "loss_scaler0": {
+            "loss_scale": float(scaler_state["scale"]),
+            "unskipped": int(scaler_state.get("_growth_tracker", 0)),
+        }
+    }
+
+
+class LegacyApex:
+    """apex with ``amp`` and ``parallel``: amp at the opt level, apex DDP for several ranks."""
+
+    def __init__(self, strategy: Strategy, settings: ApexSettings, install: ApexInstall) -> None:
+        self.plan = resolve_plan(
+            strategy.options.precision, settings.opt_level, legacy=True, strict=settings.strict
+        )
+        self._strategy = strategy
+        self._settings = settings
+        self._amp = importlib.import_module("apex.amp")
+        self._parallel = importlib.import_module("apex.parallel")
+        self._accumulating = False  # inside no_sync: amp leaves the gradients scaled
+        self._overflowed = False  # the last unscaling backward made amp skip the next step
+
+    def describe(self) -> str:
+        return f"legacy apex: apex.amp + apex.parallel.DistributedDataParallel; {self.plan.note}"
+
+    def setup(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        if self._strategy.options.find_unused_parameters:
+            raise UnsupportedFeatureError(
+                "apex.parallel.DistributedDataParallel has no find_unused_parameters; its "
+                "allreduce waits for every parameter. Use strategy='ddp' (torch DDP) for "
+                "models that skip parameters, or make every parameter take part."
+            )
+        # apex requires amp.initialize before its DDP wrapper, never after
+        model, optimizer = self._amp.initialize(
+            model,
+            optimizer,
+            opt_level=self.plan.opt_level,
+            keep_batchnorm_fp32=self._settings.keep_batchnorm_fp32,
+            loss_scale=self._settings.loss_scale,
+        )
+        if self._strategy.world_size > 1:
+            model = self._parallel.DistributedDataParallel(
+                model, delay_allreduce=self._settings.delay_allreduce
+            )
+        return model, optimizer
+
+    def autocast(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()  # amp casts (patched functions or an fp16 model)
+
+    def backward(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
+        before = self._loss_scale()
+        # unscaling waits for the last micro-batch of an accumulation window
+        with self._amp.scale_loss(loss, optimizer, delay_unscale=self._accumulating) as scaled:
+            scaled.backward()
+        # amp halves a dynamic scale exactly when it overflows and patches the next
+        # optimizer.step() into a skip (distkit sets no min_loss_scale); a static scale never
+        # skips. So a lower scale is the public sign of a skip.
+        self._overflowed = self._loss_scale() < before
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        optimizer.step()  # amp's patched step skips itself after an overflow
+        skipped, self._overflowed = self._overflowed, False
+        if skipped:
+            self._strategy.precision.skipped_steps += 1
+        return not skipped
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        # apex DDP has no no_sync(); it has an allreduce switch
+        apex_ddp: Any = model if isinstance(model, self._parallel.DistributedDataParallel) else None
+        if apex_ddp is not None:
+            apex_ddp.disable_allreduce()
+        self._accumulating = True
+        try:
+            yield
+        finally:
+            self._accumulating = False
+            if apex_ddp is not None:
+                apex_ddp.enable_allreduce()
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        if isinstance(model, self._parallel.DistributedDataParallel):
+            inner: nn.Module = model.module
+            return inner
+        return model
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scaler": amp_to_grad_scaler(self._amp.state_dict())}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        amp_state = grad_scaler_to_amp(state.get("scaler") or {})
+        if amp_state:
+            self._amp.load_state_dict(amp_state)  # after amp.initialize (apex requires it)
+
+    def _loss_scale(self) -> float:
+        return float(self._amp.state_dict()["loss_scaler0"]["loss_scale"])
