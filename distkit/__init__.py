@@ -12,51 +12,46 @@ from distkit.errors import (
     LauncherMismatchError,
     MissingDependencyError,
     PeerFailureError,
+    StrategyPluginError,
     UnknownStrategyError,
     UnsupportedFeatureError,
 )
 from distkit.metrics import Accuracy, ConfusionMatrix, MeanIoU, Metric
-from distkit.registry import available_strategies
+from distkit.registry import BUILTIN_STRATEGIES as _BUILTINS
+from distkit.registry import available_strategies, register_strategy
 from distkit.strategies.base import Strategy, Topology, TrainOptions
 from distkit.syncbn import GlobalBatchNorm
 from distkit.trainer import FitResult, Trainer
 
 __version__ = "0.1.0"
 
-# Strategy classes, imported on first use (importing distkit imports no backend module)
-_LAZY = {
-    "ApexStrategy": "distkit.strategies.apex",
-    "DDPStrategy": "distkit.strategies.ddp",
-    "DataParallelStrategy": "distkit.strategies.dp",
-    "HorovodStrategy": "distkit.strategies.horovod",
-}
+# The built-in strategy classes (distkit.DDPStrategy, ...), named by the registry and imported
+# on first use: importing distkit imports no strategy module
+_STRATEGY_CLASSES = {target.rpartition(":")[2]: name for name, target in _BUILTINS.items()}
 
 
 def __getattr__(name: str) -> object:
-    if name in _LAZY:
-        import importlib
+    if name in _STRATEGY_CLASSES:
+        from distkit.registry import resolve_strategy_class
 
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        return resolve_strategy_class(_STRATEGY_CLASSES[name])
     raise AttributeError(f"module 'distkit' has no attribute {name!r}")
 
 
 __all__ = [
     "Accuracy",
-    "ApexStrategy",
     "ConfigurationError",
     "ConfusionMatrix",
-    "DDPStrategy",
-    "DataParallelStrategy",
     "DistkitError",
     "FitResult",
     "GlobalBatchNorm",
-    "HorovodStrategy",
     "LauncherMismatchError",
     "MeanIoU",
     "Metric",
     "MissingDependencyError",
     "PeerFailureError",
     "Strategy",
+    "StrategyPluginError",
     "Topology",
     "TrainOptions",
     "Trainer",
@@ -64,4 +59,7 @@ __all__ = [
     "UnsupportedFeatureError",
     "__version__",
     "available_strategies",
+    "register_strategy",
 ]
+__all__ += _STRATEGY_CLASSES
+__all__.sort()

@@ -14,6 +14,7 @@ from torch import nn
 
 import distkit
 from distkit import checkpoint as ckpt
+from distkit import registry
 from distkit._files import mtime_ns
 from distkit._loop import FitState
 from distkit.errors import ConfigurationError
@@ -72,8 +73,8 @@ def build_payload(
             "optimizer": type(run.optimizer).__name__,
             "distkit": distkit.__version__,
             "torch": str(torch.__version__),
-            "horovod": _version("horovod"),
-            "apex": _version("apex"),
+            # every built-in backend's library (and the strategy's own), named by the classes
+            **{lib: _version(lib) for lib in registry.DEFAULT_REGISTRY.libraries(type(strategy))},
         },
         "model": ckpt.model_state(run.model),
         "optimizer": run.optimizer.state_dict(),

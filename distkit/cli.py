@@ -13,79 +13,99 @@ import json
 import os
 import shlex
 import sys
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from distkit.errors import DistkitError, MissingDependencyError
+from distkit.errors import DistkitError
+
+if TYPE_CHECKING:
+    from distkit.launchers import LauncherFamily
+    from distkit.registry import StrategyRegistry
+    from distkit.strategies.base import Strategy
 
 PREFIX = "distkit:"
 USAGE_ERROR = 2
 
-RUN_EPILOG = """\
--n is processes per node (torchrun's --nproc_per_node); the launcher per strategy:
-  ddp, apex  python -m torch.distributed.run --standalone --nproc_per_node N script.py ...
-             (several nodes: run the same command on each, with --nnodes K --node-rank R
-             --master-addr HOST [--master-port P])
-  horovod    horovodrun -np N*hosts -H localhost:N [--gloo] python script.py ...
-             (several nodes: run once, on one node, with -H node1,node2 or -H node1:4,node2:4;
-             -np is the sum of the slots; --gloo unless MPI is built and mpirun is on PATH)
-  dp         python script.py ...  (one process; -n must be 1)
-
+RUN_NOTES = """\
 distkit's options go before SCRIPT: everything after SCRIPT is the script's, untouched.
 "--strategy S" is appended to the script's arguments unless they already hold --strategy.
 OMP_NUM_THREADS=1 is set for multi-process runs unless you set it. The exact command is
 printed to stderr first. Exit code: the launcher's (torchrun and horovodrun exit 1 when a rank
 fails and print that rank's code); 2 when the launcher is missing or the options do not fit.
-
-examples:
-  distkit run --strategy ddp -n 2 train.py --epochs 3
-  distkit run --strategy horovod -n 4 train.py
-  distkit run --strategy horovod -n 4 -H node1,node2 train.py
-  distkit run --strategy ddp -n 8 --nnodes 2 --node-rank 0 --master-addr node1 train.py
-  distkit run --strategy horovod -n 2 --horovod-args="--verbose --mpi" train.py
-  distkit run --strategy ddp -n 2 --torchrun-args="--max-restarts 3" train.py
-  distkit run --strategy dp --dry-run train.py
-"""
-
-DOCTOR_EPILOG = """\
-Checks torch, CUDA, NCCL and Gloo, Horovod (via `horovodrun --check-build`, a few seconds) and
-the installed apex (without importing it), then prints for ddp, dp, horovod and apex whether it
-is usable here, why not, and the command that fixes it. Always exits 0 unless it crashes.
-
-examples:
-  distkit doctor
-  distkit doctor --json | python -m json.tool
-  distkit doctor --strategy apex
 """
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``distkit`` argument parser with its ``run`` and ``doctor`` subcommands."""
-    from distkit.doctor import STRATEGIES
-    from distkit.launch import LAUNCHERS
+def _families(
+    classes: dict[str, type[Strategy]], registry: StrategyRegistry
+) -> dict[LauncherFamily, list[str]]:
+    """Each launcher family in use, with its strategies' names ("auto"'s choice first)."""
+    preferred = [name for name, _ in registry.auto_candidates()]
+    ordered = sorted(classes, key=lambda n: (n not in preferred, n))
+    families: dict[LauncherFamily, list[str]] = {}
+    for name in ordered:
+        families.setdefault(classes[name].launcher, []).append(name)
+    return families
 
+
+def _run_epilog(families: dict[LauncherFamily, list[str]]) -> str:
+    lines = ["-n is processes per node (torchrun's --nproc_per_node); the launcher per strategy:"]
+    for family, names in families.items():
+        lines += family.help_lines(sorted(names))
+    lines += ["", RUN_NOTES, "examples:"]
+    lines += [f"  {ex}" for family, names in families.items() for ex in family.examples(names[0])]
+    return "\n".join(lines) + "\n"
+
+
+def _doctor_epilog(names: Sequence[str]) -> str:
+    example = next((n for n in reversed(names)), "NAME")
+    listed = textwrap.fill(", ".join(names), width=76, initial_indent="  ", subsequent_indent="  ")
+    return (
+        "Checks torch, CUDA, NCCL and Gloo, then asks every registered strategy, plugins\n"
+        "included, whether it is usable here, why not, and the command that fixes it:\n"
+        f"{listed}\n"
+        "Some checks take seconds (horovodrun --check-build); --strategy skips the others.\n"
+        "Plugins that cannot be loaded get one line each. Always exits 0 unless it crashes.\n\n"
+        "examples:\n  distkit doctor\n  distkit doctor --json | python -m json.tool\n"
+        f"  distkit doctor --strategy {example}\n"
+    )
+
+
+def build_parser(registry: StrategyRegistry | None = None) -> argparse.ArgumentParser:
+    """The ``distkit`` argument parser; its strategy choices and help come from ``registry``."""
+    from distkit.registry import DEFAULT_REGISTRY
+
+    registry = DEFAULT_REGISTRY if registry is None else registry
+    names = registry.names()
+    families = _families(registry.load_all(), registry)
+    first = next(iter(families.values()), ["NAME"])[0]
     parser = argparse.ArgumentParser(
         prog="distkit",
-        description="Run one PyTorch training script on any data-parallel backend (ddp, horovod,\n"
-        "apex, dp), and check which backends work on this machine.",
-        epilog="examples:\n  distkit doctor\n  distkit run --strategy ddp -n 2 train.py\n\n"
+        description=textwrap.fill(
+            f"Run one PyTorch training script on any data-parallel backend ({', '.join(names)}), "
+            "and check which backends work on this machine.",
+            width=90,
+        ),
+        epilog=f"examples:\n  distkit doctor\n  distkit run --strategy {first} -n 2 train.py\n\n"
         "`distkit run --help` and `distkit doctor --help` say more.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="{run,doctor}")
     fmt = argparse.RawDescriptionHelpFormatter
+    launchers = ", ".join(family.launcher for family in families)
     run = sub.add_parser(
         "run",
         help="start a training script under the launcher its strategy needs",
-        description="Start SCRIPT with torchrun, horovodrun or plain python, as --strategy needs,\n"
+        description=f"Start SCRIPT under the launcher --strategy runs under ({launchers}),\n"
         "and pass --strategy on to the script.",
-        epilog=RUN_EPILOG,
+        epilog=_run_epilog(families),
         formatter_class=fmt,
     )
     run.add_argument(
         "--strategy",
         required=True,
-        choices=sorted(LAUNCHERS),
+        choices=names,
         type=str.lower,
         help="the backend; it picks the launcher (see below) and is passed to the script",
     )
@@ -93,22 +113,21 @@ def build_parser() -> argparse.ArgumentParser:
         "-n", "--nproc-per-node", type=int, default=1, metavar="N", help="processes per node"
     )
     run.add_argument("--nnodes", type=int, default=1, metavar="K", help="nodes (default 1)")
-    run.add_argument("--node-rank", type=int, metavar="R", help="this node's rank (ddp, apex)")
-    run.add_argument("--master-addr", metavar="HOST", help="node 0's address (ddp, apex)")
-    run.add_argument("--master-port", type=int, metavar="PORT", help="rendezvous port (ddp, apex)")
-    run.add_argument("-H", "--hosts", metavar="HOSTS", help="horovod: host1[:slots],host2...")
-    run.add_argument(
-        "--torchrun-args",
-        default="",
-        metavar="ARGS",
-        help="more torchrun options, as one string (see the examples)",
-    )
-    run.add_argument(
-        "--horovod-args",
-        default="",
-        metavar="ARGS",
-        help="more horovodrun options, as one string (see the examples)",
-    )
+    run.add_argument("--node-rank", type=int, metavar="R", help="this node's rank (torchrun)")
+    run.add_argument("--master-addr", metavar="HOST", help="node 0's address (torchrun)")
+    run.add_argument("--master-port", type=int, metavar="PORT", help="rendezvous port (torchrun)")
+    run.add_argument("-H", "--hosts", metavar="HOSTS", help="horovodrun: host1[:slots],host2...")
+    options = []
+    for family in families:
+        if family.args_option is not None:
+            action = run.add_argument(
+                family.args_option,
+                default="",
+                metavar="ARGS",
+                help=f"more {family.launcher} options, as one string (see the examples)",
+            )
+            options.append((family.args_option, action.dest, family.launcher))
+    run.set_defaults(launcher_options=options)
     run.add_argument("--dry-run", action="store_true", help="print the command, do not run it")
     run.add_argument("script", help="the training script")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
@@ -116,16 +135,16 @@ def build_parser() -> argparse.ArgumentParser:
         "doctor",
         help="say which strategies work on this machine and how to fix the others",
         description="Report, per strategy, whether it is usable here, why not, and the fix.",
-        epilog=DOCTOR_EPILOG,
+        epilog=_doctor_epilog(names),
         formatter_class=fmt,
     )
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
     doctor.add_argument(
         "--strategy",
         action="append",
-        choices=STRATEGIES,
+        choices=names,
         type=str.lower,
-        help="check only this strategy (repeatable); skipping horovod saves its check-build",
+        help="check only this strategy (repeatable); the others' checks are skipped",
     )
     return parser
 
@@ -146,17 +165,24 @@ def exact_script_args(argv: Sequence[str], script: str, parsed: Sequence[str]) -
 def cmd_run(args: argparse.Namespace) -> int:
     """``distkit run``: build the command, print it, and replace this process with it."""
     from distkit import launch
+    from distkit.registry import resolve_strategy_class
 
-    launcher_args = {"torchrun": args.torchrun_args, "horovodrun": args.horovod_args}
-    used = launch.LAUNCHERS[args.strategy]
-    for name, value in launcher_args.items():
-        if value and name != used:
-            flag = "--torchrun-args" if name == "torchrun" else "--horovod-args"
-            return _fail(f"{flag} is for {name}, but strategy={args.strategy!r} runs under {used}")
     try:
-        extra = tuple(shlex.split(launcher_args.get(used, "")))
+        family = resolve_strategy_class(args.strategy).launcher
+    except DistkitError as exc:  # a plugin that cannot be loaded
+        return _fail(str(exc))
+    for option, dest, launcher in args.launcher_options:
+        if getattr(args, dest) and option != family.args_option:
+            return _fail(
+                f"{option} is for {launcher}, but strategy={args.strategy!r} runs under "
+                f"{family.launcher}"
+            )
+    dest = next((d for o, d, _ in args.launcher_options if o == family.args_option), None)
+    raw = getattr(args, dest) if dest is not None else ""
+    try:
+        extra = tuple(shlex.split(raw))
     except ValueError as exc:  # unbalanced quotes
-        return _fail(f"cannot split the {used} arguments {launcher_args[used]!r}: {exc}")
+        return _fail(f"cannot split the {family.launcher} arguments {raw!r}: {exc}")
     request = launch.LaunchRequest(
         strategy=args.strategy,
         script=args.script,
@@ -169,22 +195,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         hosts=args.hosts,
         launcher_args=extra,
     )
-    horovodrun, controller = "horovodrun", None
     try:
         launch.build_command(request, python=sys.executable)  # validate before any probing
-        if used == "horovodrun":
-            from distkit.horovod_build import horovodrun_path
-
-            horovodrun = horovodrun_path()
-            controller = launch.horovod_controller(request.launcher_args, horovodrun)
-        argv = launch.build_command(
-            request, python=sys.executable, horovodrun=horovodrun, controller=controller
-        )
-    except MissingDependencyError as exc:
-        return _fail(
-            f"strategy='horovod' needs horovodrun, which is missing ({exc}). Build and install "
-            f"Horovod for this torch: {sys.executable} -m distkit.horovod_build",
-        )
+        tools = family.find_tools(request)
+        argv = launch.build_command(request, python=sys.executable, tools=tools)
     except DistkitError as exc:
         return _fail(str(exc))
     if not Path(args.script).exists():
@@ -213,13 +227,11 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     """``distkit doctor``: print the report (text or ``--json``); 0 unless it crashes."""
     from distkit import doctor
 
-    selected = tuple(args.strategy or doctor.STRATEGIES)
-    facts = doctor.collect_facts(selected)
-    reports = {k: v for k, v in doctor.assess(facts).items() if k in selected}
+    checkup = doctor.examine(args.strategy)
     if args.json:
-        print(json.dumps(doctor.to_json(facts, reports), indent=2))
+        print(json.dumps(doctor.to_json(checkup), indent=2))
     else:
-        print(doctor.render_text(facts, reports))
+        print(doctor.render_text(checkup))
     return 0
 
 

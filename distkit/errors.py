@@ -19,6 +19,10 @@ class MissingDependencyError(DistkitError, ImportError):
     """A backend library that the chosen strategy needs is not installed or not usable."""
 
 
+class StrategyPluginError(DistkitError, ImportError):
+    """A plugin's strategy cannot be loaded; the message names its distribution and the fix."""
+
+
 class LauncherMismatchError(DistkitError, RuntimeError):
     """The process was started by a launcher that the chosen strategy cannot run under."""
 

@@ -17,8 +17,14 @@ import torch
 from distkit import cli, doctor
 from distkit import horovod_build as hb
 from distkit._env import LaunchEnv
+from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ConfigurationError, MissingDependencyError
 from distkit.launch import LaunchRequest, build_command, describe, thread_env, with_strategy_arg
+from distkit.registry import StrategyRegistry, available_strategies
+from distkit.strategies import _horovod_doctor
+from distkit.strategies.apex import _doctor as apex_doctor
+from distkit.strategies.ddp import DDPStrategy
+from distkit.strategies.dp import DataParallelStrategy
 from tests.fakes import FAKE_APEX_DIRS
 
 pytestmark = pytest.mark.timeout(120)
@@ -50,7 +56,7 @@ def _horovodrun() -> str | None:
 
 def _cmd(strategy: str, *args: str, **fields: Any) -> list[str]:
     request = LaunchRequest(strategy, "train.py", tuple(args), **fields)
-    return build_command(request, python=PY, horovodrun="hvdrun", controller="gloo")
+    return build_command(request, python=PY, tools={"horovodrun": "hvdrun", "controller": "gloo"})
 
 
 def _distkit(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 100):
@@ -253,7 +259,8 @@ def _block(text: str, strategy: str) -> list[str]:
 
 def test_doctor_reports_ddp_dp_usable_here(doctor_outputs):
     text, data = doctor_outputs
-    assert set(data["strategies"]) == {"ddp", "dp", "horovod", "apex"}
+    assert set(data["strategies"]) == set(available_strategies())
+    assert data["plugin_problems"] == []
     assert data["strategies"]["ddp"]["usable"] and data["strategies"]["dp"]["usable"]
     assert data["torch_version"] == str(torch.__version__)
     assert data["gloo"] is True and data["auto"] == "dp"
@@ -269,8 +276,8 @@ def test_doctor_reports_horovod_with_pytorch_and_gloo(doctor_outputs):
         assert not report["usable"] and "distkit.horovod_build" in report["fix"]
         return
     assert report["usable"], report
-    assert data["horovod"]["check_build"]["frameworks"]["PyTorch"]
-    assert data["horovod"]["check_build"]["controllers"]["Gloo"]
+    assert report["details"]["check_build"]["frameworks"]["PyTorch"]
+    assert report["details"]["check_build"]["controllers"]["Gloo"]
     assert "frameworks PyTorch, controllers Gloo" in _block(text, "horovod")[0]
 
 
@@ -296,37 +303,104 @@ def test_doctor_classifies_fake_apex_installs(tmp_path, kind, summary):
     proc = _distkit("doctor", "--json", "--strategy", "apex", cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
-    assert data["apex"]["kind"] == kind and set(data["strategies"]) == {"apex"}
+    assert set(data["strategies"]) == {"apex"}
     report = data["strategies"]["apex"]
+    assert report["details"]["kind"] == kind
     assert report["summary"].startswith(summary)
     if kind == "impostor":
         assert "pip uninstall -y apex" in report["fix"]
     assert report["usable"] == (torch.cuda.is_available() and kind != "impostor")
 
 
-def _facts(**changes: Any) -> doctor.Facts:
-    base = doctor.Facts(python="py", torch_version="2.13.0+cpu", cuda_devices=0, distributed=True,
+def _machine(**changes: Any) -> MachineFacts:
+    base = MachineFacts(python="py", torch_version="2.13.0+cpu", cuda_devices=0, distributed=True,
                         nccl=False, gloo=True, launcher=LaunchEnv())  # fmt: skip
     return dataclasses.replace(base, **changes)
 
 
-def test_assess_horovod_missing_or_broken_points_at_the_build_module():
-    missing = doctor.assess(_facts(horovod=doctor.HorovodFacts()))["horovod"]
+def test_horovod_verdict_missing_or_broken_points_at_the_build_module():
+    missing = _horovod_doctor.verdict("horovod", _machine(), _horovod_doctor.HorovodFacts())
     assert not missing.usable and missing.fix == "py -m distkit.horovod_build"
-    no_torch = doctor.HorovodFacts(
+    no_torch = _horovod_doctor.HorovodFacts(
         version="0.28.1", horovodrun="hvdrun", build_key="k-old", expected_key="k",
         check_build={"frameworks": {"PyTorch": False}, "controllers": {"Gloo": True}},
     )  # fmt: skip
-    broken = doctor.assess(_facts(horovod=no_torch))["horovod"]
+    broken = _horovod_doctor.verdict("horovod", _machine(), no_torch)
     assert not broken.usable and broken.fix == "py -m distkit.horovod_build --force"
     assert "PyTorch extension" in broken.why_not[0] and "k-old" in broken.summary
 
 
-def test_assess_apex_with_cuda_and_gpus_for_dp():
-    facts = _facts(cuda_devices=4, nccl=True, apex=doctor.ApexFacts("legacy", "25.04", "/x"))
-    reports = doctor.assess(facts)
-    assert reports["apex"].usable and reports["apex"].fix is None
-    assert reports["ddp"].summary == "backend nccl, 4 GPU(s)"
-    assert reports["dp"].summary.startswith("4 replicas")
-    absent = doctor.assess(_facts(cuda_devices=1, apex=doctor.ApexFacts("none")))["apex"]
+def test_verdicts_for_apex_with_cuda_and_gpus_for_ddp_and_dp():
+    gpus = _machine(cuda_devices=4, nccl=True)
+    legacy = apex_doctor.verdict("apex", gpus, apex_doctor.ApexFacts("legacy", "25.04", "/x"))
+    assert legacy.usable and legacy.fix is None
+    assert DDPStrategy.diagnose(gpus).summary == "backend nccl, 4 GPU(s)"
+    assert DataParallelStrategy.diagnose(gpus).summary.startswith("4 replicas")
+    absent = apex_doctor.verdict("apex", _machine(cuda_devices=1), apex_doctor.ApexFacts("none"))
     assert not absent.usable and "nvidia-apex" in (absent.fix or "")
+
+
+# ---------------------------------------------------------------- derived from the classes
+class SerialStrategy(DataParallelStrategy):
+    """A registered single-process strategy: help, choices and doctor rows must show it."""
+
+    name = "serial"
+    auto_select = False
+
+
+class FailingCheckStrategy(DataParallelStrategy):
+    name = "failing"
+    auto_select = False
+
+    @classmethod
+    def diagnose(cls, machine: MachineFacts) -> StrategyReport:
+        raise RuntimeError("probe exploded")
+
+
+def _registry(*classes: type) -> StrategyRegistry:
+    registry = StrategyRegistry(entry_point_group=None)
+    for cls in classes:
+        registry.register(cls.name, cls)
+    return registry
+
+
+def test_parser_choices_and_help_list_every_registered_strategy(capsys):
+    registry = _registry(SerialStrategy)
+    parser = cli.build_parser(registry)
+    names = registry.names()
+    assert "serial" in names and parser.parse_args(["run", "--strategy", "serial", "t.py"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["run", "--strategy", "nope", "t.py"])
+    assert f"--strategy {{{','.join(names)}}}" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parser.parse_args(["run", "--help"])
+    help_text = capsys.readouterr().out
+
+    launchers = help_text.split("the launcher per strategy:")[1].split("examples:")[0]
+    for name in names:
+        assert f" {name}," in launchers or f" {name}:" in launchers, name
+    for cls in registry.load_all().values():
+        assert cls.launcher.help_lines(["x"])[1] in help_text
+        if cls.launcher.args_option:
+            assert cls.launcher.args_option in help_text
+
+
+def test_doctor_row_for_a_strategy_whose_check_raises_and_the_others_still_report():
+    machine = _machine()
+    checkup = doctor.examine(registry=_registry(SerialStrategy, FailingCheckStrategy),
+                             machine=machine)  # fmt: skip
+    failing = checkup.reports["failing"]
+    assert not failing.usable and "probe exploded" in failing.summary
+    assert checkup.reports["serial"].usable and checkup.reports["serial"].origin != "built-in"
+    assert checkup.reports["ddp"].usable and checkup.auto == "dp"
+    text = doctor.render_text(checkup)
+    assert "[register_strategy()]" in _block(text, "serial")[0]
+
+
+def test_cli_refuses_the_other_launchers_arguments(tmp_path, capsys):
+    (tmp_path / "t.py").write_text("")
+    args = ["run", "--strategy", "ddp", "--horovod-args=-x", "--dry-run", str(tmp_path / "t.py")]
+    assert cli.main(args) == 2
+    assert "--horovod-args is for horovodrun, but strategy='ddp' runs under torchrun" in (
+        capsys.readouterr().err
+    )

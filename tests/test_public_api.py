@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import distkit
+from distkit.registry import BUILTIN_STRATEGIES
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -18,21 +19,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 PUBLIC_NAMES = [
     "Accuracy",
-    "ApexStrategy",
     "ConfigurationError",
     "ConfusionMatrix",
-    "DDPStrategy",
-    "DataParallelStrategy",
     "DistkitError",
     "FitResult",
     "GlobalBatchNorm",
-    "HorovodStrategy",
     "LauncherMismatchError",
     "MeanIoU",
     "Metric",
     "MissingDependencyError",
     "PeerFailureError",
     "Strategy",
+    "StrategyPluginError",
     "Topology",
     "TrainOptions",
     "Trainer",
@@ -40,19 +38,18 @@ PUBLIC_NAMES = [
     "UnsupportedFeatureError",
     "__version__",
     "available_strategies",
+    "register_strategy",
 ]
 
-# Modules that importing distkit must not load: backend libraries and torch's launchers.
+# Modules that importing distkit must not load: backend libraries, torch's launchers and the
+# built-in strategies' modules (as the registry names them).
 FORBIDDEN_MODULES = [
     "horovod",
     "apex",
     "torch.distributed.launch",
     "torch.distributed.run",
     "torch.distributed.elastic",
-    "distkit.strategies.ddp",
-    "distkit.strategies.dp",
-    "distkit.strategies.horovod",
-    "distkit.strategies.apex",
+    *sorted({target.split(":")[0] for target in BUILTIN_STRATEGIES.values()}),
 ]
 
 _IMPORT_PROBE = textwrap.dedent(
@@ -80,9 +77,13 @@ _IMPORT_PROBE = textwrap.dedent(
 )
 
 
+# plus the built-in strategy classes, exported lazily under the names the registry gives them
+STRATEGY_CLASSES = [target.rpartition(":")[2] for target in BUILTIN_STRATEGIES.values()]
+
+
 def test_public_api_all_is_pinned():
-    assert distkit.__all__ == PUBLIC_NAMES
-    assert sorted(distkit.__all__) == distkit.__all__
+    assert distkit.__all__ == sorted([*PUBLIC_NAMES, *STRATEGY_CLASSES])
+    assert {"DDPStrategy", "DataParallelStrategy", "HorovodStrategy"} <= set(STRATEGY_CLASSES)
 
 
 def test_public_api_every_name_exists():
@@ -110,7 +111,7 @@ def test_public_api_errors_derive_from_distkit_error_and_builtins():
 def test_public_api_strategy_classes_resolve_lazily_to_the_registry_classes():
     from distkit.registry import resolve_strategy_class
 
-    for name in ("ddp", "dp", "horovod", "apex"):
+    for name in BUILTIN_STRATEGIES:
         cls = resolve_strategy_class(name)
         assert getattr(distkit, cls.__name__) is cls
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):

@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import importlib.util
+import typing
 
 import pytest
 import torch
 
 import distkit
-from distkit._env import LaunchEnv
-from distkit.registry import auto_strategy_name, resolve_strategy_class
+import distkit.registry
+from distkit._env import LaunchEnv, Launcher
+from distkit.launchers import LauncherFamily
+from distkit.registry import (
+    BUILTIN_STRATEGIES,
+    StrategyRegistry,
+    auto_strategy_name,
+    resolve_strategy_class,
+)
 from distkit.strategies.ddp import DDPStrategy
 from distkit.strategies.dp import DataParallelStrategy
 
@@ -115,3 +123,99 @@ def test_trainer_dp_strategy_runs_in_process_without_launcher():
         assert (trainer.rank, trainer.world_size, trainer.is_main) == (0, 1, True)
         expected_device = "cuda" if torch.cuda.is_available() else "cpu"
         assert trainer.device.type == expected_device
+
+
+# ---------------------------------------------------------------- the classes carry their facts
+def test_builtin_classes_carry_their_name_and_launcher_family():
+    for name in BUILTIN_STRATEGIES:
+        cls = resolve_strategy_class(name)
+        assert cls.name == name
+        assert isinstance(cls.launcher, LauncherFamily), name
+
+
+@pytest.mark.parametrize("launcher", typing.get_args(Launcher))
+def test_auto_exactly_one_builtin_candidate_recognises_each_launcher(launcher):
+    env = LaunchEnv(launcher=launcher)
+    registry = StrategyRegistry(entry_point_group=None)
+    fits = [name for name, cls in registry.auto_candidates() if cls.launcher.recognises(env)]
+    assert fits == [auto_strategy_name(env)]
+
+
+# ---------------------------------------------------------------- explicit registration
+class SerialStrategy(DataParallelStrategy):
+    """A single-process strategy under a name of its own (registration tests)."""
+
+    name = "serial"
+    auto_select = False
+
+
+class NotAStrategy:
+    name = "serial"
+
+
+@pytest.fixture
+def registry():
+    return StrategyRegistry(entry_point_group=None)
+
+
+def test_register_class_resolves_and_is_listed(registry):
+    registry.register("serial", SerialStrategy)
+
+    assert registry.resolve(" Serial ") is SerialStrategy
+    assert "serial" in registry.names() and registry.origin("serial") == "register_strategy()"
+    registry.register("serial", SerialStrategy)  # the same again: nothing happens
+    registry.unregister("serial")
+    with pytest.raises(distkit.UnknownStrategyError):
+        registry.resolve("serial")
+
+
+def test_register_string_target_is_imported_on_first_use(registry):
+    registry.register("serial", "tests.test_registry:SerialStrategy")
+
+    assert registry.resolve("serial") is SerialStrategy
+
+
+def test_register_broken_string_target_fails_on_use_naming_the_registration(registry):
+    registry.register("serial", "tests.no_such_module:SerialStrategy")
+
+    with pytest.raises(distkit.StrategyPluginError, match=r"register_strategy\('serial'") as info:
+        registry.resolve("serial")
+    assert "ModuleNotFoundError" in str(info.value) and "\n" not in str(info.value)
+    assert "serial" not in registry.load_all()  # left out; the others still load
+    assert "ddp" in registry.load_all()
+
+
+@pytest.mark.parametrize(
+    ("name", "strategy", "message"),
+    [
+        ("ddp", SerialStrategy, "built-in strategy"),
+        ("auto", SerialStrategy, "choice by launcher"),
+        ("Serial", SerialStrategy, "not a valid strategy name"),
+        ("serial", NotAStrategy, "not a distkit.Strategy subclass"),
+        ("other", SerialStrategy, "set name = 'other'"),
+        ("serial", "no_colon", "not 'module:Class'"),
+    ],
+)
+def test_register_refuses_what_cannot_work(registry, name, strategy, message):
+    with pytest.raises(distkit.ConfigurationError, match=message):
+        registry.register(name, strategy)
+
+
+def test_register_another_class_under_a_taken_name_needs_replace(registry):
+    class OtherSerial(SerialStrategy):
+        pass
+
+    registry.register("serial", SerialStrategy)
+    with pytest.raises(distkit.ConfigurationError, match="replace=True"):
+        registry.register("serial", OtherSerial)
+    registry.register("serial", OtherSerial, replace=True)
+    assert registry.resolve("serial") is OtherSerial
+
+
+def test_register_strategy_makes_the_trainer_build_it(monkeypatch):
+    monkeypatch.setattr(distkit.registry, "DEFAULT_REGISTRY", StrategyRegistry())
+    distkit.register_strategy("serial", SerialStrategy)
+
+    assert "serial" in distkit.available_strategies()
+    with distkit.Trainer("serial", progress=False) as trainer:
+        assert type(trainer.strategy) is SerialStrategy

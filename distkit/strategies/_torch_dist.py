@@ -31,11 +31,13 @@ def init_process_group(
     world of one is formed on an in-process store, so the same code runs under ``python``.
     """
     if env.is_horovod_launcher:
+        from distkit.registry import auto_strategy_name  # the strategy that fits this launcher
+
         raise LauncherMismatchError(
             f"strategy={strategy!r} runs under torchrun (or python -m torch.distributed.launch), "
             f"but this process was started by {env.launcher}. Either launch with "
             f"`torchrun --nproc_per_node N script.py`, or keep {env.launcher} and use "
-            "strategy='horovod'."
+            f"strategy={auto_strategy_name(env)!r}."
         )
     use_cuda = torch.cuda.is_available()
     if dist.is_initialized():

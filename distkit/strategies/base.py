@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -24,7 +24,11 @@ from torch import nn
 
 from distkit import _channel
 from distkit._channel import SideChannel
+from distkit._env import LaunchEnv
+from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ConfigurationError, DistkitError
+from distkit.launch import LaunchRequest
+from distkit.launchers import TORCH_LAUNCHERS, LauncherFamily
 from distkit.precision import Precision, normalize_precision
 
 REDUCE_OPS = ("mean", "sum")
@@ -59,14 +63,38 @@ class Strategy(ABC):
     averages gradients in ``backward`` (DDP) or in ``optimizer.step`` (Horovod).
     """
 
+    #: the name it is registered under (``Trainer(strategy=name)``, ``distkit run --strategy``)
     name: ClassVar[str] = ""
     #: the step phase in which gradients are all-reduced ("backward", "optimizer" or "none")
     comm_phase: ClassVar[str] = "backward"
+    #: how its processes are started and recognised (:mod:`distkit.launchers`)
+    launcher: ClassVar[LauncherFamily] = TORCH_LAUNCHERS
+    #: whether ``strategy="auto"`` picks it when its launcher family started the process
+    auto_select: ClassVar[bool] = False
+    #: the distributions it runs on beyond torch; checkpoints record their versions
+    libraries: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self) -> None:
         self.options = TrainOptions()
         self._topology: Topology | None = None
         self._precision: Precision | None = None
+
+    # ------------------------------------------------------------------ the class's facts
+    @classmethod
+    def launch_command(
+        cls, request: LaunchRequest, *, python: str, tools: Mapping[str, str]
+    ) -> list[str]:
+        """The argv ``distkit run`` starts for ``request`` (default: :attr:`launcher`'s)."""
+        return cls.launcher.command(request, python=python, tools=tools)
+
+    @classmethod
+    def diagnose(cls, machine: MachineFacts) -> StrategyReport:
+        """``distkit doctor``'s verdict: usable here, why not, and the fix.
+
+        Probe what the backend needs without importing it where that can fail or take long
+        (the doctor must survive a broken install). Default: :attr:`launcher`'s check.
+        """
+        return cls.launcher.diagnose(cls.name, machine)
 
     # ------------------------------------------------------------------ abstract core
     @abstractmethod
@@ -148,8 +176,12 @@ class Strategy(ABC):
         """Replace BatchNorm layers with ones that use statistics of the global batch."""
         if self.world_size == 1:
             return model  # one process sees the whole batch: plain BatchNorm is already global
+        from distkit.registry import auto_strategy_name
+
+        instead = auto_strategy_name(LaunchEnv(launcher="torchrun"))
         raise ConfigurationError(
-            f"strategy {self.name!r} does not support sync_batchnorm=True; use strategy='ddp'"
+            f"strategy {self.name!r} does not support sync_batchnorm=True; use "
+            f"strategy={instead!r} (under torchrun), or sync_batchnorm=False"
         )
 
     # ------------------------------------------------------------------ topology

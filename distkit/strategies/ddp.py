@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distkit._env import LaunchEnv
 from distkit.errors import ConfigurationError
+from distkit.launchers import TORCH_LAUNCHERS
 from distkit.strategies import _torch_dist
 from distkit.strategies.base import Strategy, Topology
 
@@ -32,6 +33,8 @@ class DDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
     """
 
     name = "ddp"
+    launcher = TORCH_LAUNCHERS
+    auto_select = True
 
     def __init__(
         self,

@@ -8,7 +8,9 @@ import torch
 from torch import nn
 
 from distkit._env import LaunchEnv
+from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ConfigurationError, LauncherMismatchError, UnsupportedFeatureError
+from distkit.launchers import SINGLE_PROCESS
 from distkit.strategies.base import Strategy, Topology
 
 
@@ -24,6 +26,20 @@ class DataParallelStrategy(Strategy):
 
     name = "dp"
     comm_phase = "none"  # gradients are gathered inside backward on the first GPU
+    launcher = SINGLE_PROCESS
+    auto_select = True
+
+    @classmethod
+    def diagnose(cls, machine: MachineFacts) -> StrategyReport:
+        n = machine.cuda_devices
+        if n > 1:
+            return StrategyReport(
+                cls.name, True, f"{n} replicas (nn.DataParallel over GPUs 0..{n - 1})"
+            )
+        where = "one GPU" if n == 1 else "no GPU"
+        return StrategyReport(
+            cls.name, True, f"1 replica ({where}: DataParallel just runs the module)"
+        )
 
     def __init__(self, *, device_ids: list[int] | None = None) -> None:
         super().__init__()

@@ -13,8 +13,11 @@ from torch import nn
 from distkit._channel import SideChannel
 from distkit._env import LaunchEnv
 from distkit._imports import require
+from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ConfigurationError, LauncherMismatchError, UnsupportedFeatureError
+from distkit.strategies import _horovod_doctor
 from distkit.strategies._horovod_channel import HorovodKVChannel
+from distkit.strategies._horovodrun import HOROVODRUN
 from distkit.strategies.base import Strategy, Topology
 from distkit.syncbn import convert_to_global_batchnorm
 
@@ -40,6 +43,14 @@ class HorovodStrategy(Strategy):
 
     name = "horovod"
     comm_phase = "optimizer"  # DistributedOptimizer waits for its all-reduce in step()
+    launcher = HOROVODRUN
+    auto_select = True
+    libraries = ("horovod",)
+
+    @classmethod
+    def diagnose(cls, machine: MachineFacts) -> StrategyReport:
+        """The installed Horovod (not imported) and ``horovodrun --check-build``, a few seconds."""
+        return _horovod_doctor.verdict(cls.name, machine, _horovod_doctor.probe(machine))
 
     def __init__(self, *, compression: str = "none", op: str = "average") -> None:
         super().__init__()
@@ -64,10 +75,12 @@ class HorovodStrategy(Strategy):
     def _setup_environment(self) -> Topology:
         env = LaunchEnv.detect()
         if env.is_torch_launcher:
+            from distkit.registry import auto_strategy_name  # the strategy that fits torchrun
+
             raise LauncherMismatchError(
                 f"strategy='horovod' runs under horovodrun (or mpirun), but this process was "
                 f"started by {env.launcher}. Either launch with `horovodrun -np N python "
-                "script.py`, or keep torchrun and use strategy='ddp'."
+                f"script.py`, or keep torchrun and use strategy={auto_strategy_name(env)!r}."
             )
         hvd = require("horovod.torch", feature="strategy='horovod'", hint=HOROVOD_HINT)
         self._refuse_collective_timeout()

@@ -26,8 +26,11 @@ import torch
 from torch import nn
 
 from distkit._env import LaunchEnv
+from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ApexNeedsCudaError, DistkitError
+from distkit.launchers import TORCH_LAUNCHERS
 from distkit.strategies import _torch_dist
+from distkit.strategies.apex import _doctor
 from distkit.strategies.apex._detect import ApexInstall, detect_apex
 from distkit.strategies.apex._fused import fused_twin
 from distkit.strategies.apex._generation import ApexSettings, Generation
@@ -66,6 +69,13 @@ class ApexStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
     """
 
     name = "apex"
+    launcher = TORCH_LAUNCHERS
+    libraries = ("apex",)
+
+    @classmethod
+    def diagnose(cls, machine: MachineFacts) -> StrategyReport:
+        """The installed apex, classified by its subpackages (never by running it)."""
+        return _doctor.verdict(cls.name, machine, _doctor.probe())
 
     def __init__(
         self,

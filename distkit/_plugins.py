@@ -1,0 +1,131 @@
+"""Strategy classes from other distributions: the ``distkit.strategies`` entry points.
+
+A distribution declares ``[project.entry-points."distkit.strategies"] NAME = "module:Class"``;
+the entry point's name is the strategy's name. Reading the entry points imports nothing; a
+plugin's module is imported when its strategy is first asked for. Whatever is wrong with a
+plugin becomes one :class:`PluginProblem` line that names its distribution.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from distkit.strategies.base import Strategy
+
+ENTRY_POINT_GROUP = "distkit.strategies"
+_NAME = re.compile(r"^[a-z][a-z0-9_-]*$")
+
+
+@dataclass(frozen=True)
+class Plugin:
+    """One ``distkit.strategies`` entry point.
+
+    Attributes:
+        name: the entry point's name, which is the strategy's name.
+        target: ``"module:Class"``.
+        distribution: the name of the distribution that declares it.
+        version: that distribution's version.
+    """
+
+    name: str
+    target: str
+    distribution: str
+    version: str
+
+    @property
+    def origin(self) -> str:
+        """``"plugin <distribution> <version>"``."""
+        return f"plugin {self.distribution} {self.version}"
+
+
+@dataclass(frozen=True)
+class PluginProblem:
+    """Why a plugin's strategy is left out, and the fix; ``str()`` is one line."""
+
+    plugin: Plugin
+    reason: str
+    fix: str = "Fix it"
+
+    def __str__(self) -> str:
+        p = self.plugin
+        return (
+            f"strategy plugin {p.name!r} from {p.distribution} {p.version} ({p.name} = "
+            f"{p.target}) is left out: {self.reason}. {self.fix}, or uninstall it: pip "
+            f"uninstall {p.distribution}"
+        )
+
+
+def discover(group: str = ENTRY_POINT_GROUP) -> tuple[list[Plugin], list[str]]:
+    """The entry points of ``group`` (nothing imported), and a line per unreadable one."""
+    import importlib.metadata as metadata
+
+    try:
+        entry_points = list(metadata.entry_points(group=group))
+    except Exception as exc:  # broken metadata of some distribution must not break distkit
+        return [], [f"reading the {group!r} entry points failed: {type(exc).__name__}: {exc}"]
+    plugins = []
+    for ep in entry_points:
+        dist = getattr(ep, "dist", None)
+        name = dist.name if dist is not None else "an unknown distribution"
+        version = dist.version if dist is not None else "?"
+        plugins.append(Plugin(ep.name, ep.value, name, version))
+    return plugins, []
+
+
+def check_name(name: str) -> str | None:
+    """Why ``name`` cannot be a strategy name, or None."""
+    if name == "auto":
+        return "'auto' is not a strategy but the choice by launcher"
+    if not _NAME.match(name):
+        return (
+            f"{name!r} is not a valid strategy name (lowercase letter first, then lowercase "
+            "letters, digits, '-' or '_')"
+        )
+    return None
+
+
+def load(target: str) -> object:
+    """The object ``"module:Attr"`` names (``Attr`` may be dotted); import errors propagate."""
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"{target!r} is not 'module:Class'")
+    obj: object = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def check_class(obj: object, name: str) -> str | None:
+    """Why ``obj`` cannot be the strategy registered as ``name``, or None."""
+    from distkit.strategies.base import Strategy
+
+    if not (isinstance(obj, type) and issubclass(obj, Strategy)):
+        kind = f"the class {obj.__name__}" if isinstance(obj, type) else f"a {type(obj).__name__}"
+        return f"it is not a distkit.Strategy subclass (it is {kind})"
+    if obj.name != name:
+        return (
+            f"{obj.__qualname__}.name is {obj.name!r}, not {name!r}: set name = {name!r} on the "
+            "class (the name it is registered under)"
+        )
+    if inspect.isabstract(obj):
+        missing = ", ".join(sorted(getattr(obj, "__abstractmethods__", ())))
+        return f"{obj.__qualname__} is abstract: it does not implement {missing}"
+    return None
+
+
+def load_class(target: str, name: str) -> type[Strategy] | str:
+    """The strategy class at ``target``, or why it cannot be had (one phrase)."""
+    try:
+        obj = load(target)
+    except Exception as exc:  # a plugin's import may fail in any way
+        return f"importing it failed: {type(exc).__name__}: {exc}"
+    reason = check_class(obj, name)
+    if reason is not None:
+        return reason
+    assert isinstance(obj, type)
+    return obj
