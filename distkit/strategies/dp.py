@@ -49,11 +49,13 @@ class DataParallelStrategy(Strategy):
     def _setup_environment(self) -> Topology:
         env = LaunchEnv.detect()
         if env.is_multiprocess_launcher and env.world_size > 1:
+            from distkit.registry import auto_strategy_name  # the strategy for that launcher
+
             raise LauncherMismatchError(
                 f"strategy='dp' (nn.DataParallel) runs in a single process, but {env.launcher} "
                 f"started {env.world_size} processes (this is rank {env.rank}). Use "
-                "strategy='ddp' under torchrun (strategy='horovod' under horovodrun), or run "
-                "this script with plain `python` for DataParallel."
+                f"strategy={auto_strategy_name(env)!r} under {env.launcher}, or run this "
+                "script with plain `python` for DataParallel."
             )
         self.device_ids = self._resolve_device_ids()
         device = (
@@ -91,10 +93,13 @@ class DataParallelStrategy(Strategy):
     def convert_sync_batchnorm(self, model: nn.Module) -> nn.Module:
         if self.replicas == 1:
             return model  # one replica sees the whole batch: BatchNorm is already global
+        from distkit.registry import auto_strategy_name
+
+        instead = auto_strategy_name(LaunchEnv(launcher="torchrun"))
         raise UnsupportedFeatureError(
             f"nn.DataParallel cannot synchronise BatchNorm across its {self.replicas} replicas "
-            "(each replica normalises its own slice of the batch). Use strategy='ddp' with "
-            "sync_batchnorm=True (one process per GPU, launched with torchrun)."
+            f"(each replica normalises its own slice of the batch). Use strategy={instead!r} "
+            "with sync_batchnorm=True (one process per GPU, launched with torchrun)."
         )
 
     def reduce_loss(self, loss: torch.Tensor, batch_size: int) -> torch.Tensor:
