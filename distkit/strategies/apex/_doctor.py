@@ -67,7 +67,13 @@ def verdict(name: str, machine: MachineFacts, apex: ApexFacts) -> StrategyReport
     elif apex.kind in ("none", "error"):
         why.append("NVIDIA apex is not installed" if apex.kind == "none" else summary)
     if fix is None and not machine.cuda_devices:
-        fix = "none here (apex needs a GPU); on CPU: distkit run --strategy ddp, precision='bf16'"
+        from distkit._env import LaunchEnv
+        from distkit.registry import auto_strategy_name
+
+        cpu = auto_strategy_name(LaunchEnv(launcher="torchrun"))  # what runs in its place
+        fix = (
+            f"none here (apex needs a GPU); on CPU: distkit run --strategy {cpu}, precision='bf16'"
+        )
     elif fix is None and why:
         fix = APEX_INSTALL
     return StrategyReport(name, not why, summary, why, fix, asdict(apex))
