@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -46,7 +46,11 @@ def evaluate_shard(
     loss_fn: LossFn | None,
     metrics: dict[str, Metric],
 ) -> dict[str, float]:
-    """Loss and metrics over this rank's shard, summed over ranks (one all-reduce)."""
+    """Loss and metrics over this rank's shard, summed over ranks (one all-reduce).
+
+    Runs :meth:`~distkit.Strategy.eval_rounds` forward passes: where a forward pass
+    communicates, a rank whose shard ran out runs spare ones that count for nothing.
+    """
     for metric in metrics.values():
         metric.reset()
     device = strategy.device
@@ -56,10 +60,12 @@ def evaluate_shard(
     module.eval()
     try:
         with torch.no_grad():
-            for batch in loader:
+            for batch, counted in _rounds(loader, strategy.eval_rounds(len(loader))):
                 inputs, target = split_batch(to_device(batch, device))
                 with strategy.autocast():
                     output = module(inputs)
+                    if not counted:
+                        continue
                     loss = loss_fn(output, target) if loss_fn is not None else None
                 size = batch_size_of(target)
                 if loss is not None:
@@ -86,3 +92,16 @@ def evaluate_shard(
         else:
             scores[name] = value
     return scores
+
+
+def _rounds(loader: Any, rounds: int) -> Iterator[tuple[Any, bool]]:
+    """The loader's batches (counted), then a spare one-sample batch (not counted) up to
+    ``rounds`` passes."""
+    done = 0
+    for batch in loader:
+        done += 1
+        yield batch, True
+    if done < rounds:
+        spare = loader.collate_fn([loader.dataset[0]])
+        for _ in range(rounds - done):
+            yield spare, False

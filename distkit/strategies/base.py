@@ -260,8 +260,18 @@ class Strategy(ABC):
         return model
 
     def eval_model(self, model: nn.Module) -> nn.Module:
-        """What to run evaluation forward passes on (no collectives may happen inside)."""
+        """What to run evaluation forward passes on (see :meth:`eval_rounds` for collectives)."""
         return self.unwrap(model)
+
+    def eval_rounds(self, batches: int) -> int:
+        """How many evaluation forward passes this rank runs, given its own ``batches``.
+
+        Ranks evaluate shards of different sizes. Default: its own batches, for a forward
+        pass that communicates nothing. Where the forward pass communicates (FSDP gathers
+        parameters), return the most any rank has: the passes beyond its own run on a spare
+        sample and count for nothing, so no rank waits for a pass another never runs.
+        """
+        return batches
 
     def sampler_kwargs(self) -> dict[str, int]:
         """``num_replicas`` and ``rank`` for a ``DistributedSampler``."""
