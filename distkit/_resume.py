@@ -58,9 +58,14 @@ def rank_state(state: FitState) -> dict[str, Any]:
 
 
 def build_payload(
-    strategy: Strategy, run: Run, extra: dict[str, Any] | None, ranks: list[dict[str, Any]]
+    strategy: Strategy,
+    run: Run,
+    extra: dict[str, Any] | None,
+    ranks: list[dict[str, Any]],
+    states: dict[str, Any],
 ) -> dict[str, Any]:
-    """The checkpoint dict (built on rank 0) from ``run`` and every rank's :func:`rank_state`."""
+    """The checkpoint dict (built on rank 0) from ``run``, every rank's :func:`rank_state`
+    and rank 0's :meth:`~distkit.Strategy.checkpoint_state` (``states``)."""
     state = run.state
     scaler = strategy.state_dict().get("scaler", {})  # GradScaler form, whatever the backend
     return {
@@ -76,8 +81,7 @@ def build_payload(
             # every built-in backend's library (and the strategy's own), named by the classes
             **{lib: _version(lib) for lib in registry.DEFAULT_REGISTRY.libraries(type(strategy))},
         },
-        "model": ckpt.model_state(run.model),
-        "optimizer": run.optimizer.state_dict(),
+        **states,  # model and optimizer (and, when sharded, the shards folder)
         "scaler": scaler,
         "scheduler": run.scheduler.state_dict() if run.scheduler is not None else None,
         "progress": {
@@ -94,12 +98,12 @@ def build_payload(
 
 
 def load_weights(
-    payload: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer
+    strategy: Strategy, payload: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer
 ) -> None:
-    """Model and optimizer state into the user's (unwrapped) objects."""
-    model.load_state_dict(ckpt.strip_wrapper_prefix(payload["model"]))
+    """Model and optimizer state into the user's (unwrapped) objects, set up or not."""
+    strategy.load_model_state_dict(model, ckpt.strip_wrapper_prefix(payload["model"]))
     if payload.get("optimizer"):
-        optimizer.load_state_dict(payload["optimizer"])
+        strategy.load_optimizer_state_dict(optimizer, payload["optimizer"])
 
 
 def restore_run(payload: dict[str, Any], strategy: Strategy, scheduler: Any, seed: int) -> FitState:

@@ -263,7 +263,7 @@ class Trainer:
         self._pending = None
         payload = None if prepared.found is None else prepared.found.payload
         if payload is not None:
-            _resume.load_weights(payload, model, optimizer)
+            _resume.load_weights(strategy, payload, model, optimizer)
         # The wrapped model lives only in frames below this one: on a failure they are
         # cleared, so the process group's connections close at once (see distkit._faults).
         with fail_fast(
@@ -358,28 +358,33 @@ class Trainer:
         self._require_open("load_checkpoint")
         found = _resume.Found.of(path, ckpt.load(path, map_location=self.strategy.device))
         if self._run is not None:
-            _resume.check_fits(found, self._run.model, self._run.optimizer)
-            _resume.load_weights(found.payload, self._run.model, self._run.optimizer)
+            run = self._run
+            _resume.check_fits(found, run.model, run.optimizer)
+            _resume.load_weights(self.strategy, found.payload, run.model, run.optimizer)
         self._pending = found
         return {key: found.payload.get(key) for key in ("producer", "progress", "extra")}
 
     def _payload(
-        self, extra: dict[str, Any] | None, path: str | os.PathLike[str] | None = None
+        self, extra: dict[str, Any] | None, path: str | os.PathLike[str]
     ) -> dict[str, Any] | None:
         """The checkpoint on rank 0 (None elsewhere): a collective that every rank joins."""
         _, ranks = _agreement.exchange(
             self.strategy, "save_checkpoint", lambda: prepare_save(self, extra, path)
         )
+        run = self._run
+        assert run is not None
+        # every rank: gathering (or writing) a sharded model's state is a collective
+        states = self.strategy.checkpoint_state(run.model, run.optimizer, Path(path))
         if not self.is_main:
             return None
-        assert self._run is not None
-        return _resume.build_payload(self.strategy, self._run, extra, ranks)
+        return _resume.build_payload(self.strategy, run, extra, ranks, states)
 
     def _save_to_folder(self) -> None:
         assert self.checkpoints is not None and self._run is not None
         self._rank_progress.phase = "checkpoint"
         folder, step = self.checkpoints, self._run.state.global_step
-        self._write_on_rank_zero(self._payload(None), lambda ready: folder.save(ready, step))
+        payload = self._payload(None, folder.path_for(step))
+        self._write_on_rank_zero(payload, lambda ready: folder.save(ready, step))
 
     def _write_on_rank_zero(
         self, payload: dict[str, Any] | None, write: Callable[[dict[str, Any]], object]
@@ -403,6 +408,19 @@ class Trainer:
             raise failure
         if outcome is not None:
             raise ckpt.CheckpointError(f"rank 0 could not write the checkpoint: {outcome}")
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The latest ``fit``'s model weights as full CPU tensors, the same on every rank.
+
+        Keyed as the user's module keys its ``state_dict()``, whatever the strategy: for ddp,
+        dp, horovod and apex it equals that ``state_dict()`` (copied to the CPU); fsdp gathers
+        the shards, a collective, so call it on every rank (any strategy: the script then
+        runs under each).
+        """
+        self._require_open("full_state_dict")
+        if self._run is None:
+            raise ConfigurationError("full_state_dict needs a model: call fit(...) first")
+        return self.strategy.model_state_dict(self._run.model)
 
     # ------------------------------------------------------------------ evaluate
     def evaluate(

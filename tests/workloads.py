@@ -88,7 +88,7 @@ def train_with_distkit(
         metrics={"acc": distkit.Accuracy()},
     )
     out = {
-        "state": state_of(net),
+        "state": trainer.full_state_dict(),  # full tensors whatever the strategy (fsdp shards)
         "history": result.history,
         "rank": trainer.rank,
         "world_size": trainer.world_size,

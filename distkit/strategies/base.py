@@ -17,6 +17,7 @@ import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -300,6 +301,59 @@ class Strategy(ABC):
             sign in text for sign in ("Connection reset by peer", "Connection closed by peer")
         )
 
+    # ------------------------------------------------------------------ model and optimizer state
+    def model_state_dict(
+        self, model: nn.Module, *, rank0_only: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """The full (unsharded) state of the user's ``model`` as CPU tensors, its own keys.
+
+        A collective where the strategy shards the model: call it on every rank. With
+        ``rank0_only`` the other ranks may get ``{}`` (they need not hold a copy).
+        """
+        if rank0_only and not self.is_main:
+            return {}
+        return {
+            key: value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
+            for key, value in model.state_dict().items()
+        }
+
+    def optimizer_state_dict(
+        self, optimizer: torch.optim.Optimizer, *, rank0_only: bool = False
+    ) -> dict[str, Any]:
+        """The optimizer's full state in torch's own form (keyed by parameter order).
+
+        A collective where the strategy shards it; ``rank0_only`` as in :meth:`model_state_dict`.
+        """
+        if rank0_only and not self.is_main:
+            return {}
+        return optimizer.state_dict()
+
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
+        """Load a full state (as :meth:`model_state_dict` returns) into the user's ``model``,
+        set up or not. Every rank holds ``state``; no collective."""
+        model.load_state_dict(state)
+
+    def load_optimizer_state_dict(
+        self, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        """Load a full optimizer state (torch's form) into the user's ``optimizer``."""
+        optimizer.load_state_dict(state)
+
+    def checkpoint_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, path: Path
+    ) -> dict[str, Any]:
+        """The ``model`` and ``optimizer`` entries of the checkpoint about to go to ``path``.
+
+        Called on every rank; rank 0's result is written, the others may return ``{}``.
+        Default: :meth:`model_state_dict` (reduced-precision floats as fp32) and
+        :meth:`optimizer_state_dict`, on rank 0.
+        """
+        model_state = self.model_state_dict(model, rank0_only=True)
+        optimizer_state = self.optimizer_state_dict(optimizer, rank0_only=True)
+        if not self.is_main:
+            return {}
+        return {"model": _fp32(model_state), "optimizer": optimizer_state}
+
     def state_dict(self) -> dict[str, Any]:
         """Backend state to checkpoint beside the model (default: the precision's scaler).
 
@@ -363,6 +417,14 @@ class Strategy(ABC):
             else (f"rank={self.rank}/{self.world_size}, device={self.device}")
         )
         return f"{type(self).__name__}({where})"
+
+
+def _fp32(state: dict[str, Any]) -> dict[str, Any]:
+    half = (torch.float16, torch.bfloat16)
+    return {
+        key: value.float() if isinstance(value, torch.Tensor) and value.dtype in half else value
+        for key, value in state.items()
+    }
 
 
 def _require_tensor(value: object, what: str) -> None:
