@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 import distkit
+from distkit import _shards, registry
 from distkit import checkpoint as ckpt
-from distkit import registry
 from distkit._files import mtime_ns
 from distkit._loop import FitState
 from distkit.errors import ConfigurationError
@@ -101,6 +101,9 @@ def load_weights(
     strategy: Strategy, payload: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer
 ) -> None:
     """Model and optimizer state into the user's (unwrapped) objects, set up or not."""
+    if _shards.is_sharded(payload):  # read straight into the tensors, whatever their layout
+        _shards.load(payload, model, optimizer)
+        return
     strategy.load_model_state_dict(model, ckpt.strip_wrapper_prefix(payload["model"]))
     if payload.get("optimizer"):
         strategy.load_optimizer_state_dict(optimizer, payload["optimizer"])

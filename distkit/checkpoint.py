@@ -6,6 +6,10 @@ refused. The model state is the unwrapped module's (no ``module.`` prefixes) in 
 optimizer state is the torch optimizer's own ``state_dict`` (keyed by parameter order, the
 same whatever wrapper trained it); the loss scaler is in torch ``GradScaler`` form (a strategy
 with a scaler of its own converts to and from it in its ``state_dict`` hooks).
+
+A sharded checkpoint (``FSDPStrategy(checkpoint="sharded")``) keeps the model and optimizer
+tensors in a folder beside the file, and only their names, shapes and dtypes in it (see
+``distkit._shards``).
 """
 
 from __future__ import annotations
@@ -175,6 +179,8 @@ def load(path: str | os.PathLike[str], map_location: torch.device | str = "cpu")
             f"{path} has checkpoint format version {payload['version']}, newer than this "
             f"distkit reads ({VERSION}); upgrade distkit"
         )
+    if isinstance(payload.get("shards"), str):  # a sharded checkpoint: its folder sits beside it
+        payload["shards"] = str(path.parent / payload["shards"])
     return payload
 
 

@@ -30,6 +30,7 @@ BUILTIN_STRATEGIES: Mapping[str, str] = MappingProxyType(
         "dp": "distkit.strategies.dp:DataParallelStrategy",
         "horovod": "distkit.strategies.horovod:HorovodStrategy",
         "apex": "distkit.strategies.apex:ApexStrategy",
+        "fsdp": "distkit.strategies.fsdp:FSDPStrategy",
     }
 )
 

@@ -57,8 +57,9 @@ class Trainer:
     """Train and evaluate a model with any data-parallel strategy.
 
     Args:
-        strategy: ``"auto"``, a registered name (``"ddp"``, ``"dp"``, ``"horovod"``, ``"apex"``)
-            or a :class:`~distkit.Strategy` instance. ``"auto"`` follows the launcher.
+        strategy: ``"auto"``, a registered name (``"ddp"``, ``"dp"``, ``"horovod"``, ``"apex"``,
+            ``"fsdp"``) or a :class:`~distkit.Strategy` instance. ``"auto"`` follows the
+            launcher.
         max_epochs: epochs :meth:`fit` trains (in total, counting resumed ones).
         batch_size: samples per process per micro-batch (a DataLoader's own batch size wins).
             N processes with ``batch_size=b`` train like one process with ``N * b``.

@@ -133,7 +133,7 @@ def _train(strategy: str, batch_size: int, folder: str | None = None, *, max_ste
     net = _dropout_model() if model == "dropout" else _plain_model()
     optimizer = torch.optim.Adam(net.parameters(), lr=0.01)
     result = trainer.fit(net, optimizer, make_dataset(64), loss_fn=nn.functional.cross_entropy)
-    out = {"state": {k: v.clone() for k, v in net.state_dict().items()},
+    out = {"state": trainer.full_state_dict(),  # full tensors whatever the strategy (fsdp shards)
            "history": result.history, "rank": trainer.rank}  # fmt: skip
     trainer.close()
     return out
@@ -144,7 +144,9 @@ def _plain_model() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
 
 
-@pytest.mark.parametrize(("strategy", "world", "batch"), [("dp", 1, 8), ("ddp", 2, 4)])
+@pytest.mark.parametrize(
+    ("strategy", "world", "batch"), [("dp", 1, 8), ("ddp", 2, 4), ("fsdp", 2, 4)]
+)
 def test_checkpoint_resume_mid_epoch_is_exact(strategy, world, batch, tmp_path, run_on_ranks):
     """Interrupted at step 5 (mid epoch 0), resumed: equal to an uninterrupted run, dropout on."""
     whole = run_on_ranks(_train, strategy, batch, world_size=world)[0]
@@ -195,7 +197,8 @@ def test_checkpoint_save_and_load_by_hand(tmp_path):
 
 
 # ---------------------------------------------------------------- portability matrix
-SOURCES_AND_TARGETS = [("dp", 1, 8), ("ddp", 2, 4), ("apex", 2, 4)]  # horovod: test_horovod.py
+# horovod: test_horovod.py
+SOURCES_AND_TARGETS = [("dp", 1, 8), ("ddp", 2, 4), ("apex", 2, 4), ("fsdp", 2, 4)]
 
 
 def _on_rank(strategy: str, *args, **kwargs) -> dict:

@@ -1,0 +1,137 @@
+"""Sharded checkpoints: the model and optimizer tensors as torch.distributed.checkpoint shards.
+
+For models whose full training state is too big to gather in one process: each rank writes
+its own slices, no rank holds the whole. The shards go to a folder beside the checkpoint file
+(``<file>.<token>.shards``, on a file system every rank can write); the file holds the rest as
+usual, and the model and optimizer entries as meta tensors (names, shapes and dtypes, no data),
+so the checks a resume makes first (does it fit this model?) work unchanged.
+
+Loading reads into the tensors the model and optimizer have now: DTensors sharded over another
+number of ranks (torch.distributed.checkpoint reslices), or plain tensors (a world of one, or
+any other strategy). It needs no collective: each rank reads the slices it holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+#: the payload key naming the shards folder (relative in the file, absolute once loaded)
+KEY = "shards"
+_FOLDER = re.compile(r"(?P<file>.+)\.(?P<token>[0-9a-f]{12})\.shards")
+
+
+def folder_for(path: Path, token: str) -> Path:
+    """Where the shards of the checkpoint file ``path`` go (``token``: 12 hex digits)."""
+    return path.parent / f"{path.name}.{token}.shards"
+
+
+def is_sharded(payload: dict[str, Any]) -> bool:
+    return isinstance(payload.get(KEY), str)
+
+
+def save(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Write this rank's shards (a collective: every rank calls it with the same folder).
+
+    Returns the checkpoint's ``model``, ``optimizer`` and ``shards`` entries.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    model_state = model.state_dict()
+    optim_state = optimizer.state_dict()
+    tensors = {
+        "model": model_state,
+        "optimizer": {
+            str(index): {k: v for k, v in entries.items() if isinstance(v, torch.Tensor)}
+            for index, entries in optim_state["state"].items()
+        },
+    }
+    dcp.save(tensors, checkpoint_id=folder)
+    return {
+        "model": {key: _meta(value) for key, value in model_state.items()},
+        "optimizer": {
+            "state": {
+                index: {k: _meta(v) for k, v in entries.items()}
+                for index, entries in optim_state["state"].items()
+            },
+            "param_groups": optim_state["param_groups"],
+        },
+        KEY: folder.name,
+    }
+
+
+def _meta(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return torch.empty(value.shape, dtype=value.dtype, device="meta")  # global shape
+    return value
+
+
+def load(payload: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Read the shards of ``payload`` (loaded by :func:`distkit.checkpoint.load`) into the
+    model's and the optimizer's own tensors, whatever their layout now."""
+    import torch.distributed.checkpoint as dcp
+
+    stub = payload.get("optimizer") or {"state": {}, "param_groups": []}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    optim_state = {
+        index: {k: _target(v, params[int(index)]) for k, v in entries.items()}
+        for index, entries in stub["state"].items()
+    }
+    saved = payload["model"]
+    model_state = {key: value for key, value in model.state_dict().items() if key in saved}
+    tensors = {
+        "model": model_state,
+        "optimizer": {
+            str(index): {k: v for k, v in entries.items() if isinstance(v, torch.Tensor)}
+            for index, entries in optim_state.items()
+        },
+    }
+    with warnings.catch_warnings():
+        # no_dist: each rank reads its own slices, so loading is no collective (torch warns
+        # that it assumes a single process: it reads only what this process holds)
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(tensors, checkpoint_id=payload[KEY], no_dist=True)
+    model.load_state_dict(model_state, strict=False)  # state_dict tensors may be copies
+    if stub["param_groups"]:
+        optimizer.load_state_dict({"state": optim_state, "param_groups": stub["param_groups"]})
+
+
+def _target(stub: Any, param: torch.Tensor) -> Any:
+    """A tensor to read ``stub``'s data into: laid out like ``param`` where shaped like it."""
+    if not isinstance(stub, torch.Tensor):
+        return stub
+    if stub.shape == param.shape:
+        return torch.zeros_like(param, dtype=stub.dtype)  # a DTensor for a sharded parameter
+    return torch.zeros(stub.shape, dtype=stub.dtype)
+
+
+def sweep(folder: Path, keep: str | None = None) -> None:
+    """Remove shards folders in ``folder`` that no checkpoint file refers to any more.
+
+    Those of checkpoints ``CheckpointFolder`` pruned, of saves that were killed, and of an
+    earlier save to the same file name. ``keep`` is never removed (the save in progress).
+    """
+    from distkit import checkpoint as ckpt
+
+    if not folder.is_dir():
+        return
+    for entry in folder.iterdir():
+        match = _FOLDER.fullmatch(entry.name)
+        if match is None or not entry.is_dir() or entry.name == keep:
+            continue
+        owner = folder / match["file"]
+        if owner.is_file():
+            try:
+                if ckpt.load(owner).get(KEY) == str(entry):
+                    continue
+            except ckpt.CheckpointError:
+                continue  # unreadable: leave both alone
+        with contextlib.suppress(FileNotFoundError):
+            shutil.rmtree(entry)

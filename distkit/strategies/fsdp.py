@@ -1,0 +1,255 @@
+"""Fully sharded data parallel: torch's FSDP2 (``torch.distributed.fsdp.fully_shard``)."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import secrets
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from distkit import _shards
+from distkit._env import LaunchEnv
+from distkit.diagnosis import MachineFacts, StrategyReport
+from distkit.errors import ConfigurationError, MissingDependencyError
+from distkit.launchers import TORCH_LAUNCHERS
+from distkit.strategies import _fsdp_state, _torch_dist
+from distkit.strategies.base import Strategy, Topology
+
+ShardPolicy = Callable[[str, nn.Module], bool]
+CHECKPOINTS = ("full", "sharded")
+FSDP_HINT = "Upgrade torch (distkit's fsdp is tested on torch 2.13): pip install -U torch"
+
+
+class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
+    """One process per device; parameters, gradients and optimizer state sharded over ranks.
+
+    Each rank keeps a 1/N slice of every parameter. A sharded module's parameters are
+    all-gathered just before its forward (and again for its backward), and its gradients
+    are averaged and reduce-scattered right after. In a world of one nothing is sharded:
+    the module trains as it is.
+
+    Args:
+        shard: the submodules sharded as units of their own, each all-gathered and freed in
+            turn: ``None`` (each top-level child that holds parameters), a tuple of module
+            classes (every instance, e.g. your transformer block), or ``fn(name, module) ->
+            bool``. The root module is sharded last and holds what is left.
+        reshard_after_forward: free a unit's gathered parameters after its forward (``True``:
+            less memory, one more all-gather in backward) or keep them (``False``);
+            ``None``: torch's default (``True`` for the units, ``False`` for the root).
+        checkpoint: ``"full"``: checkpoints hold the full model and optimizer state in
+            distkit's one format, which every strategy resumes; ``"sharded"``: every rank
+            writes its own slices (torch.distributed.checkpoint) to a folder beside the
+            checkpoint file, and no rank gathers the model. Both resume at any world size.
+        backend: torch.distributed backend; ``None`` picks nccl on CUDA and gloo on CPU.
+        timeout: how long a collective may wait for the other ranks (seconds or timedelta);
+            ``None``: the Trainer's ``collective_timeout``, else 30 minutes.
+        **fsdp_kwargs: passed to every ``fully_shard`` call (``offload_policy``,
+            ``shard_placement_fn``, ...); ``mesh`` and ``mp_policy`` are set by distkit.
+    """
+
+    name = "fsdp"
+    launcher = TORCH_LAUNCHERS
+    auto_select = False  # strategy="auto" under torchrun stays ddp
+
+    @classmethod
+    def diagnose(cls, machine: MachineFacts) -> StrategyReport:
+        report = super().diagnose(machine)
+        missing = missing_fsdp2()
+        if missing is None or not report.usable:
+            return report
+        fix = f"{machine.python} -m pip install -U torch"
+        return StrategyReport(cls.name, False, f"torch {machine.torch_version}", [missing], fix)
+
+    def __init__(
+        self,
+        *,
+        shard: tuple[type[nn.Module], ...] | ShardPolicy | None = None,
+        reshard_after_forward: bool | None = None,
+        checkpoint: str = "full",
+        backend: str | None = None,
+        timeout: timedelta | float | None = None,
+        **fsdp_kwargs: Any,
+    ) -> None:
+        super().__init__()
+        if checkpoint not in CHECKPOINTS:
+            raise ConfigurationError(
+                f"checkpoint={checkpoint!r}; allowed: {', '.join(CHECKPOINTS)} ('sharded' "
+                "for models whose full state does not fit one process)"
+            )
+        reserved = {"mesh", "mp_policy", "module"} & set(fsdp_kwargs)
+        if reserved:
+            raise ConfigurationError(
+                f"FSDPStrategy sets {', '.join(sorted(reserved))} itself: pass "
+                "precision='bf16' to distkit.Trainer for FSDP's mixed precision"
+            )
+        self.shard = _shard_policy(shard)
+        self.reshard_after_forward = reshard_after_forward
+        self.checkpoint = checkpoint
+        self.backend = backend
+        self.timeout = _torch_dist.as_timeout(timeout)
+        self._fsdp_kwargs = fsdp_kwargs
+        self._owns_group = False
+
+    def _setup_environment(self) -> Topology:
+        missing = missing_fsdp2()
+        if missing is not None:
+            raise MissingDependencyError(f"strategy='fsdp': {missing}. {FSDP_HINT}")
+        topology, self._owns_group = _torch_dist.init_process_group(
+            LaunchEnv.detect(),
+            backend=self.backend,
+            timeout=_torch_dist.resolve_timeout(self.timeout, self.options.collective_timeout),
+            strategy=self.name,
+        )
+        return topology
+
+    def teardown(self) -> None:
+        if self._owns_group:
+            _torch_dist.destroy_process_group()
+            self._owns_group = False
+        super().teardown()
+
+    def _sharded(self) -> bool:
+        return self.world_size > 1
+
+    def _precision_name(self) -> str:
+        # bf16 is FSDP's MixedPrecisionPolicy (bf16 compute, fp32 gradient reduction) when
+        # sharded; autocast on top would only cast again
+        bf16_policy = self.options.precision == "bf16" and self._sharded()
+        return "32" if bf16_policy else self.options.precision
+
+    def _setup_model_and_optimizer(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        if not self._sharded():
+            return model, optimizer  # a world of one: nothing to shard or synchronise
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        _broadcast_module(model)  # every rank starts from rank 0's weights, as under DDP
+        originals = dict(model.named_parameters())
+        kwargs: dict[str, Any] = {"reshard_after_forward": self.reshard_after_forward}
+        if self.options.precision == "bf16":  # bf16 compute, fp32 reduction and output
+            kwargs["mp_policy"] = MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32
+            )
+        kwargs.update(self._fsdp_kwargs)
+        # bottom-up, as fully_shard requires: a unit's children before the unit
+        for name, module in reversed(list(model.named_modules())[1:]):
+            if self.shard(name, module):
+                fully_shard(module, **kwargs)
+        fully_shard(model, **kwargs)
+        current = dict(model.named_parameters())
+        replaced = {id(p): current[name] for name, p in originals.items()}
+        _fsdp_state.rebind_optimizer(optimizer, replaced)
+        return model, optimizer
+
+    def convert_sync_batchnorm(self, model: nn.Module) -> nn.Module:
+        return _torch_dist.convert_sync_batchnorm(model, self.device)
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        if hasattr(model, "set_requires_gradient_sync"):  # sharded (an FSDPModule)
+            return _local_gradients(model)
+        return contextlib.nullcontext()
+
+    def gradients_finite(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+        # each rank holds a slice of every gradient: all ranks must hear of a bad slice
+        local = [_local(p.grad) for p in model.parameters() if p.grad is not None]
+        bad = sum(int(not bool(g.isfinite().all())) for g in local)
+        return self.all_reduce(torch.tensor([float(bad)]), op="sum").item() == 0
+
+    def eval_rounds(self, batches: int) -> int:
+        if not self._sharded():
+            return batches
+        # every forward all-gathers parameters: each rank runs as many as the busiest one
+        return int(self.all_gather(torch.tensor([batches])).max().item())
+
+    # ------------------------------------------------------------------ state
+    def model_state_dict(
+        self, model: nn.Module, *, rank0_only: bool = False
+    ) -> dict[str, torch.Tensor]:
+        return _fsdp_state.full_model_state(model, keep=self.is_main or not rank0_only)
+
+    def optimizer_state_dict(
+        self, optimizer: torch.optim.Optimizer, *, rank0_only: bool = False
+    ) -> dict[str, Any]:
+        keep = self.is_main or not rank0_only
+        return _fsdp_state.full_optimizer_state(optimizer, keep=keep)
+
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
+        _fsdp_state.load_full_model_state(model, state)
+
+    def load_optimizer_state_dict(
+        self, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        _fsdp_state.load_full_optimizer_state(optimizer, state)
+
+    def checkpoint_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, path: Path
+    ) -> dict[str, Any]:
+        if self.checkpoint == "full":
+            return super().checkpoint_state(model, optimizer, path)
+        # rank 0's path and a fresh name for this save, so that a checkpoint file being
+        # replaced keeps its own shards until the new file is in place
+        where, token = self.broadcast((str(path), secrets.token_hex(6)), src=0)
+        folder = _shards.folder_for(Path(where), token)
+        if self.is_main:
+            _shards.sweep(folder.parent, keep=folder.name)
+        entries = _shards.save(folder, model, optimizer)
+        return entries if self.is_main else {}
+
+
+def _shard_policy(shard: tuple[type[nn.Module], ...] | ShardPolicy | None) -> ShardPolicy:
+    if shard is None:
+        return _top_level_with_parameters
+    if isinstance(shard, tuple) and all(
+        isinstance(c, type) and issubclass(c, nn.Module) for c in shard
+    ):
+        classes = shard
+        return lambda name, module: isinstance(module, classes)
+    if callable(shard) and not isinstance(shard, type):
+        return shard
+    raise ConfigurationError(
+        f"shard={shard!r}; allowed: None (each top-level child with parameters), a tuple of "
+        "nn.Module classes, e.g. shard=(TransformerBlock,), or fn(name, module) -> bool"
+    )
+
+
+def _top_level_with_parameters(name: str, module: nn.Module) -> bool:
+    return "." not in name and any(True for _ in module.parameters())
+
+
+def _broadcast_module(model: nn.Module) -> None:
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            torch.distributed.broadcast(tensor, src=0)
+
+
+@contextlib.contextmanager
+def _local_gradients(model: Any) -> Iterator[None]:
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def missing_fsdp2() -> str | None:
+    """What this torch lacks of what FSDPStrategy uses, or None."""
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+        from torch.distributed.tensor import distribute_tensor
+    except ImportError as exc:
+        return f"torch {torch.__version__} has no FSDP2 ({exc})"
+    if "src_data_rank" not in inspect.signature(distribute_tensor).parameters:
+        return f"torch {torch.__version__}'s distribute_tensor takes no src_data_rank"
+    return None
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(grad, "to_local", None)
+    return grad if to_local is None else to_local()
