@@ -178,6 +178,7 @@ def portability(tmp_path_factory):
     sources = {
         "dp": make_source_checkpoint("dp", 1, 8, base / "dp", run_on_ranks),
         "ddp": make_source_checkpoint("ddp", 2, 4, base / "ddp", run_on_ranks),
+        "fsdp": make_source_checkpoint("fsdp", 2, 4, base / "fsdp", run_on_ranks),
     }
     train = ("tests.test_checkpoint", "_train")
     calls = [
@@ -197,12 +198,12 @@ def test_horovod_checkpoints_port_to_and_from_other_strategies(portability):
 
     reference = _train("dp", 8, model="plain")
     results = _ok(portability["results"])
-    for name, result in zip(["dp -> horovod", "ddp -> horovod", "horovod -> horovod"],
-                            results[1:], strict=True):  # fmt: skip
+    names = ["dp -> horovod", "ddp -> horovod", "fsdp -> horovod", "horovod -> horovod"]
+    for name, result in zip(names, results[1:], strict=True):
         assert max_abs_diff(result["state"], reference["state"]) <= 1e-5, name
     horovod_ckpt = ckpt.CheckpointFolder(portability["base"] / "hvd").checkpoints()[0]
     assert ckpt.load(horovod_ckpt)["producer"]["strategy"] == "horovod"
-    for target, world, batch in (("dp", 1, 8), ("ddp", 2, 4)):
+    for target, world, batch in (("dp", 1, 8), ("ddp", 2, 4), ("fsdp", 2, 4)):
         resumed = run_on_ranks(partial(_train, resume=str(horovod_ckpt), model="plain"),
                                target, batch, None, world_size=world)  # fmt: skip
         diff = max_abs_diff(resumed[0]["state"], reference["state"])
