@@ -43,7 +43,18 @@ class FitState:
     history: list[dict[str, float]] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(frozen=True)
+class LoopSettings:
+    """The trainer's settings that one epoch of training reads."""
+
+    max_epochs: int
+    seed: int
+    nonfinite: str  # "raise" or "skip"
+    step_scheduler: bool  # step the LR scheduler after every optimizer step
+    progress: bool  # a progress bar on rank 0 (on a terminal)
+
+
+@dataclass(kw_only=True)
 class TrainLoop:
     """Everything one ``fit`` trains with; :meth:`run_epoch` trains one (partial) epoch."""
 
@@ -56,11 +67,7 @@ class TrainLoop:
     loss_fn: LossFn | None
     step_fn: StepFn | None
     scheduler: Any
-    step_scheduler: bool  # step the scheduler after every optimizer step
-    nonfinite: str
-    seed: int
-    progress: bool
-    max_epochs: int
+    settings: LoopSettings
     rank_progress: Progress = field(default_factory=Progress)  # read by the watchdog thread
     timer: StepTimer | None = None  # the current epoch's
     timing: EpochTiming | None = None  # the last finished epoch's, over all ranks
@@ -73,16 +80,18 @@ class TrainLoop:
         """
         strategy, model = self.strategy, self.model
         self.sampler.set_epoch(state.epoch, state.position)
-        reseed_workers(self.loader, self.seed * 1000003 + strategy.rank * 7919 + state.epoch)
+        reseed_workers(
+            self.loader, self.settings.seed * 1000003 + strategy.rank * 7919 + state.epoch
+        )
         model.train()
         # kept on the device: no host sync per step
         loss_sum = torch.tensor(float(state.loss_sum), dtype=torch.float64, device=strategy.device)
         state.loss_sum = loss_sum
         bar = tqdm(
             total=self.plan.remaining(state.position),
-            desc=f"epoch {state.epoch + 1}/{self.max_epochs}",
+            desc=f"epoch {state.epoch + 1}/{self.settings.max_epochs}",
             # a bar only where a person watches: piped output (CI, horovodrun) gets epoch lines
-            disable=not (self.progress and strategy.is_main and sys.stderr.isatty()),
+            disable=not (self.settings.progress and strategy.is_main and sys.stderr.isatty()),
             leave=False,
             dynamic_ncols=True,
         )
@@ -106,7 +115,7 @@ class TrainLoop:
                         loss = self._loss(batch)
                     check_loss(loss, "loss_fn" if self.step_fn is None else "step_fn")
                     loss = strategy.reduce_loss(loss, batch_size_of(batch))
-                    if self.nonfinite == "raise" and not torch.isfinite(loss):
+                    if self.settings.nonfinite == "raise" and not torch.isfinite(loss):
                         raise NonFiniteLossError(
                             f"non-finite training loss ({loss.item()}) on rank {strategy.rank} "
                             f"in epoch {state.epoch}, step {state.global_step}. Lower the "
@@ -118,7 +127,7 @@ class TrainLoop:
                     strategy.backward(loss * micro.weight, self.optimizer)
                 timer.mark("backward")
                 counted = micro.count
-                if self.nonfinite == "skip" and counted and not torch.isfinite(loss):
+                if self.settings.nonfinite == "skip" and counted and not torch.isfinite(loss):
                     counted = 0  # its step is skipped: keep it out of the epoch's mean loss
                 if counted:
                     loss_sum += loss.detach().double() * counted
@@ -167,14 +176,14 @@ class TrainLoop:
         return self.loss_fn(self.model(inputs), target)
 
     def _step(self, state: FitState) -> None:
-        strategy, optimizer = self.strategy, self.optimizer
-        if self.nonfinite == "skip" and not strategy.gradients_finite(self.model, optimizer):
-            stepped = False  # every rank sees the same averaged gradients: all skip together
-        else:
-            stepped = strategy.optimizer_step(optimizer)
+        optimizer, settings = self.optimizer, self.settings
+        # every rank sees the same averaged gradients, so every rank decides alike
+        outcome = self.strategy.optimizer_step(
+            optimizer, skip_nonfinite=settings.nonfinite == "skip"
+        )
         optimizer.zero_grad()  # set_to_none (Horovod's zero_grad takes no argument)
         state.global_step += 1
-        if not stepped:
+        if not outcome.stepped:
             state.skipped_steps += 1
-        elif self.step_scheduler and self.scheduler is not None:
+        elif settings.step_scheduler and self.scheduler is not None:
             self.scheduler.step()

@@ -47,7 +47,6 @@ class Precision:
         self.scaler: torch.amp.GradScaler | None = (
             torch.amp.GradScaler(self.device_type) if self.name == "fp16" else None
         )
-        self.skipped_steps = 0
 
     @contextlib.contextmanager
     def autocast(self) -> Iterator[None]:
@@ -75,10 +74,7 @@ class Precision:
         before = self.scaler.get_scale()
         self.scaler.step(optimizer)
         self.scaler.update()
-        stepped = self.scaler.get_scale() >= before
-        if not stepped:
-            self.skipped_steps += 1
-        return stepped
+        return self.scaler.get_scale() >= before  # GradScaler lowers its scale when it skips
 
     def state_dict(self) -> dict[str, Any]:
         """The scaler state in torch's ``GradScaler`` form (empty without a scaler)."""

@@ -27,7 +27,7 @@ from distkit._checks import (
 )
 from distkit._evaluation import LossFn, Metrics, evaluate_shard
 from distkit._faults import fail_fast
-from distkit._loop import NONFINITE_POLICIES, FitState, StepFn, TrainLoop
+from distkit._loop import NONFINITE_POLICIES, FitState, LoopSettings, StepFn, TrainLoop
 from distkit._preparation import FitPlan, prepare_evaluate, prepare_fit, prepare_save
 from distkit._progress import Progress
 from distkit._resume import Run
@@ -292,10 +292,14 @@ class Trainer:
             state = FitState()
             seed_generators(self.seed + strategy.rank)
         self._run = Run(model, optimizer, scheduler, state, len(spec))
+        settings = LoopSettings(
+            max_epochs=self.max_epochs, seed=self.seed, nonfinite=self.nonfinite,
+            step_scheduler=self.scheduler_interval == "step", progress=self.progress,
+        )  # fmt: skip
         loop = TrainLoop(
-            strategy, wrapped, dist_optimizer, loader, sampler, plan, loss_fn, step_fn,
-            scheduler, self.scheduler_interval == "step", self.nonfinite, self.seed,
-            self.progress, self.max_epochs, rank_progress=self._rank_progress,
+            strategy=strategy, model=wrapped, optimizer=dist_optimizer, loader=loader,
+            sampler=sampler, plan=plan, loss_fn=loss_fn, step_fn=step_fn, scheduler=scheduler,
+            settings=settings, rank_progress=self._rank_progress,
         )  # fmt: skip
         self._fit_epochs(loop, state, model, val_data, loss_fn, metrics)
         return state

@@ -241,7 +241,7 @@ def test_apex_amp_loss_scale_converts_to_and_from_grad_scaler_form():
     assert amp_to_grad_scaler({}) == {} and grad_scaler_to_amp({}) == {}
 
 
-def _legacy_overflow_steps() -> dict:
+def _legacy_overflow_steps(skip_nonfinite: bool) -> dict:
     """Per rank, FAKE legacy apex and FAKE CUDA: an overflowing step, then a finite one."""
     _fake_cuda()
     with use_fake_apex("legacy"):
@@ -256,15 +256,14 @@ def _legacy_overflow_steps() -> dict:
         stepped, unchanged = [], []
         for factor in (math.inf, 1.0):
             strategy.backward(nn.functional.cross_entropy(model(x), y) * factor, optimizer)
-            stepped.append(strategy.optimizer_step(optimizer))
+            stepped.append(strategy.optimizer_step(optimizer, skip_nonfinite=skip_nonfinite))
             optimizer.zero_grad()
             now = list(net.parameters())
             unchanged.append(all(torch.equal(a, b) for a, b in zip(weights, now, strict=True)))
         out = {
             "generation": type(strategy.generation).__name__,
-            "stepped": stepped,
+            "stepped": [outcome.value for outcome in stepped],
             "unchanged": unchanged,
-            "counted": strategy.precision.skipped_steps,
             "amp_skips": len(apex.calls_named("amp.skip_step")),
             "state": strategy.state_dict(),
         }
@@ -272,12 +271,18 @@ def _legacy_overflow_steps() -> dict:
     return out
 
 
-def test_apex_legacy_overflow_is_a_skipped_step(run_on_ranks):
-    """FAKE legacy apex and FAKE CUDA: amp's skip is seen through its public loss scale."""
-    result = run_on_ranks(_legacy_overflow_steps, world_size=1)[0]
+@pytest.mark.parametrize("skip_nonfinite", [False, True], ids=["raise", "skip"])
+def test_apex_legacy_overflow_is_a_skipped_step(run_on_ranks, skip_nonfinite):
+    """FAKE legacy apex and FAKE CUDA: amp's skip is seen through its public loss scale.
+
+    With nonfinite="skip" the armed amp skip must be consumed by the skipped step itself:
+    left armed, it would swallow the next real step, which distkit would count as taken.
+    """
+    result = run_on_ranks(_legacy_overflow_steps, skip_nonfinite, world_size=1)[0]
     assert result["generation"] == "LegacyApex"
-    assert result["stepped"] == [False, True] and result["unchanged"] == [True, False]
-    assert result["counted"] == result["amp_skips"] == 1
+    assert result["stepped"] == ["skipped: fp16 overflow", "stepped"]
+    assert result["unchanged"] == [True, False]  # the second step really changed the weights
+    assert result["amp_skips"] == 1
     halved_once = {"loss_scaler0": {"loss_scale": 2.0**15, "unskipped": 1}}
     assert result["state"] == {"scaler": amp_to_grad_scaler(halved_once)}  # no amp form
 

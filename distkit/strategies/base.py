@@ -5,7 +5,7 @@ other, how the model and optimizer are wrapped, how gradients are synchronised, 
 collectives run. The trainer talks to these hooks only and never asks which backend it has.
 
 Contract every strategy keeps (the contract test suite checks it):
-    * after :meth:`Strategy.optimizer_step`, the gradients that were used are the **mean** over
+    * in :meth:`Strategy.optimizer_step`, the gradients that were used are the **mean** over
       ranks of each rank's gradients, so a per-rank mean loss gives a global mean gradient;
     * inside :meth:`Strategy.no_sync` no gradient communication happens;
     * :meth:`Strategy.unwrap` returns the user's own module.
@@ -31,6 +31,7 @@ from distkit.errors import ConfigurationError, DistkitError
 from distkit.launch import LaunchRequest
 from distkit.launchers import TORCH_LAUNCHERS, LauncherFamily
 from distkit.precision import Precision, normalize_precision
+from distkit.strategies._steps import StepOutcome, gradients_finite
 
 REDUCE_OPS = ("mean", "sum")
 
@@ -232,16 +233,20 @@ class Strategy(ABC):
         """Backpropagate ``loss`` (scaled for fp16)."""
         self.precision.scale(loss).backward()
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Step; returns ``False`` when the step was skipped (fp16 overflow)."""
-        return self.precision.step(optimizer)
+    def optimizer_step(
+        self, optimizer: torch.optim.Optimizer, *, skip_nonfinite: bool = False
+    ) -> StepOutcome:
+        """Finish an optimizer step on the gradients averaged over ranks; say what happened.
 
-    def gradients_finite(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether the synchronised gradients of this step are all finite (same on every rank)."""
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        if not grads:
-            return True
-        return bool(torch.stack([g.isfinite().all() for g in grads]).all())
+        Args:
+            optimizer: what :meth:`setup` returned.
+            skip_nonfinite: skip the step when the averaged gradients hold NaN/inf. Every rank
+                sees the same averaged gradients, so every rank decides alike. With a loss
+                scaler (fp16) the scaler decides, and lowers its scale.
+        """
+        if skip_nonfinite and self.precision.scaler is None and not gradients_finite(optimizer):
+            return StepOutcome.SKIPPED_NONFINITE
+        return StepOutcome.of(self.precision.step(optimizer))
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
         """Context in which ``backward`` accumulates locally without communicating."""
@@ -273,10 +278,6 @@ class Strategy(ABC):
         sample and count for nothing, so no rank waits for a pass another never runs.
         """
         return batches
-
-    def sampler_kwargs(self) -> dict[str, int]:
-        """``num_replicas`` and ``rank`` for a ``DistributedSampler``."""
-        return {"num_replicas": self.world_size, "rank": self.rank}
 
     def side_channel(self) -> SideChannel | None:
         """A key-value channel beside the collectives, or None (default: none).

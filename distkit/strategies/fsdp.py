@@ -19,7 +19,7 @@ from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ConfigurationError, MissingDependencyError
 from distkit.launchers import TORCH_LAUNCHERS
 from distkit.strategies import _fsdp_state, _torch_dist
-from distkit.strategies.base import Strategy, Topology
+from distkit.strategies.base import StepOutcome, Strategy, Topology
 
 ShardPolicy = Callable[[str, nn.Module], bool]
 CHECKPOINTS = ("full", "sharded")
@@ -156,9 +156,17 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
             return _local_gradients(model)
         return contextlib.nullcontext()
 
-    def gradients_finite(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+    def optimizer_step(
+        self, optimizer: torch.optim.Optimizer, *, skip_nonfinite: bool = False
+    ) -> StepOutcome:
+        if skip_nonfinite and self.precision.scaler is None and not self._finite(optimizer):
+            return StepOutcome.SKIPPED_NONFINITE
+        return super().optimizer_step(optimizer)
+
+    def _finite(self, optimizer: torch.optim.Optimizer) -> bool:
         # each rank holds a slice of every gradient: all ranks must hear of a bad slice
-        local = [_local(p.grad) for p in model.parameters() if p.grad is not None]
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        local = [_local(p.grad) for p in params if p.grad is not None]
         bad = sum(int(not bool(g.isfinite().all())) for g in local)
         return self.all_reduce(torch.tensor([float(bad)]), op="sum").item() == 0
 

@@ -18,7 +18,7 @@ from distkit.errors import ConfigurationError, LauncherMismatchError, Unsupporte
 from distkit.strategies import _horovod_doctor
 from distkit.strategies._horovod_channel import HorovodKVChannel
 from distkit.strategies._horovodrun import HOROVODRUN
-from distkit.strategies.base import Strategy, Topology
+from distkit.strategies.base import StepOutcome, Strategy, Topology
 from distkit.syncbn import convert_to_global_batchnorm
 
 HOROVOD_HINT = (
@@ -64,7 +64,6 @@ class HorovodStrategy(Strategy):
         self.op = op
         self._hvd_module: ModuleType | None = None
         self._channel: HorovodKVChannel | None = None
-        self._synchronized = False  # gradients already all-reduced for the coming step
 
     @property
     def _hvd(self) -> Any:
@@ -156,25 +155,21 @@ class HorovodStrategy(Strategy):
             "process for the new optimizer."
         )
 
-    def gradients_finite(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
-        # Horovod averages in step(): synchronise now so every rank checks the same gradients
+    def optimizer_step(
+        self, optimizer: torch.optim.Optimizer, *, skip_nonfinite: bool = False
+    ) -> StepOutcome:
+        if not skip_nonfinite and self.precision.scaler is None:
+            return super().optimizer_step(optimizer)  # DistributedOptimizer.step all-reduces
+        # The finiteness check and the scaler must see averaged gradients: all-reduce first,
+        # then step without a second synchronisation (Horovod's GradScaler sequence).
         optimizer.synchronize()  # type: ignore[attr-defined]
-        finite = super().gradients_finite(model, optimizer)
-        self._synchronized = finite  # a skipped step: the next one synchronises afresh
-        if not finite:
+        try:
+            with optimizer.skip_synchronize():  # type: ignore[attr-defined]
+                return super().optimizer_step(optimizer, skip_nonfinite=skip_nonfinite)
+        finally:
+            # a skipped step never reached DistributedOptimizer.step, which clears this flag;
+            # left set, the next step would warn and not synchronise
             optimizer._synchronized = False  # type: ignore[attr-defined]
-        return finite
-
-    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
-        if self.precision.scaler is None and not self._synchronized:
-            return super().optimizer_step(optimizer)
-        # The scaler must see averaged gradients: all-reduce first, then step without a
-        # second synchronisation (Horovod's documented GradScaler sequence).
-        if not self._synchronized:
-            optimizer.synchronize()  # type: ignore[attr-defined]
-        self._synchronized = False
-        with optimizer.skip_synchronize():  # type: ignore[attr-defined]
-            return self.precision.step(optimizer)
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
         # backward_passes_per_step = grad_accum_steps already keeps gradients local until

@@ -36,7 +36,7 @@ from distkit.strategies.apex._fused import fused_twin
 from distkit.strategies.apex._generation import ApexSettings, Generation
 from distkit.strategies.apex.legacy import LegacyApex
 from distkit.strategies.apex.modern import ModernApex
-from distkit.strategies.base import Strategy, Topology
+from distkit.strategies.base import StepOutcome, Strategy, Topology
 
 #: the class of each generation :func:`~distkit.strategies.apex._detect.detect_apex` reports
 GENERATIONS: dict[str, Callable[[Strategy, ApexSettings, ApexInstall], Generation]] = {
@@ -165,8 +165,10 @@ class ApexStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
     def backward(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
         self.generation.backward(loss, optimizer)
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
-        return self.generation.optimizer_step(optimizer)
+    def optimizer_step(
+        self, optimizer: torch.optim.Optimizer, *, skip_nonfinite: bool = False
+    ) -> StepOutcome:
+        return self.generation.optimizer_step(optimizer, skip_nonfinite=skip_nonfinite)
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
         return self.generation.no_sync(model)

@@ -9,6 +9,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from distkit.strategies._steps import StepOutcome
 from distkit.strategies.apex._levels import ApexPlan
 
 
@@ -47,7 +48,9 @@ class Generation(Protocol):
 
     def backward(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None: ...
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool: ...
+    def optimizer_step(
+        self, optimizer: torch.optim.Optimizer, *, skip_nonfinite: bool
+    ) -> StepOutcome: ...
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]: ...
 

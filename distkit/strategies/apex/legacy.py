@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from distkit.errors import UnsupportedFeatureError
+from distkit.strategies._steps import StepOutcome, gradients_finite
 from distkit.strategies.apex._detect import ApexInstall
 from distkit.strategies.apex._generation import ApexSettings
 from distkit.strategies.apex._levels import resolve_plan
@@ -103,12 +104,19 @@ class LegacyApex:
         # skips. So a lower scale is the public sign of a skip.
         self._overflowed = self._loss_scale() < before
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
-        optimizer.step()  # amp's patched step skips itself after an overflow
-        skipped, self._overflowed = self._overflowed, False
-        if skipped:
-            self._strategy.precision.skipped_steps += 1
-        return not skipped
+    def optimizer_step(
+        self, optimizer: torch.optim.Optimizer, *, skip_nonfinite: bool
+    ) -> StepOutcome:
+        overflowed, self._overflowed = self._overflowed, False
+        if overflowed:
+            # amp patched this step into a skip: call it, or the armed skip would swallow
+            # the next real step (and distkit would count that one as taken)
+            optimizer.step()
+            return StepOutcome.SKIPPED_OVERFLOW
+        if skip_nonfinite and not gradients_finite(optimizer):
+            return StepOutcome.SKIPPED_NONFINITE  # amp armed nothing (e.g. a static scale)
+        optimizer.step()
+        return StepOutcome.STEPPED
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:

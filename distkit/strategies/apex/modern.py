@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distkit.errors import ApexLegacyApiMissingError
 from distkit.strategies import _torch_dist
+from distkit.strategies._steps import StepOutcome, gradients_finite
 from distkit.strategies.apex._detect import ApexInstall
 from distkit.strategies.apex._generation import ApexSettings
 from distkit.strategies.apex._levels import resolve_plan
@@ -67,8 +68,13 @@ class ModernApex:
     def backward(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
         self._strategy.precision.scale(loss).backward()
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
-        return self._strategy.precision.step(optimizer)
+    def optimizer_step(
+        self, optimizer: torch.optim.Optimizer, *, skip_nonfinite: bool
+    ) -> StepOutcome:
+        precision = self._strategy.precision
+        if skip_nonfinite and precision.scaler is None and not gradients_finite(optimizer):
+            return StepOutcome.SKIPPED_NONFINITE
+        return StepOutcome.of(precision.step(optimizer))
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
         if isinstance(model, DistributedDataParallel):
