@@ -112,6 +112,45 @@ def test_fsdp_shards_parameters_starts_from_rank_zero_and_accumulates_locally(ru
         assert torch.allclose(r["grads_after"], expected, atol=1e-6)
 
 
+def _nan_on_rank_one_then_fit_again() -> dict:
+    trainer = distkit.Trainer("fsdp", batch_size=4, nonfinite="skip", progress=False)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1))
+    data = TensorDataset(torch.randn(32, 3), torch.randn(32, 1))
+    stale = torch.optim.SGD(model.parameters(), lr=0.1)  # over the parameters before sharding
+    calls = {"n": 0}
+
+    def step_fn(m, batch):
+        calls["n"] += 1
+        loss = nn.functional.mse_loss(m(batch[0]), batch[1])
+        return loss * float("nan") if trainer.rank == 1 and calls["n"] == 2 else loss
+
+    first = trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), data, step_fn=step_fn)
+    out: dict = {"skipped": first.history[0]["skipped_steps"], "after": trainer.full_state_dict()}
+    # a second fit reuses the set-up: a new optimizer over the (now sharded) parameters works,
+    # one built over the parameters the model had before sharding is refused
+    again = trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.05), data,
+                        loss_fn=nn.functional.mse_loss)  # fmt: skip
+    out["second_loss"] = again.history[0]["train_loss"]
+    try:
+        trainer.fit(model, stale, data, loss_fn=nn.functional.mse_loss)
+        out["stale"] = "no error"
+    except distkit.ConfigurationError as exc:
+        out["stale"] = str(exc)
+    trainer.close()
+    return out
+
+
+def test_fsdp_nonfinite_skip_and_a_second_fit(run_on_ranks):
+    results = run_on_ranks(_nan_on_rank_one_then_fit_again, world_size=2)
+    for r in results:
+        assert r["skipped"] == 1  # rank 1's NaN step skipped on both ranks
+        assert all(torch.isfinite(v).all() for v in r["after"].values())
+        assert "not parameters of the model" in r["stale"]
+    assert max_abs_diff(results[0]["after"], results[1]["after"]) == 0.0
+    assert results[0]["second_loss"] == results[1]["second_loss"]
+
+
 # ---------------------------------------------------------------- evaluation
 class _Recorder(nn.Module):
     """Predicts class = sample id % 3 for even ids, a wrong class for odd ones."""
@@ -246,10 +285,11 @@ def test_fsdp_sharded_checkpoint_resumes_at_another_world_size(tmp_path, run_on_
     )[0]
     resumed_fsdp_two = run_on_ranks(partial(_sharded_run, resume="auto"), 4, str(folder),
                                     world_size=2)[0]  # fmt: skip
-    resumed_dp = run_on_ranks(partial(_train_ckpt, resume=str(saved_path)), "dp", 8, None,
-                              world_size=1)[0]  # fmt: skip
+    other = partial(_train_ckpt, resume=str(saved_path))  # unsharded strategies read it too
+    resumed_dp = run_on_ranks(other, "dp", 8, None, world_size=1)[0]
+    resumed_ddp = run_on_ranks(other, "ddp", 4, None, world_size=2)[0]
     for name, resumed in [("fsdp x1", resumed_fsdp_one), ("fsdp x2", resumed_fsdp_two),
-                          ("dp", resumed_dp)]:  # fmt: skip
+                          ("dp", resumed_dp), ("ddp x2", resumed_ddp)]:  # fmt: skip
         assert max_abs_diff(resumed["state"], whole["state"]) <= TOL, name
     # the later saves' folders replaced the first one's; keep_last=3 files, their shards only
     files = ckpt.CheckpointFolder(folder).checkpoints()
@@ -291,7 +331,7 @@ def test_fsdp_load_checkpoint_after_setup_restores_sharded_state(tmp_path, run_o
     ("kwargs", "words"),
     [
         ({"checkpoint": "zip"}, "checkpoint='zip'; allowed: full, sharded"),
-        ({"mp_policy": None}, "sets mp_policy itself: pass precision='bf16'"),
+        ({"mp_policy": None}, "sets mp_policy itself: .* precision='bf16'"),
         ({"shard": 3}, "shard=3; allowed: None"),
     ],
 )

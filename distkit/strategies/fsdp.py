@@ -85,8 +85,9 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         reserved = {"mesh", "mp_policy", "module"} & set(fsdp_kwargs)
         if reserved:
             raise ConfigurationError(
-                f"FSDPStrategy sets {', '.join(sorted(reserved))} itself: pass "
-                "precision='bf16' to distkit.Trainer for FSDP's mixed precision"
+                f"FSDPStrategy sets {', '.join(sorted(reserved))} itself: it shards over every "
+                "rank of the process group, and takes its mixed precision from the Trainer "
+                "(distkit.Trainer(..., precision='bf16'))"
             )
         self.shard = _shard_policy(shard)
         self.reshard_after_forward = reshard_after_forward
@@ -233,8 +234,9 @@ def _top_level_with_parameters(name: str, module: nn.Module) -> bool:
 
 def _broadcast_module(model: nn.Module) -> None:
     with torch.no_grad():
-        for tensor in model.state_dict().values():
-            torch.distributed.broadcast(tensor, src=0)
+        for value in model.state_dict().values():
+            if isinstance(value, torch.Tensor):
+                torch.distributed.broadcast(value, src=0)
 
 
 @contextlib.contextmanager
