@@ -74,7 +74,8 @@ def demo(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
-    """Overhead vs hand-written loops, scaling, peers (Lightning, Accelerate), plots.
+    """Overhead vs hand-written loops, scaling, memory per rank, peers (Lightning,
+    Accelerate), plots.
 
     Each prints a table and writes benchmarks/results/*.json; see benchmarks/README.md.
     """
@@ -85,6 +86,7 @@ def bench(session: nox.Session) -> None:
     env = _single_threaded_env()
     session.run("python", "benchmarks/overhead.py", *session.posargs, env=env)
     session.run("python", "benchmarks/scaling.py", env=env)
+    session.run("python", "benchmarks/memory.py", env=env)
     session.run("python", "benchmarks/peers.py", env=env)
     session.run("python", "benchmarks/plot.py")
 

@@ -46,6 +46,16 @@ def test_overhead_single_writes_a_positive_ratio(tmp_path: Path) -> None:
         assert entry["steps_timed"] > 0
 
 
+def test_memory_fsdp_halves_the_per_rank_bytes_at_2_processes(tmp_path: Path) -> None:
+    shutil.copy(BENCH / "memory.py", tmp_path / "memory.py")  # writes beside itself
+    proc = run_script(str(tmp_path / "memory.py"), "--width", "64", "--layers", "2")
+    results = json.loads((tmp_path / "results" / "memory.json").read_text())
+    assert results["ddp"]["2"]["vs_1"] == 1.0  # every rank keeps everything
+    assert results["fsdp"]["2"]["vs_1"] == pytest.approx(0.5, abs=0.01)  # step counts stay whole
+    assert results["fsdp"]["1"]["total"] == results["ddp"]["1"]["total"]
+    assert "vs 1 proc" in proc.stdout
+
+
 def test_peers_runs_distkit_and_the_hand_loop_on_1_and_2_processes(tmp_path: Path) -> None:
     out = tmp_path / "peers.json"
     proc = run_script(
