@@ -1,0 +1,39 @@
+"""The promises every strategy keeps, in the order one launch runs their bodies."""
+
+from __future__ import annotations
+
+from distkit.errors import ConfigurationError
+from distkit.testing._gradients import MEAN_GRADIENTS, NO_SYNC_IS_LOCAL
+from distkit.testing._group import COLLECTIVES, MAIN_PROCESS_FIRST, TOPOLOGY
+from distkit.testing._promise import Promise
+from distkit.testing._setup import IDENTICAL_INITIAL_WEIGHTS, UNWRAP
+from distkit.testing._training import CHECKPOINT_ROUND_TRIP, WORLD_SIZE_INVARIANCE
+
+BY_NAME: dict[str, Promise] = {
+    p.name: p
+    for p in (
+        TOPOLOGY,
+        COLLECTIVES,
+        MAIN_PROCESS_FIRST,
+        IDENTICAL_INITIAL_WEIGHTS,
+        UNWRAP,
+        NO_SYNC_IS_LOCAL,
+        MEAN_GRADIENTS,
+        WORLD_SIZE_INVARIANCE,
+        CHECKPOINT_ROUND_TRIP,
+    )
+}
+
+
+def promise_named(name: str) -> Promise:
+    """The promise called ``name``.
+
+    Raises:
+        ConfigurationError: no promise has that name; the message lists them.
+    """
+    try:
+        return BY_NAME[name]
+    except (KeyError, TypeError):
+        raise ConfigurationError(
+            f"unknown promise {name!r}. Allowed: {', '.join(BY_NAME)} (distkit.testing.PROMISES)"
+        ) from None
