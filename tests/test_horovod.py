@@ -1,6 +1,7 @@
 """HorovodStrategy on real Horovod processes (``horovodrun -np 2 --gloo``).
 
 All Horovod bodies share one horovodrun launch (module fixture); each test checks its part.
+The promises of every strategy run under horovodrun in tests/test_strategy_contract.py.
 They skip only where Horovod is not installed; ``nox -s tests`` and CI install it.
 """
 
@@ -26,7 +27,6 @@ needs_horovod = pytest.mark.skipif(
 
 W = "tests.workloads"
 CALLS = {
-    "contract": ("tests.test_strategy_contract", "_on_rank_check_contract", ("horovod",), {}),
     "b4": (W, "train_with_distkit", ("horovod", 4), {"n": 61}),
     "accum": (W, "train_with_distkit", ("horovod", 2), {"n": 61, "grad_accum_steps": 2}),
     "adamw": (W, "train_with_distkit", ("horovod", 4), {"n": 61, "optimizer": "adamw"}),
@@ -79,13 +79,6 @@ def _ok(results: list) -> list:
         if isinstance(value, RankError):
             raise AssertionError(str(value))
     return results
-
-
-@needs_horovod
-def test_horovod_strategy_contract(horovod):
-    from tests.test_strategy_contract import check_contract_results
-
-    check_contract_results(_ok(horovod["contract"]), world=2)
 
 
 @needs_horovod
