@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -27,8 +28,14 @@ _LAUNCHER_VARS = (
 
 @pytest.fixture
 def run_on_ranks():
-    """Run a module-level function on N real gloo processes (see tests/multiprocess.py)."""
-    return _run_on_ranks
+    """Run a module-level function on N real gloo processes (see tests/multiprocess.py).
+
+    The rendezvous store lives in the test process, as torchrun's agent keeps it: a rank-0
+    hosted store goes with rank 0's group, under a slower rank still using it (tests that
+    create several Trainers per rank flaked on that). Pass agent_store=False for the rank-0
+    case.
+    """
+    return functools.partial(_run_on_ranks, agent_store=True)
 
 
 @pytest.fixture(autouse=True)

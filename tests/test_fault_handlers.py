@@ -116,7 +116,8 @@ def _peer_failure_on_rank(fail_rank: int) -> dict:
 
 
 def test_fault_handlers_peer_failure_error_names_the_failed_rank_and_its_error(run_on_ranks):
-    own, peer = run_on_ranks(_peer_failure_on_rank, 0, world_size=2, timeout=90)
+    # rank 0 fails and hosts the store (no agent): its peers must still read its notice
+    own, peer = run_on_ranks(_peer_failure_on_rank, 0, world_size=2, timeout=90, agent_store=False)
     assert own["kind"] == "own" and "missing column" in own["text"]
     assert peer["kind"] == "peer", peer
     assert peer["failed_rank"] == 0
