@@ -57,8 +57,8 @@ class Trainer:
     """Train and evaluate a model with any data-parallel strategy.
 
     Args:
-        strategy: ``"auto"``, a registered name (``"ddp"``, ``"dp"``, ``"horovod"``, ``"apex"``,
-            ``"fsdp"``) or a :class:`~distkit.Strategy` instance. ``"auto"`` follows the
+        strategy: ``"auto"``, a registered name (:func:`distkit.available_strategies` lists
+            them, plugins included) or a :class:`~distkit.Strategy` instance. ``"auto"`` follows the
             launcher.
         max_epochs: epochs :meth:`fit` trains (in total, counting resumed ones).
         batch_size: samples per process per micro-batch (a DataLoader's own batch size wins).

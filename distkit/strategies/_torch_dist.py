@@ -208,6 +208,13 @@ class StoreChannel:
         return [self.get(key) for key in keys]
 
 
+def native_alternative() -> str:
+    """The strategy ``"auto"`` picks under torchrun: what to suggest where a backend can't run."""
+    from distkit.registry import auto_strategy_name  # the registry imports the strategies
+
+    return auto_strategy_name(LaunchEnv(launcher="torchrun"))
+
+
 def destroy_process_group() -> None:
     """Destroy the default group if it still exists."""
     if dist.is_initialized():

@@ -21,11 +21,17 @@ from distkit.strategies._horovodrun import HOROVODRUN
 from distkit.strategies.base import StepOutcome, Strategy, Topology
 from distkit.syncbn import convert_to_global_batchnorm
 
-HOROVOD_HINT = (
-    "PyPI's horovod 0.28.1 does not build against torch >= 2.1 as shipped; build it for the "
-    "installed torch with `python -m distkit.horovod_build` (patches, builds, caches and "
-    "checks it), or use strategy='ddp'."
-)
+
+def _horovod_hint() -> str:
+    from distkit.strategies._torch_dist import native_alternative
+
+    return (
+        "PyPI's horovod 0.28.1 does not build against torch >= 2.1 as shipped; build it for "
+        "the installed torch with `python -m distkit.horovod_build` (patches, builds, caches "
+        f"and checks it), or use strategy={native_alternative()!r}."
+    )
+
+
 COMPRESSIONS = ("none", "fp16")
 OPS = ("average", "adasum")
 
@@ -81,7 +87,7 @@ class HorovodStrategy(Strategy):
                 f"started by {env.launcher}. Either launch with `horovodrun -np N python "
                 f"script.py`, or keep torchrun and use strategy={auto_strategy_name(env)!r}."
             )
-        hvd = require("horovod.torch", feature="strategy='horovod'", hint=HOROVOD_HINT)
+        hvd = require("horovod.torch", feature="strategy='horovod'", hint=_horovod_hint())
         self._refuse_collective_timeout()
         hvd.init()
         self._hvd_module = hvd

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from distkit._env import LaunchEnv, Launcher
 from distkit.testing._processes import plain_env, run_on_ranks
 from distkit.testing._promise import Promise, expect, max_abs_diff
 from distkit.testing._target import StrategyUnderTest
@@ -25,8 +26,15 @@ TOLERANCE = 1e-5
 BATCH_SIZE = 4
 #: optimizer steps before the checkpoint of the round trip (mid-epoch at any world size)
 STEPS_BEFORE_SAVE = 5
-#: the single-process strategy whose run is "one process at N * batch size"
-REFERENCE_STRATEGY = "dp"
+#: the launcher of the reference run, "one process at N * batch size": plain python, whose
+#: strategy "auto" picks from the registry
+REFERENCE_LAUNCHER: Launcher = "none"
+
+
+def _reference_strategy() -> str:
+    from distkit.registry import auto_strategy_name
+
+    return auto_strategy_name(LaunchEnv(launcher=REFERENCE_LAUNCHER))
 
 
 def _dataset() -> TensorDataset:
@@ -63,7 +71,7 @@ def fit(
 
 
 def _reference_fit(batch_size: int) -> dict[str, torch.Tensor]:
-    return fit(StrategyUnderTest(REFERENCE_STRATEGY), batch_size)
+    return fit(StrategyUnderTest(_reference_strategy()), batch_size)
 
 
 @cache
@@ -96,7 +104,7 @@ def _verify_world_size_invariance(results: list[dict[str, torch.Tensor]], world:
     expect(
         diff <= TOLERANCE,
         f"{world} processes at batch size {BATCH_SIZE} end {diff:.3g} away from one process "
-        f"({REFERENCE_STRATEGY!r}) at batch size {world * BATCH_SIZE} (allowed {TOLERANCE:g})",
+        f"({_reference_strategy()!r}) at batch size {world * BATCH_SIZE} (allowed {TOLERANCE:g})",
     )
 
 

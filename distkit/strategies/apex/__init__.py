@@ -50,8 +50,9 @@ def _require_cuda() -> None:
     if not torch.cuda.is_available():
         raise ApexNeedsCudaError(
             "strategy='apex' needs CUDA: NVIDIA apex (amp, its DDP, fused optimizers) runs on "
-            "GPUs only, and no CUDA device is available here. On CPU use strategy='ddp' with "
-            "precision='bf16' (or 'fp16'): the same script, native autocast instead of amp."
+            "GPUs only, and no CUDA device is available here. On CPU use "
+            f"strategy={_torch_dist.native_alternative()!r} with precision='bf16' (or 'fp16'): "
+            "the same script, native autocast instead of amp."
         )
 
 

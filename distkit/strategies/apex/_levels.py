@@ -50,9 +50,12 @@ def resolve_plan(precision: str, opt_level: str | None, *, legacy: bool, strict:
         )
     if precision == "bf16":
         if legacy or opt_level is not None:
+            from distkit.strategies._torch_dist import native_alternative
+
             raise ConfigurationError(
                 "precision='bf16' has no apex.amp opt level (amp scales fp16 only). Use "
-                "precision='fp16' with opt_level O1/O2, or strategy='ddp' with precision='bf16'."
+                "precision='fp16' with opt_level O1/O2, or "
+                f"strategy={native_alternative()!r} with precision='bf16'."
             )
         return ApexPlan("bf16", "bf16", "bf16 autocast (no opt level involved)")
     level = opt_level or _DEFAULT_LEVEL[precision]

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from distkit.errors import UnsupportedFeatureError
+from distkit.strategies import _torch_dist
 from distkit.strategies._steps import StepOutcome, gradients_finite
 from distkit.strategies.apex._detect import ApexInstall
 from distkit.strategies.apex._generation import ApexSettings
@@ -74,8 +75,9 @@ class LegacyApex:
         if self._strategy.options.find_unused_parameters:
             raise UnsupportedFeatureError(
                 "apex.parallel.DistributedDataParallel has no find_unused_parameters; its "
-                "allreduce waits for every parameter. Use strategy='ddp' (torch DDP) for "
-                "models that skip parameters, or make every parameter take part."
+                "allreduce waits for every parameter. Use "
+                f"strategy={_torch_dist.native_alternative()!r} (torch DDP) for models that "
+                "skip parameters, or make every parameter take part."
             )
         # apex requires amp.initialize before its DDP wrapper, never after
         model, optimizer = self._amp.initialize(
