@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from distkit._channel import SideChannel
 from distkit._env import LaunchEnv
 from distkit.errors import ConfigurationError, LauncherMismatchError
-from distkit.strategies.base import Topology
+from distkit.strategies.base import Topology, TrainOptions
 from distkit.syncbn import convert_to_global_batchnorm, convert_to_masked_sync_batchnorm
 
 
@@ -160,11 +160,37 @@ def convert_sync_batchnorm(model: nn.Module, device: torch.device) -> nn.Module:
 
 
 class TorchDistributedCollectives:
-    """The collectives of a strategy built on torch.distributed (mixed into ddp and apex)."""
+    """The process group and collectives of a strategy built on torch.distributed.
 
+    Mixed into ddp, fsdp and apex, which set ``backend`` and ``timeout`` (their constructor
+    arguments) and call :meth:`_join_group` / :meth:`_leave_group` from their set-up and
+    teardown.
+    """
+
+    name: ClassVar[str]
+    options: TrainOptions
+    backend: str | None
+    timeout: timedelta | None
     rank: int
     world_size: int
     device: torch.device
+    _owns_group: bool = False  # distkit created the default group (and destroys it)
+
+    def _join_group(self) -> Topology:
+        """Join (or create) the default group, with the resolved collective timeout."""
+        topology, self._owns_group = init_process_group(
+            LaunchEnv.detect(),
+            backend=self.backend,
+            timeout=resolve_timeout(self.timeout, self.options.collective_timeout),
+            strategy=self.name,
+        )
+        return topology
+
+    def _leave_group(self) -> None:
+        """Destroy the default group if :meth:`_join_group` created it."""
+        if self._owns_group:
+            destroy_process_group()
+            self._owns_group = False
 
     def _all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         return all_reduce(tensor, op, self.world_size, self.device)

@@ -10,7 +10,6 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from distkit._env import LaunchEnv
 from distkit.errors import ConfigurationError
 from distkit.launchers import TORCH_LAUNCHERS
 from distkit.strategies import _torch_dist
@@ -53,21 +52,12 @@ class DDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
                 "find_unused_parameters to distkit.Trainer and let distkit choose device_ids"
             )
         self._ddp_kwargs = ddp_kwargs
-        self._owns_group = False
 
     def _setup_environment(self) -> Topology:
-        topology, self._owns_group = _torch_dist.init_process_group(
-            LaunchEnv.detect(),
-            backend=self.backend,
-            timeout=_torch_dist.resolve_timeout(self.timeout, self.options.collective_timeout),
-            strategy=self.name,
-        )
-        return topology
+        return self._join_group()
 
     def teardown(self) -> None:
-        if self._owns_group:
-            _torch_dist.destroy_process_group()
-            self._owns_group = False
+        self._leave_group()
         super().teardown()
 
     def _setup_model_and_optimizer(

@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from distkit import _shards
-from distkit._env import LaunchEnv
 from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ConfigurationError, MissingDependencyError
 from distkit.launchers import TORCH_LAUNCHERS
@@ -95,24 +94,15 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         self.backend = backend
         self.timeout = _torch_dist.as_timeout(timeout)
         self._fsdp_kwargs = fsdp_kwargs
-        self._owns_group = False
 
     def _setup_environment(self) -> Topology:
         missing = missing_fsdp2()
         if missing is not None:
             raise MissingDependencyError(f"strategy='fsdp': {missing}. {FSDP_HINT}")
-        topology, self._owns_group = _torch_dist.init_process_group(
-            LaunchEnv.detect(),
-            backend=self.backend,
-            timeout=_torch_dist.resolve_timeout(self.timeout, self.options.collective_timeout),
-            strategy=self.name,
-        )
-        return topology
+        return self._join_group()
 
     def teardown(self) -> None:
-        if self._owns_group:
-            _torch_dist.destroy_process_group()
-            self._owns_group = False
+        self._leave_group()
         super().teardown()
 
     def _sharded(self) -> bool:

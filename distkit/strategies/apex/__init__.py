@@ -25,7 +25,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from distkit._env import LaunchEnv
 from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ApexNeedsCudaError, DistkitError
 from distkit.launchers import TORCH_LAUNCHERS
@@ -103,19 +102,13 @@ class ApexStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         self.timeout = _torch_dist.as_timeout(timeout)
         self.install: ApexInstall | None = None
         self._generation: Generation | None = None
-        self._owns_group = False
 
     # ------------------------------------------------------------------ set-up
     def _setup_environment(self) -> Topology:
         _require_cuda()
         self.install = detect_apex()
         self._generation = GENERATIONS[self.install.generation](self, self.settings, self.install)
-        topology, self._owns_group = _torch_dist.init_process_group(
-            LaunchEnv.detect(),
-            backend=self.backend,
-            timeout=_torch_dist.resolve_timeout(self.timeout, self.options.collective_timeout),
-            strategy=self.name,
-        )
+        topology = self._join_group()
         if topology.rank == 0:
             warnings.warn(self.describe(), stacklevel=2)
         return topology
@@ -140,9 +133,7 @@ class ApexStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         return self.generation.plan.precision
 
     def teardown(self) -> None:
-        if self._owns_group:
-            _torch_dist.destroy_process_group()
-            self._owns_group = False
+        self._leave_group()
         super().teardown()
 
     def convert_sync_batchnorm(self, model: nn.Module) -> nn.Module:
