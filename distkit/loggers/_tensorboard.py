@@ -1,0 +1,87 @@
+"""TensorBoardLogger: scalars and a hyperparameter table through torch's SummaryWriter.
+
+``tensorboard`` is an optional extra: its presence is checked when the logger is created, and
+it is imported on first use, never when ``distkit.loggers`` is imported.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from importlib.util import find_spec
+from pathlib import Path
+from typing import Any
+
+from distkit._imports import require
+from distkit.errors import ConfigurationError, MissingDependencyError
+from distkit.loggers._base import Logger, as_numbers, check_save_dir, check_step
+
+INSTALL_HINT = "Install it with: pip install 'distkit[tensorboard]' (or pip install tensorboard)."
+
+
+class TensorBoardLogger(Logger):
+    """Writes TensorBoard event files under ``save_dir`` (or ``save_dir/name``).
+
+    Each metric becomes a scalar series at its step; ``log_hyperparams`` writes one markdown
+    table to the Text tab (``add_hparams`` is avoided: it creates an extra run per call).
+    The ``SummaryWriter``, and with it the folder, is created on first use, so the logger can
+    be built on every rank.
+
+    Args:
+        save_dir: the folder TensorBoard is pointed at (``tensorboard --logdir save_dir``).
+        name: a sub-folder for this run, so several runs can share ``save_dir``.
+
+    Raises:
+        MissingDependencyError: the ``tensorboard`` package is not installed.
+    """
+
+    def __init__(self, save_dir: str | os.PathLike[str], name: str | None = None) -> None:
+        self.save_dir = check_save_dir("TensorBoardLogger", save_dir)
+        if name is not None and (not isinstance(name, str) or not name):
+            raise ConfigurationError(
+                f"TensorBoardLogger(name=...) must be a non-empty str or None, got {name!r}"
+            )
+        if find_spec("tensorboard") is None:
+            raise MissingDependencyError(
+                f"TensorBoardLogger needs the 'tensorboard' package, which is not installed. "
+                f"{INSTALL_HINT} Or log to CSV with distkit.loggers.CSVLogger, which needs nothing."
+            )
+        self.log_dir: Path = self.save_dir / name if name else self.save_dir
+        self._writer: Any = None
+
+    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+        """Write ``params`` as a two-column markdown table, text tag ``hparams``, step 0."""
+        if not isinstance(params, Mapping):
+            raise ConfigurationError(
+                f"params must be a mapping of names to values, got {type(params).__name__}"
+            )
+        rows = "".join(f"| {_escape(key)} | {_escape(value)} |\n" for key, value in params.items())
+        self._get_writer().add_text("hparams", "| name | value |\n|---|---|\n" + rows, 0)
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        """Add one scalar per name at ``step``."""
+        step = check_step(step)
+        values = as_numbers(metrics)
+        writer = self._get_writer()
+        for key, value in values.items():
+            writer.add_scalar(key, value, global_step=step)
+
+    def finalize(self, status: str) -> None:
+        """Flush and close the event file (a later call opens a new one)."""
+        if self._writer is not None:
+            self._writer.flush()
+            self._writer.close()
+            self._writer = None
+
+    def _get_writer(self) -> Any:
+        if self._writer is None:
+            module = require(
+                "torch.utils.tensorboard", feature="TensorBoardLogger", hint=INSTALL_HINT
+            )
+            self._writer = module.SummaryWriter(log_dir=str(self.log_dir))
+        return self._writer
+
+
+def _escape(value: object) -> str:
+    # a "|" would end the cell, a newline the row
+    return str(value).replace("|", "\\|").replace("\n", " ")
