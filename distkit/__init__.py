@@ -6,6 +6,8 @@
 Importing distkit imports no backend library (Horovod, apex) and changes nothing.
 """
 
+from distkit import callbacks, loggers
+from distkit.callbacks import Callback
 from distkit.errors import (
     ConfigurationError,
     DistkitError,
@@ -40,6 +42,7 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "Accuracy",
+    "Callback",
     "ConfigurationError",
     "ConfusionMatrix",
     "DistkitError",
@@ -59,6 +62,8 @@ __all__ = [
     "UnsupportedFeatureError",
     "__version__",
     "available_strategies",
+    "callbacks",
+    "loggers",
     "register_strategy",
 ]
 __all__ += _STRATEGY_CLASSES

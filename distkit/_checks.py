@@ -153,3 +153,42 @@ def as_score(name: str, value: object) -> float:
         f"metric {name!r} returned a {type(value).__name__} ({value!r:.60}); Metric.compute "
         "must return a number or a dict of numbers"
     )
+
+
+def check_positive(name: str, value: object) -> None:
+    """An optional positive finite number (a clipping threshold)."""
+    if value is None:
+        return
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not 0 < float(value) < float("inf")
+    ):
+        raise ConfigurationError(f"{name} must be a positive number or None (off), got {value!r}")
+
+
+def check_compile(value: object) -> dict[str, Any] | None:
+    """``compile=``: False (off), True (torch.compile's defaults) or a dict of its arguments.
+
+    Returns the arguments, or None when off.
+    """
+    if value is False:
+        return None
+    if value is True:
+        return {}
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return dict(value)
+    raise ConfigurationError(
+        f"compile must be True, False or a dict of torch.compile arguments (e.g. "
+        f"{{'mode': 'max-autotune'}}), got {value!r}"
+    )
+
+
+def uncompiled(model: Any, options: dict[str, Any] | None) -> tuple[Any, dict[str, Any] | None]:
+    """A model the user passed through ``torch.compile``: its original module, to be compiled
+    again by the strategy in the order the backend needs (with ``options``, or torch's
+    defaults). Checkpoints then hold the module's own names, without ``_orig_mod.``."""
+    original = getattr(model, "_orig_mod", None)
+    if isinstance(model, nn.Module) and isinstance(original, nn.Module):
+        return original, {} if options is None else options
+    return model, options

@@ -17,6 +17,7 @@ from distkit._progress import Progress
 from distkit.batch import batch_size_of, split_batch, to_device
 from distkit.data import GlobalBatchPlan, PlanBatchSampler, reseed_workers
 from distkit.errors import DistkitError
+from distkit.strategies._steps import GradientClip, StepOutcome
 from distkit.strategies.base import Strategy
 from distkit.syncbn import placeholder_batch
 from distkit.timing import EpochTiming, StepTimer
@@ -52,6 +53,17 @@ class LoopSettings:
     nonfinite: str  # "raise" or "skip"
     step_scheduler: bool  # step the LR scheduler after every optimizer step
     progress: bool  # a progress bar on rank 0 (on a terminal)
+    clip: GradientClip | None = None  # clip the averaged, unscaled gradients before a step
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step did, as this rank saw it (device values stay on the device)."""
+
+    loss_sum: torch.Tensor  # this rank's loss x real samples over the step's micro-batches
+    samples: int  # this rank's real samples in the step
+    outcome: StepOutcome
+    grad_norm: torch.Tensor | None  # total norm of the averaged gradients before clipping
 
 
 @dataclass(kw_only=True)
@@ -68,14 +80,18 @@ class TrainLoop:
     step_fn: StepFn | None
     scheduler: Any
     settings: LoopSettings
+    #: what forward passes run through: ``model`` compiled (``Trainer(compile=...)``) or None
+    forward_model: nn.Module | None = None
     rank_progress: Progress = field(default_factory=Progress)  # read by the watchdog thread
     timer: StepTimer | None = None  # the current epoch's
     timing: EpochTiming | None = None  # the last finished epoch's, over all ranks
 
-    def run_epoch(self, state: FitState, after_step: Callable[[FitState], bool]) -> bool:
+    def run_epoch(
+        self, state: FitState, after_step: Callable[[FitState, StepResult], bool]
+    ) -> bool:
         """Train from ``state.position`` to the end of ``state.epoch``.
 
-        ``after_step(state)`` runs after every optimizer step; returning True stops early.
+        ``after_step(state, result)`` runs after every optimizer step; True stops early.
         Returns True when stopped early.
         """
         strategy, model = self.strategy, self.model
@@ -87,6 +103,7 @@ class TrainLoop:
         # kept on the device: no host sync per step
         loss_sum = torch.tensor(float(state.loss_sum), dtype=torch.float64, device=strategy.device)
         state.loss_sum = loss_sum
+        step_loss, step_samples = torch.zeros_like(loss_sum), 0
         bar = tqdm(
             total=self.plan.remaining(state.position),
             desc=f"epoch {state.epoch + 1}/{self.settings.max_epochs}",
@@ -130,17 +147,20 @@ class TrainLoop:
                 if self.settings.nonfinite == "skip" and counted and not torch.isfinite(loss):
                     counted = 0  # its step is skipped: keep it out of the epoch's mean loss
                 if counted:
-                    loss_sum += loss.detach().double() * counted
-                state.samples += counted
+                    step_loss += loss.detach().double() * counted
+                    step_samples += counted
                 state.position += micro.samples
                 bar.update()
                 if micro.last_in_step:
                     progress.phase = "optimizer"
-                    self._step(state)
+                    outcome, norm = self._step(state)
+                    loss_sum += step_loss
+                    state.samples += step_samples
                     timer.mark("optimizer")
                     timer.steps += 1
                     progress.step = state.global_step
-                    stopped = after_step(state)
+                    stopped = after_step(state, StepResult(step_loss, step_samples, outcome, norm))
+                    step_loss, step_samples = torch.zeros_like(loss_sum), 0
                     timer.mark("other")  # checkpoints: not part of a step
                     if stopped:
                         break
@@ -169,14 +189,21 @@ class TrainLoop:
         }
 
     def _loss(self, batch: Any) -> torch.Tensor:
+        model = self.model if self.forward_model is None else self.forward_model
         if self.step_fn is not None:
-            return self.step_fn(self.model, batch)
+            return self.step_fn(model, batch)
         assert self.loss_fn is not None
         inputs, target = split_batch(batch)
-        return self.loss_fn(self.model(inputs), target)
+        return self.loss_fn(model(inputs), target)
 
-    def _step(self, state: FitState) -> None:
+    def _step(self, state: FitState) -> tuple[StepOutcome, torch.Tensor | None]:
         optimizer, settings = self.optimizer, self.settings
+        norm = None
+        if settings.clip is not None:
+            # averaged and unscaled first (Horovod: synchronize; fp16: unscale_), so that every
+            # rank clips the same gradients, those one process would have
+            self.strategy.finalize_gradients(optimizer)
+            norm = self.strategy.clip_gradients(optimizer, settings.clip)
         # every rank sees the same averaged gradients, so every rank decides alike
         outcome = self.strategy.optimizer_step(
             optimizer, skip_nonfinite=settings.nonfinite == "skip"
@@ -187,3 +214,4 @@ class TrainLoop:
             state.skipped_steps += 1
         elif settings.step_scheduler and self.scheduler is not None:
             self.scheduler.step()
+        return outcome, norm

@@ -73,6 +73,7 @@ def prepare_fit(
     )
     if found is not None:
         _resume.check_fits(found, model, optimizer, len(spec))
+    trainer.callbacks.validate(trainer)
     agreed = {
         "resume from": "no checkpoint" if found is None else found.label,
         "train_data samples": str(len(spec)),
@@ -86,7 +87,11 @@ def prepare_fit(
         "settings": f"strategy={strategy.name} {strategy.options}, "
         f"max_epochs={trainer.max_epochs}, max_steps={trainer.max_steps}, seed={trainer.seed}, "
         f"scheduler_interval={trainer.scheduler_interval}, nonfinite={trainer.nonfinite}, "
-        f"checkpoint_every={trainer.checkpoint_every}",
+        f"checkpoint_every={trainer.checkpoint_every}, clip={trainer.gradient_clip}, "
+        f"log_every_n_steps={trainer.log_every_n_steps}, "
+        f"val_every_n_steps={trainer.val_every_n_steps}, compile={trainer.compile}",
+        # called on every rank: the same kinds in the same order (some are collectives)
+        "callbacks": trainer.callbacks.describe(),
     }
     details = {"model": lambda: _agreement.named_shapes(model)}
     return _agreement.Prepared(agreed, FitPlan(spec, plan, found), details=details)
@@ -106,7 +111,8 @@ def prepare_evaluate(
 
 def prepare_save(
     trainer: Trainer, extra: object, path: str | os.PathLike[str] | None
-) -> _agreement.Prepared[None]:
+) -> _agreement.Prepared[dict[str, Any]]:
+    """Checks, this rank's state for the file; the local part: the callbacks' states."""
     run = trainer._run
     if run is None:
         raise ConfigurationError("save_checkpoint needs a model: call fit(...) first")
@@ -123,4 +129,5 @@ def prepare_save(
                 f"{Path(path) / 'model.pt'}"
             )
     shared = _resume.rank_state(run.state)
-    return _agreement.Prepared({"global step": str(run.state.global_step)}, None, shared)
+    callbacks = trainer.callbacks.state_dict()  # checked on every rank, before any collective
+    return _agreement.Prepared({"global step": str(run.state.global_step)}, callbacks, shared)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import weakref
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,6 +25,8 @@ class SetupCache:
         self._models = weakref.WeakKeyDictionary()
         self._optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, torch.optim.Optimizer]
         self._optimizers = weakref.WeakKeyDictionary()
+        self._compiled: weakref.WeakKeyDictionary[nn.Module, nn.Module]
+        self._compiled = weakref.WeakKeyDictionary()
 
     def setup(
         self, model: nn.Module, optimizer: torch.optim.Optimizer
@@ -38,6 +41,17 @@ class SetupCache:
             self._optimizers[optimizer] = self.strategy.setup_optimizer(wrapped, optimizer)
         return wrapped, self._optimizers[optimizer]
 
+    def compiled(self, model: nn.Module, options: dict[str, Any] | None) -> nn.Module | None:
+        """The set-up model compiled by the strategy (once per model), or None when off."""
+        if options is None:
+            return None
+        compiled = self._compiled.get(model)
+        if compiled is None:
+            compiled = self._compiled[model] = self.strategy.compile_model(
+                self._models[model], options
+            )
+        return compiled
+
     def shutdown(self) -> None:
         """Drop the wrappers, collect them, then tear the strategy down (in that order).
 
@@ -47,6 +61,7 @@ class SetupCache:
         """
         self._models.clear()
         self._optimizers.clear()
+        self._compiled.clear()
         gc.collect()
         self.strategy.teardown()
 

@@ -18,24 +18,32 @@ from distkit import checkpoint as ckpt
 from distkit._checks import (
     as_score,
     check_choice,
+    check_compile,
     check_flags,
     check_ints,
     check_path,
+    check_positive,
     check_seconds,
     seed_generators,
-    step_scheduler,
+    uncompiled,
 )
 from distkit._evaluation import LossFn, Metrics, evaluate_shard
 from distkit._faults import fail_fast
+from distkit._fit import FitRun
+from distkit._logging import LogSink, LogWindow
 from distkit._loop import NONFINITE_POLICIES, FitState, LoopSettings, StepFn, TrainLoop
 from distkit._preparation import FitPlan, prepare_evaluate, prepare_fit, prepare_save
 from distkit._progress import Progress
 from distkit._resume import Run
 from distkit._setups import SetupCache
+from distkit.callbacks import Callback
+from distkit.callbacks._list import CallbackList
 from distkit.data import LoaderSpec
 from distkit.errors import ConfigurationError, TrainerClosedError
+from distkit.loggers import Logger
 from distkit.precision import normalize_precision
 from distkit.registry import make_strategy
+from distkit.strategies._steps import GradientClip
 from distkit.strategies.base import Strategy, TrainOptions
 
 SCHEDULER_INTERVALS = ("epoch", "step")
@@ -48,9 +56,15 @@ class FitResult:
     Attributes:
         history: one dict per epoch, ``{"epoch", "train_loss", "skipped_steps", "val_loss",
             "val_<metric>"...}``, identical on every rank.
+        validations: one dict per validation, ``{"step", "epoch", "val_loss",
+            "val_<metric>"...}`` (every ``val_every_n_steps`` steps and at each epoch's end).
+        stopped_early: ``should_stop`` (e.g. :class:`~distkit.callbacks.EarlyStopping`)
+            ended training before ``max_epochs`` / ``max_steps``.
     """
 
     history: list[dict[str, float]] = field(default_factory=list)
+    validations: list[dict[str, float]] = field(default_factory=list)
+    stopped_early: bool = False
 
 
 class Trainer:
@@ -92,6 +106,22 @@ class Trainer:
             (the hard bound for a hung rank); None: the backend's default (30 minutes for
             torch.distributed), or the strategy instance's own ``timeout``. Horovod has no
             collective timeout and refuses it.
+        gradient_clip_norm: clip the gradients to this total 2-norm before each optimizer
+            step: the averaged, unscaled gradients of the whole model (after Horovod's
+            synchronize, the GradScaler's unscale, on apex's master parameters; over every
+            shard with fsdp). The norm before clipping is in the step logs (``grad_norm``).
+        gradient_clip_value: clamp every gradient element into ``[-value, value]`` (after
+            norm clipping, when both are given).
+        callbacks: :class:`~distkit.Callback` instances, called on every rank (the same
+            kinds, in the same order, on every rank).
+        loggers: :class:`~distkit.loggers.Logger` instances; only rank 0 writes.
+        log_every_n_steps: how often the step values (training loss over every rank, lr,
+            gradient norm) are gathered and sent to the loggers; nothing is synchronised
+            between these points.
+        val_every_n_steps: validate every this many optimizer steps as well as at the end of
+            each epoch (None: only at the end of each epoch).
+        compile: ``torch.compile`` the model in the order the strategy needs (after DDP's
+            wrapper, after fsdp's sharding); True, or a dict of ``torch.compile`` arguments.
     """
 
     def __init__(
@@ -119,7 +149,22 @@ class Trainer:
         fault_timeout: float | None = 10.0,
         hang_warning: float | None = 300.0,
         collective_timeout: float | None = None,
+        gradient_clip_norm: float | None = None,
+        gradient_clip_value: float | None = None,
+        callbacks: list[Callback] | None = None,
+        loggers: list[Logger] | None = None,
+        log_every_n_steps: int = 50,
+        val_every_n_steps: int | None = None,
+        compile: bool | dict[str, Any] = False,
     ) -> None:
+        check_positive("gradient_clip_norm", gradient_clip_norm)
+        check_positive("gradient_clip_value", gradient_clip_value)
+        check_ints(log_every_n_steps=(log_every_n_steps, 1))
+        if val_every_n_steps is not None:
+            check_ints(val_every_n_steps=(val_every_n_steps, 1))
+        self.callbacks = CallbackList(callbacks)
+        self.loggers = LogSink(loggers, is_main=False).loggers  # checked; rank 0 writes
+        self.compile = check_compile(compile)
         check_seconds("fault_timeout", fault_timeout)
         check_seconds("hang_warning", hang_warning)
         check_seconds("collective_timeout", collective_timeout)
@@ -159,6 +204,12 @@ class Trainer:
         self.resume = resume
         self.fault_timeout = fault_timeout
         self.hang_warning = hang_warning
+        self.gradient_clip = GradientClip.from_settings(gradient_clip_norm, gradient_clip_value)
+        self.log_every_n_steps = log_every_n_steps
+        self.val_every_n_steps = val_every_n_steps
+        #: set it to True (from a callback, on any rank) to stop every rank after this step
+        self.should_stop = False
+        self._sink: LogSink | None = None  # the current fit's (None outside fit)
         self._rank_progress = Progress()  # where this rank is, for the watchdog's hang reports
         self._failure_channel: Any = None
         self.checkpoints = (
@@ -200,6 +251,40 @@ class Trainer:
     @property
     def device(self) -> torch.device:
         return self._topology.device
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken by the latest ``fit`` (resumed ones included)."""
+        return 0 if self._run is None else self._run.state.global_step
+
+    @property
+    def epoch(self) -> int:
+        """The epoch in progress (0-based), or the next one between epochs."""
+        return 0 if self._run is None else self._run.state.epoch
+
+    @property
+    def model(self) -> nn.Module | None:
+        """The latest ``fit``'s model, as the user passed it (unwrapped), or None."""
+        return None if self._run is None else self._run.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The latest ``fit``'s optimizer, as the user passed it, or None."""
+        return None if self._run is None else self._run.optimizer
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        """Send ``metrics`` to the loggers, in the row of ``step`` (default: the current one).
+
+        Call it from a callback during ``fit``, on any rank: only rank 0's values are written
+        (so log values that are the same on every rank, or rank 0's own). Tensor values are
+        read (a host synchronisation). Outside ``fit`` it does nothing.
+        """
+        if not isinstance(metrics, dict):
+            raise ConfigurationError(
+                f"log_metrics takes a dict of name -> number, got {type(metrics).__name__}"
+            )
+        if self._sink is not None:
+            self._sink.log(metrics, self.global_step if step is None else step)
 
     @property
     def closed(self) -> bool:
@@ -251,6 +336,29 @@ class Trainer:
             step_fn: ``step_fn(model, batch)`` -> loss, for batches of any other layout.
         """
         self._require_open("fit")
+        self.should_stop = False
+        sink = self._sink = LogSink(self.loggers, is_main=self.is_main)
+        # a model the user compiled: train its module, compiled in the backend's order
+        model, compile_options = uncompiled(model, self.compile)
+        try:
+            result = self._fit(
+                model, optimizer, train_data, loss_fn, val_data, metrics, scheduler, step_fn,
+                compile_options,
+            )  # fmt: skip
+        except BaseException as exc:
+            self.callbacks.call_on_exception(self, exc)
+            self._sink = None
+            sink.finalize("interrupted" if isinstance(exc, KeyboardInterrupt) else "failed")
+            raise
+        self._sink = None
+        sink.finalize("success")
+        return result
+
+    def _fit(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, train_data: Any,
+        loss_fn: LossFn | None, val_data: Any, metrics: Metrics | None, scheduler: Any,
+        step_fn: StepFn | None, compile_options: dict[str, Any] | None,
+    ) -> FitResult:  # fmt: skip
         strategy = self.strategy
         # every rank checks its arguments and finds its checkpoint, then all agree (or all
         # raise) before the first collective of the set-up
@@ -271,23 +379,32 @@ class Trainer:
             strategy, fault_timeout=self.fault_timeout, hang_warning=self.hang_warning,
             progress=self._rank_progress, on_failure=self._close_after_failure,
         ):  # fmt: skip
-            state = self._train(
+            run = self._train(
                 prepared, payload, model, optimizer, scheduler, loss_fn, step_fn, val_data,
-                metrics,
+                metrics, compile_options,
             )  # fmt: skip
-        return FitResult(history=[dict(record) for record in state.history])
+            result = FitResult(
+                history=[dict(record) for record in run.state.history],
+                validations=[dict(v) for v in run.validations],
+                stopped_early=run.stopped_early,
+            )
+            self.callbacks.call("on_fit_end", self, result)
+        return result
 
     def _train(
         self, prepared: FitPlan, payload: dict[str, Any] | None, model: nn.Module,
         optimizer: torch.optim.Optimizer, scheduler: Any, loss_fn: LossFn | None,
         step_fn: StepFn | None, val_data: Any, metrics: Metrics | None,
-    ) -> FitState:  # fmt: skip
+        compile_options: dict[str, Any] | None,
+    ) -> FitRun:  # fmt: skip
         strategy = self.strategy
         spec, plan = prepared.spec, prepared.plan
         loader, sampler = spec.train_loader(plan, seed=self.seed + strategy.rank)
         wrapped, dist_optimizer = self._setups.setup(model, optimizer)
+        forward = self._setups.compiled(model, compile_options)
         if payload is not None:
             state = _resume.restore_run(payload, strategy, scheduler, self.seed)
+            self.callbacks.load_state_dict(payload.get("callbacks") or {})
         else:
             state = FitState()
             seed_generators(self.seed + strategy.rank)
@@ -295,48 +412,24 @@ class Trainer:
         settings = LoopSettings(
             max_epochs=self.max_epochs, seed=self.seed, nonfinite=self.nonfinite,
             step_scheduler=self.scheduler_interval == "step", progress=self.progress,
+            clip=self.gradient_clip,
         )  # fmt: skip
         loop = TrainLoop(
             strategy=strategy, model=wrapped, optimizer=dist_optimizer, loader=loader,
             sampler=sampler, plan=plan, loss_fn=loss_fn, step_fn=step_fn, scheduler=scheduler,
-            settings=settings, rank_progress=self._rank_progress,
+            settings=settings, rank_progress=self._rank_progress, forward_model=forward,
         )  # fmt: skip
-        self._fit_epochs(loop, state, model, val_data, loss_fn, metrics)
-        return state
-
-    def _fit_epochs(
-        self, loop: TrainLoop, state: FitState, model: nn.Module, val_data: Any,
-        loss_fn: LossFn | None, metrics: Metrics | None,
-    ) -> None:  # fmt: skip
-        while state.epoch < self.max_epochs and not self._steps_done(state):
-            if loop.run_epoch(state, self._after_step):
-                return  # max_steps reached inside the epoch
-            record = loop.epoch_record(state)
-            if val_data is not None:
-                self._rank_progress.phase = "validation"
-                scores = self.evaluate(model, val_data, loss_fn=loss_fn, metrics=metrics)
-                record.update({f"val_{key}": value for key, value in scores.items()})
-            if loop.scheduler is not None and self.scheduler_interval == "epoch":
-                step_scheduler(loop.scheduler, record)
-            state.history.append(record)
-            state.epoch, state.position, state.loss_sum, state.samples = state.epoch + 1, 0, 0.0, 0
-            state.skipped_steps = 0
-            self._report(record, loop)
-            if self.checkpoints is not None and self.checkpoint_every == "epoch":
-                self._save_to_folder()
-
-    def _after_step(self, state: FitState) -> bool:
-        every = self.checkpoint_every
-        if (
-            self.checkpoints is not None
-            and every != "epoch"
-            and state.global_step % int(every) == 0
-        ):
-            self._save_to_folder()
-        return self._steps_done(state)
-
-    def _steps_done(self, state: FitState) -> bool:
-        return self.max_steps is not None and state.global_step >= self.max_steps
+        assert self._sink is not None
+        self._sink.hyperparams(self._hyperparams(model, optimizer, len(spec)))
+        run = FitRun(
+            trainer=self, loop=loop, state=state, callbacks=self.callbacks, sink=self._sink,
+            window=LogWindow(strategy, self.log_every_n_steps),
+            validate=None if val_data is None else (
+                lambda: self.evaluate(model, val_data, loss_fn=loss_fn, metrics=metrics)
+            ),
+        )  # fmt: skip
+        run.run()
+        return run
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(
@@ -373,7 +466,7 @@ class Trainer:
         self, extra: dict[str, Any] | None, path: str | os.PathLike[str]
     ) -> dict[str, Any] | None:
         """The checkpoint on rank 0 (None elsewhere): a collective that every rank joins."""
-        _, ranks = _agreement.exchange(
+        callback_states, ranks = _agreement.exchange(
             self.strategy, "save_checkpoint", lambda: prepare_save(self, extra, path)
         )
         run = self._run
@@ -382,7 +475,9 @@ class Trainer:
         states = self.strategy.checkpoint_state(run.model, run.optimizer, Path(path))
         if not self.is_main:
             return None
-        return _resume.build_payload(self.strategy, run, extra, ranks, states)
+        payload = _resume.build_payload(self.strategy, run, extra, ranks, states)
+        payload["callbacks"] = callback_states
+        return payload
 
     def _save_to_folder(self) -> None:
         assert self.checkpoints is not None and self._run is not None
@@ -464,6 +559,21 @@ class Trainer:
             data, batch_size=self.batch_size, shuffle=shuffle, num_workers=self.num_workers,
             pin_memory=self.strategy.device.type == "cuda", what=what,
         )  # fmt: skip
+
+    def _hyperparams(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, samples: int
+    ) -> dict[str, Any]:
+        clip = self.gradient_clip
+        return {
+            "strategy": self.strategy.name, "world_size": self.world_size,
+            "batch_size": self.batch_size, "grad_accum_steps": self.grad_accum_steps,
+            "precision": self.strategy.options.precision, "max_epochs": self.max_epochs,
+            "max_steps": self.max_steps, "seed": self.seed, "train_samples": samples,
+            "model": type(model).__name__, "optimizer": type(optimizer).__name__,
+            "lr": optimizer.param_groups[0].get("lr"),
+            "gradient_clip_norm": None if clip is None else clip.max_norm,
+            "gradient_clip_value": None if clip is None else clip.max_value,
+        }  # fmt: skip
 
     def _report(self, record: dict[str, float], loop: TrainLoop) -> None:
         if not (self.progress and self.is_main):

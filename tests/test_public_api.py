@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 PUBLIC_NAMES = [
     "Accuracy",
+    "Callback",
     "ConfigurationError",
     "ConfusionMatrix",
     "DistkitError",
@@ -38,6 +39,8 @@ PUBLIC_NAMES = [
     "UnsupportedFeatureError",
     "__version__",
     "available_strategies",
+    "callbacks",
+    "loggers",
     "register_strategy",
 ]
 

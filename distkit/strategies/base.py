@@ -31,7 +31,14 @@ from distkit.errors import ConfigurationError, DistkitError
 from distkit.launch import LaunchRequest
 from distkit.launchers import TORCH_LAUNCHERS, LauncherFamily
 from distkit.precision import Precision, normalize_precision
-from distkit.strategies._steps import StepOutcome, gradients_finite
+from distkit.strategies._steps import (
+    GradientClip,
+    StepOutcome,
+    clip_,
+    gradients_finite,
+    local_norm,
+    step_gradients,
+)
 
 REDUCE_OPS = ("mean", "sum")
 
@@ -168,6 +175,16 @@ class Strategy(ABC):
             model = self.convert_sync_batchnorm(model)
         return self._setup_model_and_optimizer(model, optimizer)
 
+    def compile_model(self, model: nn.Module, options: dict[str, Any]) -> nn.Module:
+        """``torch.compile`` what :meth:`setup` returned, in the order this backend needs.
+
+        The result runs the training forward passes; every other hook still receives the
+        set-up model. Default: compile the set-up model itself (DDP's documented order:
+        compile the DDP wrapper, so its optimizer splits the graph at bucket boundaries).
+        """
+        compiled: nn.Module = torch.compile(model, **options)  # type: ignore[assignment]
+        return compiled
+
     def setup_optimizer(
         self, model: nn.Module, optimizer: torch.optim.Optimizer
     ) -> torch.optim.Optimizer:
@@ -247,6 +264,25 @@ class Strategy(ABC):
         if skip_nonfinite and self.precision.scaler is None and not gradients_finite(optimizer):
             return StepOutcome.SKIPPED_NONFINITE
         return StepOutcome.of(self.precision.step(optimizer))
+
+    def finalize_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """Bring the gradients the next :meth:`optimizer_step` applies into their final form,
+        in place: averaged over ranks and unscaled (fp16).
+
+        Called at most once per step, before :meth:`optimizer_step`, when something must read
+        or change them (clipping); :meth:`optimizer_step` then neither averages nor unscales
+        again. Default: the loss scaler's ``unscale_`` (gradients were averaged in backward).
+        """
+        self.precision.unscale_(optimizer)
+
+    def clip_gradients(self, optimizer: torch.optim.Optimizer, clip: GradientClip) -> torch.Tensor:
+        """Clip the finalized gradients in place; returns their total 2-norm before clipping.
+
+        The norm is over the whole model (every rank's shard, where the backend shards) and
+        the same on every rank; it stays a device tensor (no host synchronisation).
+        """
+        grads = step_gradients(optimizer)
+        return clip_(grads, clip, local_norm(grads, self.device))
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
         """Context in which ``backward`` accumulates locally without communicating."""

@@ -18,6 +18,7 @@ from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ConfigurationError, MissingDependencyError
 from distkit.launchers import TORCH_LAUNCHERS
 from distkit.strategies import _fsdp_state, _torch_dist
+from distkit.strategies._steps import GradientClip, clip_, local_norm, step_gradients
 from distkit.strategies.base import StepOutcome, Strategy, Topology
 
 ShardPolicy = Callable[[str, nn.Module], bool]
@@ -153,6 +154,13 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         if skip_nonfinite and self.precision.scaler is None and not self._finite(optimizer):
             return StepOutcome.SKIPPED_NONFINITE
         return super().optimizer_step(optimizer)
+
+    def clip_gradients(self, optimizer: torch.optim.Optimizer, clip: GradientClip) -> torch.Tensor:
+        # each rank holds a slice of every gradient: the norm sums the squares of every slice
+        grads = [_local(g) for g in step_gradients(optimizer)]
+        squares = local_norm(grads, self.device).square().reshape(1)
+        total = self.all_reduce(squares, op="sum").sqrt().reshape(())
+        return clip_(grads, clip, total)
 
     def _finite(self, optimizer: torch.optim.Optimizer) -> bool:
         # each rank holds a slice of every gradient: all ranks must hear of a bad slice

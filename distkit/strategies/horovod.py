@@ -161,14 +161,22 @@ class HorovodStrategy(Strategy):
             "process for the new optimizer."
         )
 
+    def finalize_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        # Horovod averages in step(): all-reduce now (its documented sequence for clipping),
+        # and optimizer_step then steps without a second synchronisation
+        optimizer.synchronize()  # type: ignore[attr-defined]
+        self.precision.unscale_(optimizer)
+
     def optimizer_step(
         self, optimizer: torch.optim.Optimizer, *, skip_nonfinite: bool = False
     ) -> StepOutcome:
-        if not skip_nonfinite and self.precision.scaler is None:
+        synchronized = bool(getattr(optimizer, "_synchronized", False))  # finalize_gradients
+        if not (skip_nonfinite or synchronized) and self.precision.scaler is None:
             return super().optimizer_step(optimizer)  # DistributedOptimizer.step all-reduces
         # The finiteness check and the scaler must see averaged gradients: all-reduce first,
         # then step without a second synchronisation (Horovod's GradScaler sequence).
-        optimizer.synchronize()  # type: ignore[attr-defined]
+        if not synchronized:
+            optimizer.synchronize()  # type: ignore[attr-defined]
         try:
             with optimizer.skip_synchronize():  # type: ignore[attr-defined]
                 return super().optimizer_step(optimizer, skip_nonfinite=skip_nonfinite)

@@ -29,6 +29,7 @@ from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ApexNeedsCudaError, DistkitError
 from distkit.launchers import TORCH_LAUNCHERS
 from distkit.strategies import _torch_dist
+from distkit.strategies._steps import GradientClip, clip_, local_norm
 from distkit.strategies.apex import _doctor
 from distkit.strategies.apex._detect import ApexInstall, detect_apex
 from distkit.strategies.apex._fused import fused_twin
@@ -161,6 +162,16 @@ class ApexStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         self, optimizer: torch.optim.Optimizer, *, skip_nonfinite: bool = False
     ) -> StepOutcome:
         return self.generation.optimizer_step(optimizer, skip_nonfinite=skip_nonfinite)
+
+    def compile_model(self, model: nn.Module, options: dict[str, Any]) -> nn.Module:
+        return self.generation.compile_model(model, options)
+
+    def finalize_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        self.generation.finalize_gradients(optimizer)
+
+    def clip_gradients(self, optimizer: torch.optim.Optimizer, clip: GradientClip) -> torch.Tensor:
+        grads = self.generation.gradients(optimizer)
+        return clip_(grads, clip, local_norm(grads, self.device))
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
         return self.generation.no_sync(model)

@@ -120,6 +120,21 @@ class LegacyApex:
         optimizer.step()
         return StepOutcome.STEPPED
 
+    def compile_model(self, model: nn.Module, options: dict[str, Any]) -> nn.Module:
+        raise UnsupportedFeatureError(
+            "compile=True with legacy apex amp: amp casts by patching torch functions (O1) "
+            "or the model (O2) at run time, behind torch.compile's back, and apex's DDP "
+            "registers hooks dynamo does not trace. Use compile=False with apex, or "
+            "strategy='ddp' with precision='fp16'/'bf16' (torch's amp), which compiles."
+        )
+
+    def finalize_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        pass  # apex DDP averaged in backward; amp unscaled into the master gradients there
+
+    def gradients(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        # amp's documented clipping target: the fp32 master parameters (O2 keeps them apart)
+        return [p.grad for p in self._amp.master_params(optimizer) if p.grad is not None]
+
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
         # apex DDP has no no_sync(); it has an allreduce switch

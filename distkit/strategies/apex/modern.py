@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distkit.errors import ApexLegacyApiMissingError
 from distkit.strategies import _torch_dist
-from distkit.strategies._steps import StepOutcome, gradients_finite
+from distkit.strategies._steps import StepOutcome, gradients_finite, step_gradients
 from distkit.strategies.apex._detect import ApexInstall
 from distkit.strategies.apex._generation import ApexSettings
 from distkit.strategies.apex._levels import resolve_plan
@@ -75,6 +75,16 @@ class ModernApex:
         if skip_nonfinite and precision.scaler is None and not gradients_finite(optimizer):
             return StepOutcome.SKIPPED_NONFINITE
         return StepOutcome.of(precision.step(optimizer))
+
+    def compile_model(self, model: nn.Module, options: dict[str, Any]) -> nn.Module:
+        compiled: nn.Module = torch.compile(model, **options)  # type: ignore[assignment]
+        return compiled  # torch DDP's documented order: compile the wrapper
+
+    def finalize_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        self._strategy.precision.unscale_(optimizer)  # torch DDP averaged in backward
+
+    def gradients(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        return step_gradients(optimizer)
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
         if isinstance(model, DistributedDataParallel):

@@ -1,0 +1,154 @@
+"""The order of one ``fit``: epochs, steps, validation, logging, callbacks, checkpoints.
+
+The trainer builds a :class:`FitRun` and calls :meth:`FitRun.run`; the micro-batches of an
+epoch are :class:`~distkit._loop.TrainLoop`'s. Everything here happens on every rank in the
+same order, so every collective (validation, checkpoints, the stop decision, log points)
+meets its peers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from distkit._checks import step_scheduler
+from distkit._logging import LogSink, LogWindow, StepLogs
+from distkit._loop import FitState, StepResult, TrainLoop
+from distkit.callbacks._list import CallbackList
+
+if TYPE_CHECKING:
+    from distkit.trainer import Trainer
+
+#: the epoch record's per-phase timings stay out of the loggers (they are in the report)
+_TIMING_PREFIX = "time_"
+
+
+@dataclass(kw_only=True)
+class FitRun:
+    """One ``fit`` after its set-up: runs the epochs and says how training ended."""
+
+    trainer: Trainer
+    loop: TrainLoop
+    state: FitState
+    callbacks: CallbackList
+    sink: LogSink
+    window: LogWindow
+    #: evaluates the validation data: ``{"loss": ..., <metric>: ...}`` (None: no val_data)
+    validate: Callable[[], dict[str, float]] | None
+    validations: list[dict[str, float]] = field(default_factory=list)
+    stopped_early: bool = False
+    _validated_at: int | None = None  # the global step of the latest validation
+    _last_validation: dict[str, float] = field(default_factory=dict)
+
+    def run(self) -> None:
+        """Train up to ``max_epochs`` / ``max_steps``, or until ``should_stop``."""
+        trainer, state = self.trainer, self.state
+        self.callbacks.call("on_fit_start", trainer)
+        while state.epoch < trainer.max_epochs and not self._steps_done():
+            if self.loop.run_epoch(state, self._after_step):
+                return  # max_steps or should_stop inside the epoch
+            if self._end_epoch():
+                return
+
+    # ------------------------------------------------------------------ per step
+    def _after_step(self, state: FitState, result: StepResult) -> bool:
+        trainer = self.trainer
+        step = state.global_step
+        self.window.add(result.loss_sum, result.samples)
+        logs = self._step_logs(state, result)
+        self.callbacks.call("on_train_step_end", trainer, logs)
+        stop = self._agree_stop() if self.callbacks.stop_each_step else False
+        if self.window.due(step):
+            loss, any_stop = self.window.gather(stop=trainer.should_stop)
+            row = {"train_loss": loss, "lr": logs["lr"], "epoch": state.epoch}
+            if "grad_norm" in logs:
+                row["grad_norm"] = logs["grad_norm"]
+            self.sink.log(row, step)
+            stop = stop or any_stop
+            trainer.should_stop = trainer.should_stop or any_stop
+        val_every = trainer.val_every_n_steps
+        if self.validate is not None and val_every is not None and step % val_every == 0:
+            self._validation()
+            stop = self._agree_stop() or stop
+        every = trainer.checkpoint_every
+        if every != "epoch" and trainer.checkpoints is not None and step % int(every) == 0:
+            trainer._save_to_folder()
+        self.sink.flush()
+        if stop:
+            self.stopped_early = True
+        return stop or self._steps_done()
+
+    def _step_logs(self, state: FitState, result: StepResult) -> StepLogs:
+        samples = result.samples
+        values: dict[str, Any] = {
+            "step": state.global_step,
+            "epoch": state.epoch,
+            "loss": result.loss_sum / samples if samples else float("nan"),
+            "lr": _lr(self.loop.optimizer),
+            "skipped": not result.outcome.stepped,
+        }
+        if result.grad_norm is not None:
+            values["grad_norm"] = result.grad_norm
+        return StepLogs(values)
+
+    # ------------------------------------------------------------------ per epoch
+    def _end_epoch(self) -> bool:
+        """Close the epoch (record, validation, scheduler, reports); True: stop here."""
+        trainer, state, loop = self.trainer, self.state, self.loop
+        record = loop.epoch_record(state)
+        if self.validate is not None:
+            if self._validated_at == state.global_step:  # the epoch's last step validated
+                record.update(self._last_validation)
+            else:
+                record.update(self._validation())
+        if loop.scheduler is not None and trainer.scheduler_interval == "epoch":
+            step_scheduler(loop.scheduler, record)
+        state.history.append(record)
+        state.epoch, state.position, state.loss_sum, state.samples = state.epoch + 1, 0, 0.0, 0
+        state.skipped_steps = 0
+        trainer._report(record, loop)
+        self.sink.log(
+            {k: v for k, v in record.items() if not k.startswith(_TIMING_PREFIX)},
+            state.global_step,
+        )
+        self.callbacks.call("on_epoch_end", trainer, record)
+        if trainer.checkpoints is not None and trainer.checkpoint_every == "epoch":
+            trainer._save_to_folder()
+        self.sink.flush()
+        if self._agree_stop():
+            self.stopped_early = True
+            return True
+        return False
+
+    # ------------------------------------------------------------------ helpers
+    def _validation(self) -> dict[str, float]:
+        assert self.validate is not None
+        trainer, state = self.trainer, self.state
+        trainer._rank_progress.phase = "validation"
+        metrics = {f"val_{key}": value for key, value in self.validate().items()}
+        self._validated_at, self._last_validation = state.global_step, metrics
+        self.validations.append({"step": state.global_step, "epoch": state.epoch, **metrics})
+        self.sink.log(metrics, state.global_step)
+        self.callbacks.call("on_validation_end", trainer, metrics)
+        return metrics
+
+    def _agree_stop(self) -> bool:
+        """Whether any rank set ``should_stop``; afterwards every rank's flag says so."""
+        trainer = self.trainer
+        strategy = trainer.strategy
+        flag = torch.tensor([float(trainer.should_stop)], device=strategy.device)
+        stop = bool(strategy.all_reduce(flag, op="sum").item() > 0)
+        trainer.should_stop = stop
+        return stop
+
+    def _steps_done(self) -> bool:
+        limit = self.trainer.max_steps
+        return limit is not None and self.state.global_step >= limit
+
+
+def _lr(optimizer: torch.optim.Optimizer) -> float:
+    lr = optimizer.param_groups[0].get("lr", float("nan"))
+    return float(lr)

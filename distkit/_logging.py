@@ -1,0 +1,135 @@
+"""What the trainer reports between steps: lazy step logs, rank-0 loggers, log points.
+
+Nothing here synchronises the host with the device per step: a step's values stay device
+tensors in :class:`StepLogs` until somebody reads them, and the loggers' values are gathered
+over ranks once every ``log_every_n_steps`` steps (:class:`LogWindow`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from distkit.errors import ConfigurationError
+from distkit.loggers import Logger
+from distkit.strategies.base import Strategy
+
+
+class StepLogs(Mapping[str, Any]):
+    """One optimizer step's values; a device tensor becomes a float when first read."""
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        self._values = values
+
+    def __getitem__(self, key: str) -> Any:
+        value = self._values[key]
+        if isinstance(value, torch.Tensor):
+            value = self._values[key] = value.item()
+        return value
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return f"StepLogs({dict(self)!r})"
+
+
+class LogSink:
+    """The loggers, written on rank 0 only; values logged for one step go into one row."""
+
+    def __init__(self, loggers: Iterable[Logger] | None, *, is_main: bool) -> None:
+        self.loggers = _checked(loggers)
+        self.is_main = is_main
+        self._step: int | None = None
+        self._row: dict[str, float] = {}
+
+    def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        """Add ``metrics`` to the row of ``step`` (written by :meth:`flush`)."""
+        if not (self.is_main and self.loggers):
+            return
+        if self._step is not None and step != self._step:
+            self.flush()
+        self._step = step
+        for key, value in metrics.items():
+            self._row[key] = float(value) if isinstance(value, torch.Tensor) else value
+
+    def flush(self) -> None:
+        """Write the pending row to every logger."""
+        if self._step is not None and self._row:
+            for logger in self.loggers:
+                logger.log_metrics(dict(self._row), self._step)
+        self._step, self._row = None, {}
+
+    def hyperparams(self, params: Mapping[str, Any]) -> None:
+        if self.is_main:
+            for logger in self.loggers:
+                logger.log_hyperparams(dict(params))
+
+    def finalize(self, status: str) -> None:
+        """Flush and close every logger (rank 0); the other ranks have nothing to close."""
+        if not self.is_main:
+            return
+        try:
+            self.flush()
+        finally:
+            for logger in self.loggers:
+                logger.finalize(status)
+
+
+class LogWindow:
+    """The training loss since the last log point, summed on the device; gathered there."""
+
+    def __init__(self, strategy: Strategy, every: int) -> None:
+        self.strategy = strategy
+        self.every = every
+        self._loss_sum = torch.zeros((), dtype=torch.float64, device=strategy.device)
+        self._samples = 0
+
+    def add(self, loss_sum: torch.Tensor, samples: int) -> None:
+        self._loss_sum += loss_sum
+        self._samples += samples
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def gather(self, *, stop: bool) -> tuple[float, bool]:
+        """(mean training loss over every rank's samples since the last log point, whether
+        any rank wants to stop): one all-reduce and one host synchronisation."""
+        device = self.strategy.device
+        packed = torch.stack([
+            self._loss_sum,
+            torch.tensor(float(self._samples), dtype=torch.float64, device=device),
+            torch.tensor(float(stop), dtype=torch.float64, device=device),
+        ])  # fmt: skip
+        loss_sum, samples, stops = self.strategy.all_reduce(packed, op="sum").tolist()
+        self._loss_sum.zero_()
+        self._samples = 0
+        return (loss_sum / samples if samples else float("nan")), stops > 0
+
+
+def _checked(loggers: Iterable[Logger] | None) -> list[Logger]:
+    if loggers is None:
+        return []
+    if isinstance(loggers, Logger) or not isinstance(loggers, Iterable):
+        raise ConfigurationError(
+            f"loggers must be a list of distkit.loggers.Logger instances, got "
+            f"{type(loggers).__name__}; wrap one in a list: loggers=[CSVLogger('logs')]"
+        )
+    checked = list(loggers)
+    for i, logger in enumerate(checked):
+        if isinstance(logger, type):
+            raise ConfigurationError(
+                f"loggers[{i}] is the class {logger.__name__}; pass an instance, e.g. "
+                f"{logger.__name__}('logs')"
+            )
+        if not isinstance(logger, Logger):
+            raise ConfigurationError(
+                f"loggers[{i}] is a {type(logger).__name__}, not a distkit.loggers.Logger; "
+                "subclass Logger and implement log_metrics(metrics, step)"
+            )
+    return checked

@@ -1,0 +1,72 @@
+"""The Callback base: user code that runs between the steps of ``Trainer.fit``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from distkit.trainer import FitResult, Trainer
+
+
+class Callback:
+    """Hooks that :meth:`distkit.Trainer.fit` calls on **every rank**, in this order.
+
+    ``on_fit_start`` -> per optimizer step ``on_train_step_end`` (and ``on_validation_end``
+    after a validation, every ``val_every_n_steps`` and at each epoch's end) -> per epoch
+    ``on_epoch_end`` -> ``on_fit_end``; ``on_exception`` instead when ``fit`` raises.
+    Every method does nothing by default: override the ones you need.
+
+    ``trainer.should_stop = True`` (from any rank's callback) stops every rank after the
+    same step. ``state_dict`` / ``load_state_dict`` carry a callback's own state through
+    checkpoints (plain tensors, numbers, strings, lists and dicts: checkpoints load
+    weights-only).
+    """
+
+    #: whether ``on_train_step_end`` may set ``trainer.should_stop``. When a callback that
+    #: overrides ``on_train_step_end`` says so (the default), every step ends with one tiny
+    #: all-reduce so that every rank stops after the same step; set it to False in a callback
+    #: that only reads the step (a monitor, a printer) to save that.
+    stops_training: ClassVar[bool] = True
+
+    @property
+    def state_key(self) -> str:
+        """The key of this callback's state in a checkpoint (unique among the callbacks)."""
+        return type(self).__qualname__
+
+    def on_fit_start(self, trainer: Trainer) -> None:
+        """Before the first step of ``fit`` (after a resume's state is loaded)."""
+
+    def on_train_step_end(self, trainer: Trainer, logs: Mapping[str, Any]) -> None:
+        """After each optimizer step.
+
+        ``logs`` holds ``"step"`` (the 1-based global optimizer step), ``"epoch"``,
+        ``"loss"`` (this rank's mean training loss over the step's samples), ``"lr"`` (the
+        first parameter group's), ``"skipped"`` (the step was skipped: non-finite gradients
+        or an fp16 overflow) and, with clipping, ``"grad_norm"`` (the total norm of the
+        averaged gradients before clipping). Values on the device are read (a host
+        synchronisation) only when you read them.
+        """
+
+    def on_validation_end(self, trainer: Trainer, metrics: Mapping[str, float]) -> None:
+        """After each validation: ``{"val_loss": ..., "val_<metric>": ...}``, the same on
+        every rank."""
+
+    def on_epoch_end(self, trainer: Trainer, record: Mapping[str, float]) -> None:
+        """After each epoch, with its history record (the same on every rank)."""
+
+    def on_fit_end(self, trainer: Trainer, result: FitResult) -> None:
+        """After ``fit`` finished (or stopped early) without an error."""
+
+    def on_exception(self, trainer: Trainer, exc: BaseException) -> None:
+        """When ``fit`` raises ``exc`` on this rank (the error ``fit`` then raises: this
+        rank's own, :class:`~distkit.PeerFailureError` or a
+        :class:`~distkit.errors.TrainingInterrupted`). An error raised here is reported
+        and does not replace ``exc``."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """This callback's state, saved in every checkpoint (default: none)."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned, when a fit resumes from a checkpoint."""

@@ -1,0 +1,134 @@
+"""The trainer's callbacks, checked once and called in order on every rank."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from distkit.callbacks._base import Callback
+from distkit.errors import ConfigurationError
+
+_PLAIN = (str, int, float, bool, type(None), torch.Tensor)
+
+
+class CallbackList:
+    """``Trainer(callbacks=...)`` validated: instances of :class:`Callback`, unique state keys."""
+
+    def __init__(self, callbacks: Iterable[Callback] | None) -> None:
+        if callbacks is None:
+            callbacks = []
+        if isinstance(callbacks, Callback) or not isinstance(callbacks, Iterable):
+            raise ConfigurationError(
+                f"callbacks must be a list of distkit.Callback instances, got "
+                f"{type(callbacks).__name__}; wrap one in a list: callbacks=[...]"
+            )
+        self.callbacks = list(callbacks)
+        for i, callback in enumerate(self.callbacks):
+            if isinstance(callback, type) and issubclass(callback, Callback):
+                raise ConfigurationError(
+                    f"callbacks[{i}] is the class {callback.__name__}; pass an instance: "
+                    f"{callback.__name__}(...)"
+                )
+            if not isinstance(callback, Callback):
+                raise ConfigurationError(
+                    f"callbacks[{i}] is a {type(callback).__name__}, not a distkit.Callback; "
+                    "subclass distkit.Callback and override the hooks you need"
+                )
+        self.keys = _unique_keys(self.callbacks)
+
+    def __iter__(self) -> Iterator[Callback]:
+        return iter(self.callbacks)
+
+    def __len__(self) -> int:
+        return len(self.callbacks)
+
+    @property
+    def stop_each_step(self) -> bool:
+        """Whether some callback may set ``should_stop`` in ``on_train_step_end``."""
+        return any(
+            type(c).on_train_step_end is not Callback.on_train_step_end and c.stops_training
+            for c in self.callbacks
+        )
+
+    def describe(self) -> str:
+        """What every rank must agree on: the callbacks' kinds, in order."""
+        return ", ".join(self.keys) or "none"
+
+    def call(self, hook: str, *args: Any) -> None:
+        """``callback.<hook>(*args)`` for each callback, in order.
+
+        An error keeps its own type; a note names the callback and hook it came from.
+        """
+        for callback, key in zip(self.callbacks, self.keys, strict=True):
+            try:
+                getattr(callback, hook)(*args)
+            except Exception as exc:
+                exc.add_note(f"(raised in callback {key}.{hook})")
+                raise
+
+    def call_on_exception(self, trainer: Any, exc: BaseException) -> None:
+        """Every callback's ``on_exception``; their own errors are printed, not raised."""
+        for callback, key in zip(self.callbacks, self.keys, strict=True):
+            try:
+                callback.on_exception(trainer, exc)
+            except Exception as error:  # never replace the error fit is raising
+                print(
+                    f"distkit: callback {key}.on_exception raised {type(error).__name__}: "
+                    f"{error} (while fit was failing with {type(exc).__name__})",
+                    file=sys.stderr,
+                )
+
+    def validate(self, trainer: Any) -> None:
+        """The built-ins' checks of the trainer, before training starts."""
+        for callback in self.callbacks:
+            check = getattr(callback, "_validate_trainer", None)
+            if check is not None:
+                check(trainer)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every callback's state by key, checked to load weights-only."""
+        states = {}
+        for callback, key in zip(self.callbacks, self.keys, strict=True):
+            state = callback.state_dict()
+            if not isinstance(state, Mapping):
+                raise ConfigurationError(
+                    f"callback {key}.state_dict() returned a {type(state).__name__}; return a "
+                    "dict (of tensors, numbers, strings, lists and dicts)"
+                )
+            _check_plain(state, f"callback {key}.state_dict()")
+            states[key] = dict(state)
+        return states
+
+    def load_state_dict(self, states: Mapping[str, Any]) -> None:
+        """Each callback's saved state (callbacks the checkpoint does not know keep theirs)."""
+        for callback, key in zip(self.callbacks, self.keys, strict=True):
+            if key in states:
+                callback.load_state_dict(states[key])
+
+
+def _unique_keys(callbacks: list[Callback]) -> list[str]:
+    keys: list[str] = []
+    for callback in callbacks:
+        key = str(callback.state_key)
+        if key in keys:  # two of a kind: number them in order, as saved and loaded
+            key = f"{key}#{sum(1 for k in keys if k.split('#')[0] == key)}"
+        keys.append(key)
+    return keys
+
+
+def _check_plain(value: Any, where: str) -> None:
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            _check_plain(key, where)
+            _check_plain(item, f"{where}[{key!r}]")
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _check_plain(item, f"{where}[{i}]")
+    elif not isinstance(value, _PLAIN):
+        raise ConfigurationError(
+            f"{where} holds a {type(value).__name__}; checkpoints load weights-only, so a "
+            "callback's state may hold tensors, numbers, strings, None, lists and dicts only"
+        )

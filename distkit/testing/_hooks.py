@@ -1,0 +1,162 @@
+"""Promises about the trainer's hooks: clipping, validation cadence and stopping together.
+
+Clipping must see the gradients one process would have (averaged over ranks, unscaled, once
+per optimizer step on the accumulated gradient); a validation every k steps must count every
+sample once; ``should_stop`` set on one rank must stop every rank after the same step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from distkit.callbacks import Callback
+from distkit.testing import _training
+from distkit.testing._processes import plain_env, run_on_ranks
+from distkit.testing._promise import Promise, close, expect, max_abs_diff
+from distkit.testing._target import StrategyUnderTest
+
+#: the clipping threshold: below the workload's gradient norms, so most steps clip
+CLIP_NORM = 0.5
+#: micro-batches per optimizer step in the clipping promise
+ACCUMULATE = 2
+#: validate every this many optimizer steps (mid-epoch at any world size)
+VAL_EVERY = 3
+#: the step after which one rank asks to stop
+STOP_AT = 3
+
+
+class StepRecorder(Callback):
+    """Keeps every step's ``logs`` (read, so device values become floats)."""
+
+    stops_training = False
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, Any]] = []
+
+    def on_train_step_end(self, trainer: Any, logs: Mapping[str, Any]) -> None:
+        self.steps.append({key: logs[key] for key in ("step", "grad_norm", "skipped")})
+
+
+def clipped_fit(target: StrategyUnderTest, batch_size: int) -> dict[str, Any]:
+    """The workload with clipping, accumulation and a validation every VAL_EVERY steps."""
+    recorder = StepRecorder()
+    with target.trainer(
+        batch_size=batch_size, max_epochs=2, seed=3, grad_accum_steps=ACCUMULATE,
+        gradient_clip_norm=CLIP_NORM, val_every_n_steps=VAL_EVERY, callbacks=[recorder],
+    ) as t:  # fmt: skip
+        import torch
+
+        model = _training._model(0)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        data = _training._dataset()
+        result = t.fit(model, optimizer, data, loss_fn=nn.functional.cross_entropy,
+                       val_data=data)  # fmt: skip
+        return {
+            "weights": t.full_state_dict(),
+            "norms": [s["grad_norm"] for s in recorder.steps],
+            "validations": result.validations,
+        }
+
+
+def _reference_clipped(batch_size: int) -> dict[str, Any]:
+    return clipped_fit(StrategyUnderTest(_training._reference_strategy()), batch_size)
+
+
+@cache
+def reference_clipped(world_size: int) -> dict[str, Any]:
+    """One plain CPU process at ``world_size * BATCH_SIZE`` with the same clipping."""
+    results = run_on_ranks(
+        _reference_clipped,
+        world_size * _training.BATCH_SIZE,
+        world_size=1,
+        launcher_env=plain_env,
+        env={"CUDA_VISIBLE_DEVICES": ""},
+    )
+    return dict(results[0])
+
+
+def _clipping_body(target: StrategyUnderTest, workdir: Path) -> Any:
+    return clipped_fit(target, _training.BATCH_SIZE)
+
+
+def _verify_clipping(results: list[dict[str, Any]], world: int) -> None:
+    tol = _training.TOLERANCE
+    one = reference_clipped(world)
+    expect(
+        any(norm > CLIP_NORM for norm in one["norms"]),
+        f"the workload's gradient norms {one['norms'][:4]}... never exceed {CLIP_NORM}: "
+        "the promise would not test clipping",
+    )
+    for rank, r in enumerate(results):
+        expect(
+            close(r["norms"], one["norms"], tol),
+            f"rank {rank}: the gradient norms before clipping {r['norms'][:4]}... differ from "
+            f"one process's at {world}x the batch {one['norms'][:4]}... (clipping must see "
+            "the averaged, unscaled, accumulated gradients)",
+        )
+        diff = max_abs_diff(r["weights"], one["weights"])
+        expect(
+            diff <= tol,
+            f"rank {rank}: with gradient_clip_norm={CLIP_NORM} and {ACCUMULATE} accumulated "
+            f"micro-batches, {world} processes end {diff:.3g} away from one process at "
+            f"{world}x the batch (allowed {tol:g})",
+        )
+        expect(
+            close(r["validations"], one["validations"], tol),
+            f"rank {rank}: validations every {VAL_EVERY} steps {r['validations']} differ from "
+            f"one process's {one['validations']} (each must count every sample once)",
+        )
+
+
+# ---------------------------------------------------------------- stopping together
+class _StopOnLastRank(Callback):
+    """The last rank asks to stop after step STOP_AT: the others must hear of it."""
+
+    def on_train_step_end(self, trainer: Any, logs: Mapping[str, Any]) -> None:
+        if trainer.rank == trainer.world_size - 1 and logs["step"] == STOP_AT:
+            trainer.should_stop = True
+
+
+def _stop_body(target: StrategyUnderTest, workdir: Path) -> Any:
+    import torch
+
+    options = {"batch_size": _training.BATCH_SIZE, "max_epochs": 2, "seed": 3}
+    with target.trainer(callbacks=[_StopOnLastRank()], **options) as t:
+        model = _training._model(0)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        result = t.fit(model, optimizer, _training._dataset(),
+                       loss_fn=nn.functional.cross_entropy)  # fmt: skip
+        return {"step": t.global_step, "stopped_early": result.stopped_early,
+                "epochs": len(result.history)}  # fmt: skip
+
+
+def _verify_stop(results: list[dict[str, Any]], world: int) -> None:
+    for rank, r in enumerate(results):
+        expect(
+            r == {"step": STOP_AT, "stopped_early": True, "epochs": 0},
+            f"rank {rank}: rank {world - 1} set should_stop after step {STOP_AT}; this rank "
+            f"ended at step {r['step']} (stopped_early={r['stopped_early']}, "
+            f"{r['epochs']} epochs recorded), not after step {STOP_AT} with no epoch recorded",
+        )
+
+
+CLIPPING = Promise(
+    "clipping",
+    f"gradient_clip_norm with {ACCUMULATE} accumulated micro-batches: N processes at b clip "
+    "and train like one at N * b (norms, weights, validations every "
+    f"{VAL_EVERY} steps)",
+    _clipping_body,
+    _verify_clipping,
+    min_world_size=2,
+)
+STOP_TOGETHER = Promise(
+    "stop_together",
+    f"should_stop set on one rank after step {STOP_AT} stops every rank after that step",
+    _stop_body,
+    _verify_stop,
+)
