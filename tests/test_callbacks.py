@@ -1,0 +1,282 @@
+"""Callbacks: hook order, step logs, errors, stopping, and callback state in checkpoints.
+
+Single-process cases run on dp; the multi-rank ones on real gloo processes (ddp). The
+promises every backend keeps (clipping, stop_together) are in tests/test_strategy_contract.py.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import pytest
+import torch
+from torch import nn
+
+import distkit
+from distkit.callbacks import Callback, EarlyStopping
+from distkit.errors import PeerFailureError, RankDisagreementError
+from tests.workloads import make_dataset, make_mlp
+
+pytestmark = pytest.mark.timeout(300)
+
+
+class Recorder(Callback):
+    """Every hook call, in order; step logs are read (device values become floats)."""
+
+    stops_training = False
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, object]] = []
+
+    def on_fit_start(self, trainer):
+        self.calls.append(("fit_start", trainer.global_step))
+
+    def on_train_step_end(self, trainer, logs):
+        self.calls.append(("step", dict(logs)))
+
+    def on_validation_end(self, trainer, metrics):
+        self.calls.append(("validation", dict(metrics)))
+
+    def on_epoch_end(self, trainer, record):
+        self.calls.append(("epoch", dict(record)))
+
+    def on_fit_end(self, trainer, result):
+        self.calls.append(("fit_end", result))
+
+    def on_exception(self, trainer, exc):
+        self.calls.append(("exception", exc))
+
+
+def _fit(trainer: distkit.Trainer, n: int = 24, lr: float = 0.1, **fit_kwargs):
+    model = make_mlp()
+    data = make_dataset(n)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    return trainer.fit(model, optimizer, data, loss_fn=nn.functional.cross_entropy, **fit_kwargs)
+
+
+def test_callbacks_hooks_run_in_order_with_step_logs():
+    recorder = Recorder()
+    trainer = distkit.Trainer("dp", batch_size=4, max_epochs=2, progress=False,
+                              val_every_n_steps=4, callbacks=[recorder])  # fmt: skip
+    result = _fit(trainer, n=24, val_data=make_dataset(10))  # 6 steps per epoch
+    kinds = [kind for kind, _ in recorder.calls]
+    assert kinds == (
+        ["fit_start"] + ["step"] * 4 + ["validation"] + ["step"] * 2 + ["validation", "epoch"]
+        + ["step"] * 2 + ["validation"] + ["step"] * 4 + ["validation", "epoch", "fit_end"]
+    )  # fmt: skip
+    steps = [value for kind, value in recorder.calls if kind == "step"]
+    assert [s["step"] for s in steps] == list(range(1, 13))  # 1-based global steps
+    assert all(s["lr"] == 0.1 and math.isfinite(s["loss"]) and s["skipped"] is False
+               for s in steps)  # fmt: skip
+    assert "grad_norm" not in steps[0]  # only with clipping
+    # validations at steps 4, 8, 12 and the ends of epochs (6, 12): step 12 validated once
+    assert [v["step"] for v in result.validations] == [4, 6, 8, 12]
+    assert result.history[1]["val_loss"] == result.validations[-1]["val_loss"]
+    assert recorder.calls[-1][1] is result and not result.stopped_early
+
+
+def test_callbacks_step_loss_is_the_mean_of_the_step_micro_batches():
+    recorder = Recorder()
+    trainer = distkit.Trainer("dp", batch_size=4, max_epochs=1, progress=False,
+                              grad_accum_steps=2, callbacks=[recorder])  # fmt: skip
+    result = _fit(trainer, n=24)
+    losses = [v["loss"] for k, v in recorder.calls if k == "step"]
+    assert len(losses) == 3  # 6 micro-batches, 2 per step
+    # equal-sized steps: the epoch's loss is the mean of the steps' losses
+    assert sum(losses) / 3 == pytest.approx(result.history[0]["train_loss"], rel=1e-9)
+
+
+class Exploding(Callback):
+    def on_train_step_end(self, trainer, logs):
+        if logs["step"] == 2:
+            raise ValueError("my callback's own error")
+
+
+def test_callbacks_error_keeps_its_type_and_reaches_on_exception():
+    recorder = Recorder()
+    trainer = distkit.Trainer("dp", batch_size=4, progress=False,
+                              callbacks=[recorder, Exploding()])  # fmt: skip
+    with pytest.raises(ValueError, match="my callback's own error") as info:
+        _fit(trainer)
+    assert any("Exploding.on_train_step_end" in note for note in info.value.__notes__)
+    assert recorder.calls[-1] == ("exception", info.value)
+
+
+class FailingOnException(Callback):
+    def on_exception(self, trainer, exc):
+        raise RuntimeError("cleanup failed")
+
+
+def test_callbacks_error_in_on_exception_does_not_replace_the_fit_error(capsys):
+    trainer = distkit.Trainer("dp", batch_size=4, progress=False,
+                              callbacks=[Exploding(), FailingOnException()])  # fmt: skip
+    with pytest.raises(ValueError, match="my callback's own error"):
+        _fit(trainer)
+    assert "FailingOnException.on_exception raised RuntimeError: cleanup failed" in (
+        capsys.readouterr().err
+    )
+
+
+def _explode_on_rank_one() -> str:
+    class ExplodeOnRankOne(Callback):
+        def on_train_step_end(self, trainer, logs):
+            if trainer.rank == 1 and logs["step"] == 2:
+                raise ValueError("rank one's callback failed")
+
+    trainer = distkit.Trainer("ddp", batch_size=4, progress=False, callbacks=[ExplodeOnRankOne()])
+    try:
+        _fit(trainer)
+    except (ValueError, PeerFailureError) as exc:
+        return type(exc).__name__
+    return "no error"
+
+
+def test_callbacks_error_on_one_rank_surfaces_there_as_itself(run_on_ranks):
+    assert run_on_ranks(_explode_on_rank_one, world_size=2) == ["PeerFailureError", "ValueError"]
+
+
+def _different_callbacks() -> str:
+    rank = int(__import__("os").environ["RANK"])
+    callbacks = [EarlyStopping()] if rank == 0 else []
+    trainer = distkit.Trainer("ddp", batch_size=4, progress=False, callbacks=callbacks)
+    try:
+        _fit(trainer, val_data=make_dataset(8))
+    except RankDisagreementError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_callbacks_that_differ_between_ranks_are_refused_before_training(run_on_ranks):
+    messages = run_on_ranks(_different_callbacks, world_size=2)
+    assert messages[0] == messages[1]
+    assert "callbacks" in messages[0] and "EarlyStopping[val_loss,min]" in messages[0]
+
+
+def test_callbacks_early_stopping_stops_when_the_metric_stops_improving():
+    # train_loss falls every epoch, so mode="max" sees no improvement after the first
+    stopper = EarlyStopping(monitor="train_loss", mode="max", patience=2)
+    trainer = distkit.Trainer("dp", batch_size=4, max_epochs=10, progress=False,
+                              callbacks=[stopper])  # fmt: skip
+    result = _fit(trainer)
+    assert len(result.history) == 3 and result.stopped_early
+    assert stopper.wait == 2 and stopper.stopped_step == trainer.global_step == 18
+
+
+def test_callbacks_early_stopping_resumes_its_patience_from_the_checkpoint(tmp_path):
+    def run(max_epochs: int) -> tuple[distkit.FitResult, EarlyStopping]:
+        stopper = EarlyStopping(monitor="train_loss", mode="max", patience=3)
+        trainer = distkit.Trainer("dp", batch_size=4, max_epochs=max_epochs, progress=False,
+                                  checkpoint_dir=tmp_path, resume="auto",
+                                  callbacks=[stopper])  # fmt: skip
+        return _fit(trainer), stopper
+
+    first, stopper = run(2)
+    assert not first.stopped_early and stopper.wait == 1
+    resumed, stopper = run(10)
+    # a fresh counter would stop after epoch 6; the saved one (1) stops after epoch 4
+    assert resumed.stopped_early and len(resumed.history) == 4 and stopper.wait == 3
+
+
+def test_callbacks_early_stopping_names_the_metrics_it_saw_when_its_own_is_missing():
+    trainer = distkit.Trainer("dp", batch_size=4, progress=False,
+                              callbacks=[EarlyStopping(monitor="val_acc")])  # fmt: skip
+    with pytest.raises(distkit.ConfigurationError, match=r"'val_acc'.*train_loss"):
+        _fit(trainer)
+
+
+def _early_stop_on_ranks() -> dict:
+    stopper = EarlyStopping(monitor="val_loss", mode="max", patience=1)  # loss falls: stops
+    trainer = distkit.Trainer("ddp", batch_size=4, max_epochs=5, progress=False,
+                              val_every_n_steps=2, callbacks=[stopper])  # fmt: skip
+    result = _fit(trainer, val_data=make_dataset(11))
+    return {"step": trainer.global_step, "stopped": result.stopped_early,
+            "validations": result.validations}  # fmt: skip
+
+
+def test_callbacks_early_stopping_stops_every_rank_after_the_same_step(run_on_ranks):
+    ranks = run_on_ranks(_early_stop_on_ranks, world_size=2)
+    assert ranks[0] == ranks[1]
+    # 3 steps per epoch: checks at step 2 (the best) and at the epoch's end, step 3 (worse)
+    assert ranks[0]["stopped"] and ranks[0]["step"] == 3
+    assert [v["step"] for v in ranks[0]["validations"]] == [2, 3]
+
+
+class Counter(Callback):
+    def __init__(self, state: object = None) -> None:
+        self.count = 0
+        self.bad = state
+
+    def on_train_step_end(self, trainer, logs):
+        self.count += 1
+
+    def state_dict(self):
+        return {"count": self.count} if self.bad is None else {"thing": self.bad}
+
+    def load_state_dict(self, state):
+        self.count = state["count"]
+
+
+def test_callbacks_state_goes_into_checkpoints_and_back(tmp_path):
+    counter = Counter()
+    trainer = distkit.Trainer("dp", batch_size=4, progress=False, callbacks=[counter])
+    _fit(trainer)
+    trainer.save_checkpoint(tmp_path / "c.pt")
+    assert distkit.checkpoint.load(tmp_path / "c.pt")["callbacks"] == {"Counter": {"count": 6}}
+    again = Counter()
+    other = distkit.Trainer("dp", batch_size=4, max_epochs=2, progress=False,
+                            resume=tmp_path / "c.pt", callbacks=[again])  # fmt: skip
+    _fit(other)
+    assert again.count == 12  # 6 restored + 6 trained
+
+
+def test_callbacks_state_that_would_not_load_weights_only_is_refused_by_name(tmp_path):
+    trainer = distkit.Trainer("dp", batch_size=4, progress=False,
+                              callbacks=[Counter(state=object())])  # fmt: skip
+    _fit(trainer)
+    with pytest.raises(distkit.ConfigurationError, match=r"Counter.state_dict\(\)\['thing'\]"):
+        trainer.save_checkpoint(tmp_path / "c.pt")
+    assert not (tmp_path / "c.pt").exists()
+
+
+def test_callbacks_two_of_a_kind_keep_their_own_state(tmp_path):
+    first, second = Counter(), Counter()
+    trainer = distkit.Trainer("dp", batch_size=4, progress=False, callbacks=[first, second])
+    _fit(trainer)
+    second.count = 99
+    trainer.save_checkpoint(tmp_path / "c.pt")
+    assert distkit.checkpoint.load(tmp_path / "c.pt")["callbacks"] == {
+        "Counter": {"count": 6}, "Counter#1": {"count": 99},
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"callbacks": EarlyStopping()}, "wrap one in a list"),
+        ({"callbacks": [EarlyStopping]}, "pass an instance: EarlyStopping(...)"),
+        ({"callbacks": [print]}, "not a distkit.Callback"),
+        ({"loggers": [object()]}, "not a distkit.loggers.Logger"),
+        ({"loggers": distkit.loggers.CSVLogger}, "wrap one in a list"),
+        ({"log_every_n_steps": 0}, "log_every_n_steps must be an integer >= 1"),
+        ({"val_every_n_steps": 1.5}, "val_every_n_steps must be an integer >= 1"),
+    ],
+)
+def test_callbacks_and_loggers_bad_arguments_say_the_fix(kwargs, words):
+    with pytest.raises(distkit.ConfigurationError, match=__import__("re").escape(words)):
+        distkit.Trainer("dp", progress=False, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("factory", "words"),
+    [
+        (partial(EarlyStopping, mode="mn"), "allowed 'min'"),
+        (partial(EarlyStopping, patience=0), "patience must be an integer >= 1"),
+        (partial(EarlyStopping, min_delta=-1), "min_delta"),
+        (partial(EarlyStopping, monitor=""), "monitor is the name of a metric"),
+        (partial(distkit.callbacks.BestCheckpoint, keep=0), "keep must be an integer >= 1"),
+    ],
+)
+def test_callbacks_builtin_bad_arguments_say_the_fix(factory, words):
+    with pytest.raises(distkit.ConfigurationError, match=__import__("re").escape(words)):
+        factory()
