@@ -24,6 +24,7 @@ from mnist_data import MnistFormatError, load_mnist, locate_mnist
 from torch import nn
 
 import distkit
+from distkit.callbacks import EarlyStopping
 
 
 def build_model() -> nn.Module:
@@ -67,10 +68,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--resume", nargs="?", const="auto", default=None,
         help="continue from the latest checkpoint in --checkpoint-dir, or from a given file",
     )  # fmt: skip
+    parser.add_argument(
+        "--patience", type=int, default=2,
+        help="stop when the test loss has not improved for this many epochs (default: 2)",
+    )  # fmt: skip
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.epochs < 1:
         parser.error(f"--epochs must be >= 1, got {args.epochs}")
+    if args.patience < 1:
+        parser.error(f"--patience must be >= 1, got {args.patience}")
     if args.resume == "auto" and args.checkpoint_dir is None:
         parser.error("--resume without a file needs --checkpoint-dir DIR to look in")
     return args
@@ -92,6 +99,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         num_workers=args.num_workers,
         checkpoint_dir=args.checkpoint_dir,
         resume=args.resume,  # "auto": the latest checkpoint in --checkpoint-dir, if any
+        # the same decision on every rank (the test loss is reduced over all of them)
+        callbacks=[EarlyStopping(monitor="val_loss", patience=args.patience)],
     )
     with trainer:  # closing tears down the process group distkit created
         return train(trainer, model, optimizer, args)
@@ -131,6 +140,8 @@ def train(
         metrics={"acc": distkit.Accuracy()},
     )
     seconds = time.perf_counter() - start
+    if result.stopped_early and trainer.is_main:
+        print(f"stopped early: the test loss did not improve for {args.patience} epochs")
     return report(result, args, seconds, is_main=trainer.is_main)
 
 
@@ -145,7 +156,7 @@ def report(
     if is_main:
         print(
             f"test accuracy: {last['val_acc']:.4f}  train loss: {train_loss:.4f}  "
-            f"({args.epochs} epoch(s) in {seconds:.1f} s)"
+            f"({len(result.history)} epoch(s) in {seconds:.1f} s)"
         )
     return 0
 

@@ -27,6 +27,8 @@ from seg_data import IGNORE_INDEX, SegData, SegDataError, load_seg_data
 from seg_model import build_model
 
 import distkit
+from distkit.callbacks import BestCheckpoint
+from distkit.loggers import CSVLogger
 
 POLY_POWER = 0.9
 WARMUP_START = 0.01  # the first step's learning rate, as a fraction of --lr
@@ -58,6 +60,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="continue from the latest checkpoint in --checkpoint-dir, or from a given file",
     )
     parser.add_argument("--sync-bn", action="store_true", help="BatchNorm over the global batch")
+    parser.add_argument(
+        "--clip-norm", type=float, default=1.0,
+        help="clip the averaged gradients to this total norm (default: 1.0; 0: off)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--best-checkpoint", action="store_true",
+        help="also keep the checkpoint with the best validation mIoU (needs --checkpoint-dir)",
+    )  # fmt: skip
+    parser.add_argument("--log-dir", default=None, help="write metrics.csv here (rank 0)")
+    parser.add_argument(
+        "--log-every", type=int, default=50, help="log the training loss every N steps"
+    )
+    parser.add_argument(
+        "--val-every", type=int, default=None, help="validate every N steps, and at epoch ends"
+    )
     parser.add_argument("--crop-size", type=int, default=64, help="square sample side (pixels)")
     parser.add_argument(
         "--num-samples",
@@ -75,7 +92,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     # distkit reads the rank itself, so accept and ignore it.
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    for name in ("epochs", "batch_size", "grad_accum", "num_samples"):
+    for name in ("epochs", "batch_size", "grad_accum", "num_samples", "log_every"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.crop_size < 16:
@@ -84,6 +101,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
     if args.resume == "auto" and args.checkpoint_dir is None:
         parser.error("--resume without a file needs --checkpoint-dir DIR to look in")
+    if args.best_checkpoint and args.checkpoint_dir is None:
+        parser.error("--best-checkpoint needs --checkpoint-dir DIR to write into")
+    if args.clip_norm < 0:
+        parser.error(f"--clip-norm must be >= 0 (0: off), got {args.clip_norm}")
+    if args.val_every is not None and args.val_every < 1:
+        parser.error(f"--val-every must be >= 1, got {args.val_every}")
     return args
 
 
@@ -129,6 +152,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         scheduler_interval="step",
         checkpoint_dir=args.checkpoint_dir,
         resume=args.resume,  # "auto": the latest checkpoint in --checkpoint-dir, if any
+        gradient_clip_norm=args.clip_norm or None,
+        val_every_n_steps=args.val_every,
+        log_every_n_steps=args.log_every,
+        callbacks=[BestCheckpoint(monitor="val_seg_miou", mode="max")]
+        if args.best_checkpoint
+        else None,
+        loggers=[CSVLogger(args.log_dir)] if args.log_dir else None,
     )
     with trainer:  # closing tears down the process group distkit created
         return train(trainer, args)
@@ -165,7 +195,7 @@ def train(trainer: distkit.Trainer, args: argparse.Namespace) -> int:
             f"training {sum(p.numel() for p in model.parameters()):,} parameters: "
             f"strategy={trainer.strategy.name}, world_size={trainer.world_size}, "
             f"batch {args.batch_size} per process, {total} steps ({warmup} warm-up), "
-            f"sync_bn={args.sync_bn}",
+            f"sync_bn={args.sync_bn}, clip_norm={args.clip_norm or 'off'}",
             flush=True,
         )
     start = time.perf_counter()
