@@ -14,6 +14,7 @@ import torch
 
 from distkit.errors import ConfigurationError
 from distkit.loggers import Logger
+from distkit.loggers._base import as_number, as_numbers
 from distkit.strategies.base import Strategy
 
 
@@ -46,17 +47,24 @@ class LogSink:
         self.loggers = _checked(loggers)
         self.is_main = is_main
         self._step: int | None = None
-        self._row: dict[str, float] = {}
+        self._row: dict[str, int | float] = {}
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
-        """Add ``metrics`` to the row of ``step`` (written by :meth:`flush`)."""
+        """Add ``metrics`` to the row of ``step`` (written by :meth:`flush`).
+
+        Checked on every rank (a bad value fails everywhere, not only on rank 0), read
+        (tensors: a host synchronisation) only on rank 0.
+        """
         if not (self.is_main and self.loggers):
+            for key, value in metrics.items():
+                if not (isinstance(value, torch.Tensor) and value.dim() == 0):
+                    as_number(key, value)  # raises for what is not a number
             return
+        numbers = as_numbers(metrics)
         if self._step is not None and step != self._step:
             self.flush()
         self._step = step
-        for key, value in metrics.items():
-            self._row[key] = float(value) if isinstance(value, torch.Tensor) else value
+        self._row.update(numbers)
 
     def flush(self) -> None:
         """Write the pending row to every logger."""

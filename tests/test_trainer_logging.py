@@ -179,3 +179,41 @@ def test_best_checkpoint_needs_a_checkpoint_dir_before_training():
     with pytest.raises(distkit.ConfigurationError, match=r"pass Trainer\(checkpoint_dir=\.\.\.\)"):
         _fit(trainer, val_data=make_dataset(8))
     assert trainer.global_step == 0
+
+
+class LogsAString(distkit.Callback):
+    stops_training = False
+
+    def on_train_step_end(self, trainer, logs):
+        trainer.log_metrics({"note": "hello"})
+
+
+def test_logging_a_value_that_is_not_a_number_is_refused_by_name(tmp_path):
+    trainer = distkit.Trainer("dp", batch_size=4, progress=False,
+                              loggers=[CSVLogger(tmp_path)], callbacks=[LogsAString()])  # fmt: skip
+    with pytest.raises(distkit.ConfigurationError, match="metric 'note' is a str"):
+        _fit(trainer)
+
+
+class NanMetric(distkit.Metric):
+    """A metric that is always NaN (a diverged model's score)."""
+
+    def batch_state(self, output, target):
+        return torch.zeros(1)
+
+    def compute(self, state):
+        return float("nan")
+
+    def state_shape(self):
+        return (1,)
+
+
+def test_best_checkpoint_never_keeps_a_nan_metric(tmp_path):
+    model = make_mlp()
+    trainer = distkit.Trainer("dp", batch_size=4, max_epochs=2, progress=False,
+                              checkpoint_dir=tmp_path,
+                              callbacks=[BestCheckpoint("val_nan", mode="max")])  # fmt: skip
+    result = trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), make_dataset(8),
+                         loss_fn=nn.functional.cross_entropy, val_data=make_dataset(8),
+                         metrics={"nan": NanMetric()})  # fmt: skip
+    assert len(result.validations) == 2 and not list(tmp_path.glob("best-*.pt"))

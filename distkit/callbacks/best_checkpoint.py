@@ -91,7 +91,8 @@ class BestCheckpoint(Callback):
 
     def _consider(self, trainer: Trainer, value: float) -> None:
         self._saved_step = trainer.global_step
-        if len(self.kept) >= self.keep and not self._monitor.better(value, self.kept[-1][0]):
+        worst = self.kept[-1][0] if len(self.kept) >= self.keep else None
+        if not self._monitor.better(value, worst):  # NaN is never better
             return  # every rank sees the same value: all skip, or all save below
         self._validate_trainer(trainer)
         assert trainer.checkpoints is not None
