@@ -10,12 +10,14 @@ from __future__ import annotations
 from functools import partial
 
 import pytest
+import torch
+from torch import nn
 
 import distkit
 from distkit._imports import is_importable
 from tests.horovod_runner import RankError, horovodrun_path, run_with_horovodrun
 from tests.multiprocess import run_on_ranks
-from tests.workloads import max_abs_diff, train_with_distkit
+from tests.workloads import make_dataset, make_mlp, max_abs_diff, train_with_distkit
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -35,6 +37,9 @@ CALLS = {
     "fp16": (W, "train_with_distkit", ("horovod", 4), {"n": 64, "precision": "fp16",
                                                        "epochs": 3}),
     "refit": ("tests.test_horovod", "fit_twice_then_new_optimizer", (), {}),
+    "clip": ("tests.test_horovod", "train_clipped", ("horovod", 2), {"grad_accum_steps": 2}),
+    "clip_fp16": ("tests.test_horovod", "train_clipped", ("horovod", 4), {"precision": "fp16"}),
+    "compile": ("tests.test_compile", "eager_then_compiled", ("horovod", 4, 1), {}),
 }  # fmt: skip
 
 
@@ -62,6 +67,49 @@ def fit_twice_then_new_optimizer() -> dict:
         error = str(exc)
     trainer.close()
     return {"losses": losses, "error": error}
+
+
+class StepRecorder(distkit.Callback):
+    """Keeps every step's logs: gradient norm, skipped or not."""
+
+    stops_training = False  # reads the steps only: no stop agreement per step
+
+    def __init__(self) -> None:
+        self.steps: list[dict] = []
+
+    def on_train_step_end(self, trainer, logs) -> None:
+        self.steps.append({"grad_norm": float(logs["grad_norm"]), "skipped": bool(logs["skipped"])})
+
+
+def train_clipped(
+    strategy: str, batch_size: int, *, grad_accum_steps: int = 1, precision: str = "32"
+) -> dict:
+    """Runs on Horovod ranks (and in one process): the shared workload, clipped to norm 0.5."""
+    net, recorder = make_mlp(), StepRecorder()
+    trainer = distkit.Trainer(
+        strategy,
+        batch_size=batch_size,
+        max_epochs=2,
+        grad_accum_steps=grad_accum_steps,
+        precision=precision,
+        progress=False,
+        seed=3,
+        gradient_clip_norm=0.5,
+        callbacks=[recorder],
+    )
+    result = trainer.fit(
+        net,
+        torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
+        make_dataset(61),
+        loss_fn=nn.functional.cross_entropy,
+    )
+    out = {
+        "state": trainer.full_state_dict(),
+        "steps": recorder.steps,
+        "losses": [record["train_loss"] for record in result.history],
+    }
+    trainer.close()
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +177,43 @@ def test_horovod_second_fit_reuses_hooks_and_new_optimizer_is_refused(horovod):
     for result in _ok(horovod["refit"]):
         assert result["losses"][1] < result["losses"][0]
         assert "one optimizer per process" in result["error"]
+
+
+@needs_horovod
+def test_horovod_clipping_sees_the_gradients_of_one_process_with_the_whole_batch(horovod):
+    two = _ok(horovod["clip"])
+    one = train_clipped("dp", 8)
+    norms = [step["grad_norm"] for step in one["steps"]]
+    assert max(norms) > 0.5, "the clip never bit: the test would not see a wrong norm"
+    for rank in two:
+        assert len(rank["steps"]) == len(norms)
+        rank_norms = [step["grad_norm"] for step in rank["steps"]]
+        assert rank_norms == pytest.approx(norms, abs=1e-5)
+        assert max_abs_diff(rank["state"], one["state"]) <= 1e-5
+
+
+@needs_horovod
+def test_horovod_fp16_clipping_trains_with_the_same_norm_on_every_rank(horovod):
+    ranks = _ok(horovod["clip_fp16"])
+    assert all(torch.isfinite(torch.tensor(ranks[0]["losses"])))
+    assert ranks[0]["losses"][-1] < ranks[0]["losses"][0]
+    norms = [torch.tensor([step["grad_norm"] for step in rank["steps"]]) for rank in ranks]
+    torch.testing.assert_close(norms[0], norms[1], rtol=0, atol=0, equal_nan=True)
+    # unscaled: the norms fp32 sees (a norm of the scaled gradients would be 2**16 larger)
+    fp32 = torch.tensor([step["grad_norm"] for step in train_clipped("dp", 8)["steps"]])
+    stepped = ~torch.tensor([step["skipped"] for step in ranks[0]["steps"]])
+    torch.testing.assert_close(norms[0][stepped], fp32[stepped], rtol=2e-2, atol=0)
+    assert [s["skipped"] for s in ranks[0]["steps"]] == [s["skipped"] for s in ranks[1]["steps"]]
+    assert max_abs_diff(ranks[0]["state"], ranks[1]["state"]) == 0.0
+
+
+@needs_horovod
+def test_horovod_compiled_model_equals_eager(horovod):
+    for runs in _ok(horovod["compile"]):
+        assert runs["count"]["graphs"] > 0, "nothing was compiled"
+        assert max_abs_diff(runs["count"]["state"], runs["off"]["state"]) <= 1e-6
+    ranks = _ok(horovod["compile"])
+    assert max_abs_diff(ranks[0]["count"]["state"], ranks[1]["count"]["state"]) == 0.0
 
 
 def _expect_launcher_mismatch(strategy: str) -> str:
