@@ -145,6 +145,45 @@ def _verify_stop(results: list[dict[str, Any]], world: int) -> None:
         )
 
 
+# ---------------------------------------------------------------- callback state
+def _patience_fit(target: StrategyUnderTest, folder: Path, max_epochs: int) -> dict[str, Any]:
+    import torch
+
+    from distkit.callbacks import EarlyStopping
+
+    # the training loss falls every epoch, so mode="max" sees no improvement after the first
+    stopper = EarlyStopping(monitor="train_loss", mode="max", patience=3)
+    options = {"batch_size": _training.BATCH_SIZE, "max_epochs": max_epochs, "seed": 3}
+    with target.trainer(checkpoint_dir=folder, resume="auto", callbacks=[stopper], **options) as t:
+        model = _training._model(0)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        result = t.fit(model, optimizer, _training._dataset(),
+                       loss_fn=nn.functional.cross_entropy)  # fmt: skip
+        return {"epochs": len(result.history), "stopped_early": result.stopped_early,
+                "wait": stopper.wait}  # fmt: skip
+
+
+def _callback_state_body(target: StrategyUnderTest, workdir: Path) -> Any:
+    folder = workdir / "callback_state"
+    first = _patience_fit(target, folder, max_epochs=2)
+    resumed = _patience_fit(target, folder, max_epochs=10)
+    return {"first": first, "resumed": resumed}
+
+
+def _verify_callback_state(results: list[dict[str, Any]], world: int) -> None:
+    for rank, r in enumerate(results):
+        expect(
+            r["first"] == {"epochs": 2, "stopped_early": False, "wait": 1},
+            f"rank {rank}: 2 epochs with EarlyStopping(patience=3) ended with {r['first']}",
+        )
+        expect(
+            r["resumed"] == {"epochs": 4, "stopped_early": True, "wait": 3},
+            f"rank {rank}: resumed from the epoch-2 checkpoint (patience counter 1), training "
+            f"should stop after epoch 4 with the counter at 3; it ended with {r['resumed']} "
+            "(a counter that starts afresh stops after epoch 6)",
+        )
+
+
 CLIPPING = Promise(
     "clipping",
     f"gradient_clip_norm with {ACCUMULATE} accumulated micro-batches: N processes at b clip "
@@ -153,6 +192,13 @@ CLIPPING = Promise(
     _clipping_body,
     _verify_clipping,
     min_world_size=2,
+)
+CALLBACK_STATE_ROUND_TRIP = Promise(
+    "callback_state_round_trip",
+    "a callback's state (EarlyStopping's patience counter) goes into checkpoints and a resumed "
+    "run goes on from it",
+    _callback_state_body,
+    _verify_callback_state,
 )
 STOP_TOGETHER = Promise(
     "stop_together",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from distkit.errors import ConfigurationError
 from distkit.testing._gradients import MEAN_GRADIENTS, NO_SYNC_IS_LOCAL
 from distkit.testing._group import COLLECTIVES, MAIN_PROCESS_FIRST, TOPOLOGY
-from distkit.testing._hooks import CLIPPING, STOP_TOGETHER
+from distkit.testing._hooks import CALLBACK_STATE_ROUND_TRIP, CLIPPING, STOP_TOGETHER
 from distkit.testing._promise import Promise
 from distkit.testing._setup import IDENTICAL_INITIAL_WEIGHTS, UNWRAP
 from distkit.testing._training import CHECKPOINT_ROUND_TRIP, WORLD_SIZE_INVARIANCE
@@ -24,6 +24,7 @@ BY_NAME: dict[str, Promise] = {
         CHECKPOINT_ROUND_TRIP,
         CLIPPING,
         STOP_TOGETHER,
+        CALLBACK_STATE_ROUND_TRIP,
     )
 }
 
