@@ -13,6 +13,9 @@ from torch import nn
 
 from distkit.errors import ConfigurationError
 
+SCHEDULER_INTERVALS = ("epoch", "step")
+NONFINITE_POLICIES = ("raise", "skip")
+
 
 def check_ints(**values: tuple[Any, int]) -> None:
     for name, (value, low) in values.items():
@@ -167,28 +170,26 @@ def check_positive(name: str, value: object) -> None:
         raise ConfigurationError(f"{name} must be a positive number or None (off), got {value!r}")
 
 
-def check_compile(value: object) -> dict[str, Any] | None:
-    """``compile=``: False (off), True (torch.compile's defaults) or a dict of its arguments.
-
-    Returns the arguments, or None when off.
-    """
-    if value is False:
-        return None
-    if value is True:
-        return {}
-    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
-        return dict(value)
-    raise ConfigurationError(
-        f"compile must be True, False or a dict of torch.compile arguments (e.g. "
-        f"{{'mode': 'max-autotune'}}), got {value!r}"
-    )
-
-
-def uncompiled(model: Any, options: dict[str, Any] | None) -> tuple[Any, dict[str, Any] | None]:
-    """A model the user passed through ``torch.compile``: its original module, to be compiled
-    again by the strategy in the order the backend needs (with ``options``, or torch's
-    defaults). Checkpoints then hold the module's own names, without ``_orig_mod.``."""
-    original = getattr(model, "_orig_mod", None)
-    if isinstance(model, nn.Module) and isinstance(original, nn.Module):
-        return original, {} if options is None else options
-    return model, options
+def check_trainer_arguments(args: dict[str, Any]) -> None:
+    """``Trainer(...)``'s arguments, each with an error that names it and the fix."""
+    check_positive("gradient_clip_norm", args["gradient_clip_norm"])
+    check_positive("gradient_clip_value", args["gradient_clip_value"])
+    for name in ("fault_timeout", "hang_warning", "collective_timeout"):
+        check_seconds(name, args[name])
+    lows = {"max_epochs": 0, "batch_size": 1, "grad_accum_steps": 1, "num_workers": 0,
+            "keep_last": 1, "seed": 0, "log_every_n_steps": 1}  # fmt: skip
+    check_ints(**{name: (args[name], low) for name, low in lows.items()})
+    for name in ("max_steps", "val_every_n_steps"):
+        if args[name] is not None:
+            check_ints(**{name: (args[name], 1)})
+    if args["checkpoint_every"] != "epoch":
+        check_ints(checkpoint_every=(args["checkpoint_every"], 1))
+    check_choice("scheduler_interval", args["scheduler_interval"], SCHEDULER_INTERVALS)
+    check_choice("nonfinite", args["nonfinite"], NONFINITE_POLICIES)
+    flags = ("shuffle", "sync_batchnorm", "find_unused_parameters", "progress", "drop_last")
+    check_flags(**{name: args[name] for name in flags})
+    check_path("resume", args["resume"], "'auto', a checkpoint path, or None")
+    check_path("checkpoint_dir", args["checkpoint_dir"],
+               "a folder path (str or os.PathLike) or None")  # fmt: skip
+    if str(args["resume"]) == "auto" and args["checkpoint_dir"] is None:
+        raise ConfigurationError("resume='auto' needs checkpoint_dir=... to look in")

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
+from tqdm.auto import tqdm
 
 from distkit._checks import step_scheduler
 from distkit._logging import LogSink, LogWindow, StepLogs
@@ -109,7 +111,7 @@ class FitRun:
         state.history.append(record)
         state.epoch, state.position, state.loss_sum, state.samples = state.epoch + 1, 0, 0.0, 0
         state.skipped_steps = 0
-        trainer._report(record, loop)
+        self._report(record)
         self.sink.log(
             {k: v for k, v in record.items() if not k.startswith(_TIMING_PREFIX)},
             state.global_step,
@@ -135,6 +137,22 @@ class FitRun:
         self.callbacks.call("on_validation_end", trainer, metrics)
         return metrics
 
+    def _report(self, record: dict[str, float]) -> None:
+        """The epoch's line (and timing table) on rank 0, when ``progress`` is on."""
+        trainer, loop = self.trainer, self.loop
+        if not (trainer.progress and trainer.is_main):
+            return
+        hidden = ("epoch", "skipped_steps", "samples_per_s")
+        parts = [f"epoch {int(record['epoch']) + 1}/{trainer.max_epochs}"]
+        parts += [f"{k}={v:.4f}" for k, v in record.items()
+                  if k not in hidden and not k.startswith(_TIMING_PREFIX)]  # fmt: skip
+        if record.get("skipped_steps"):
+            parts.append(f"skipped_steps={int(record['skipped_steps'])} (non-finite gradients)")
+        tqdm.write(" ".join(parts))
+        if loop.timing is not None:
+            workers = getattr(loop.loader, "num_workers", trainer.num_workers)
+            tqdm.write(loop.timing.table(trainer.strategy.comm_phase, workers))
+
     def _agree_stop(self) -> bool:
         """Whether any rank set ``should_stop``; afterwards every rank's flag says so."""
         trainer = self.trainer
@@ -147,6 +165,23 @@ class FitRun:
     def _steps_done(self) -> bool:
         limit = self.trainer.max_steps
         return limit is not None and self.state.global_step >= limit
+
+
+def hyperparams(
+    trainer: Trainer, model: nn.Module, optimizer: torch.optim.Optimizer, samples: int
+) -> dict[str, Any]:
+    """What the loggers record of a fit's settings, once, before its first step."""
+    clip = trainer.gradient_clip
+    return {
+        "strategy": trainer.strategy.name, "world_size": trainer.world_size,
+        "batch_size": trainer.batch_size, "grad_accum_steps": trainer.grad_accum_steps,
+        "precision": trainer.strategy.options.precision, "max_epochs": trainer.max_epochs,
+        "max_steps": trainer.max_steps, "seed": trainer.seed, "train_samples": samples,
+        "model": type(model).__name__, "optimizer": type(optimizer).__name__,
+        "lr": optimizer.param_groups[0].get("lr"),
+        "gradient_clip_norm": None if clip is None else clip.max_norm,
+        "gradient_clip_value": None if clip is None else clip.max_value,
+    }  # fmt: skip
 
 
 def _lr(optimizer: torch.optim.Optimizer) -> float:

@@ -24,7 +24,6 @@ from distkit.timing import EpochTiming, StepTimer
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 StepFn = Callable[[nn.Module, Any], torch.Tensor]
-NONFINITE_POLICIES = ("raise", "skip")
 
 
 class NonFiniteLossError(DistkitError, FloatingPointError):

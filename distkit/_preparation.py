@@ -24,6 +24,7 @@ from distkit._checks import (
     check_scheduler,
     check_validation,
 )
+from distkit._compile import describe as describe_compile
 from distkit._evaluation import LossFn, Metrics, named_metrics
 from distkit._loop import StepFn
 from distkit.data import GlobalBatchPlan, LoaderSpec
@@ -89,7 +90,8 @@ def prepare_fit(
         f"scheduler_interval={trainer.scheduler_interval}, nonfinite={trainer.nonfinite}, "
         f"checkpoint_every={trainer.checkpoint_every}, clip={trainer.gradient_clip}, "
         f"log_every_n_steps={trainer.log_every_n_steps}, "
-        f"val_every_n_steps={trainer.val_every_n_steps}, compile={trainer.compile}",
+        f"val_every_n_steps={trainer.val_every_n_steps}, "
+        f"compile={describe_compile(trainer.compile)}",
         # called on every rank: the same kinds in the same order (some are collectives)
         "callbacks": trainer.callbacks.describe(),
     }

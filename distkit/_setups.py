@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import gc
 import weakref
-from typing import Any
 
 import torch
 from torch import nn
 
+from distkit._compile import Compiler
 from distkit.strategies.base import Strategy
 
 
@@ -41,14 +41,14 @@ class SetupCache:
             self._optimizers[optimizer] = self.strategy.setup_optimizer(wrapped, optimizer)
         return wrapped, self._optimizers[optimizer]
 
-    def compiled(self, model: nn.Module, options: dict[str, Any] | None) -> nn.Module | None:
+    def compiled(self, model: nn.Module, compiler: Compiler | None) -> nn.Module | None:
         """The set-up model compiled by the strategy (once per model), or None when off."""
-        if options is None:
+        if compiler is None:
             return None
         compiled = self._compiled.get(model)
         if compiled is None:
             compiled = self._compiled[model] = self.strategy.compile_model(
-                self._models[model], options
+                self._models[model], compiler
             )
         return compiled
 

@@ -4,35 +4,22 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
-from distkit import _agreement, _resume
+from distkit import _agreement, _compile, _resume, _saving
 from distkit import checkpoint as ckpt
-from distkit._checks import (
-    as_score,
-    check_choice,
-    check_compile,
-    check_flags,
-    check_ints,
-    check_path,
-    check_positive,
-    check_seconds,
-    seed_generators,
-    uncompiled,
-)
+from distkit._checks import as_score, check_trainer_arguments, seed_generators
+from distkit._compile import check_compile
 from distkit._evaluation import LossFn, Metrics, evaluate_shard
 from distkit._faults import fail_fast
-from distkit._fit import FitRun
+from distkit._fit import FitRun, hyperparams
 from distkit._logging import LogSink, LogWindow
-from distkit._loop import NONFINITE_POLICIES, FitState, LoopSettings, StepFn, TrainLoop
-from distkit._preparation import FitPlan, prepare_evaluate, prepare_fit, prepare_save
+from distkit._loop import FitState, LoopSettings, StepFn, TrainLoop
+from distkit._preparation import FitPlan, prepare_evaluate, prepare_fit
 from distkit._progress import Progress
 from distkit._resume import Run
 from distkit._setups import SetupCache
@@ -45,8 +32,6 @@ from distkit.precision import normalize_precision
 from distkit.registry import make_strategy
 from distkit.strategies._steps import GradientClip
 from distkit.strategies.base import Strategy, TrainOptions
-
-SCHEDULER_INTERVALS = ("epoch", "step")
 
 
 @dataclass
@@ -157,38 +142,10 @@ class Trainer:
         val_every_n_steps: int | None = None,
         compile: bool | dict[str, Any] = False,
     ) -> None:
-        check_positive("gradient_clip_norm", gradient_clip_norm)
-        check_positive("gradient_clip_value", gradient_clip_value)
-        check_ints(log_every_n_steps=(log_every_n_steps, 1))
-        if val_every_n_steps is not None:
-            check_ints(val_every_n_steps=(val_every_n_steps, 1))
+        check_trainer_arguments({k: v for k, v in locals().items() if k != "self"})
         self.callbacks = CallbackList(callbacks)
         self.loggers = LogSink(loggers, is_main=False).loggers  # checked; rank 0 writes
         self.compile = check_compile(compile)
-        check_seconds("fault_timeout", fault_timeout)
-        check_seconds("hang_warning", hang_warning)
-        check_seconds("collective_timeout", collective_timeout)
-        check_ints(max_epochs=(max_epochs, 0), batch_size=(batch_size, 1),
-                    grad_accum_steps=(grad_accum_steps, 1), num_workers=(num_workers, 0),
-                    keep_last=(keep_last, 1))  # fmt: skip
-        check_choice("scheduler_interval", scheduler_interval, SCHEDULER_INTERVALS)
-        check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
-        if max_steps is not None:
-            check_ints(max_steps=(max_steps, 1))
-        if checkpoint_every != "epoch":
-            check_ints(checkpoint_every=(checkpoint_every, 1))
-        check_ints(seed=(seed, 0))
-        check_flags(
-            shuffle=shuffle,
-            sync_batchnorm=sync_batchnorm,
-            find_unused_parameters=find_unused_parameters,
-            progress=progress,
-            drop_last=drop_last,
-        )
-        check_path("resume", resume, "'auto', a checkpoint path, or None")
-        check_path("checkpoint_dir", checkpoint_dir, "a folder path (str or os.PathLike) or None")
-        if str(resume) == "auto" and checkpoint_dir is None:
-            raise ConfigurationError("resume='auto' needs checkpoint_dir=... to look in")
         self.max_epochs = max_epochs
         self.batch_size = batch_size
         self.seed = seed
@@ -339,11 +296,11 @@ class Trainer:
         self.should_stop = False
         sink = self._sink = LogSink(self.loggers, is_main=self.is_main)
         # a model the user compiled: train its module, compiled in the backend's order
-        model, compile_options = uncompiled(model, self.compile)
+        model, compiler = _compile.plan(model, self.compile)
         try:
             result = self._fit(
                 model, optimizer, train_data, loss_fn, val_data, metrics, scheduler, step_fn,
-                compile_options,
+                compiler,
             )  # fmt: skip
         except BaseException as exc:
             self.callbacks.call_on_exception(self, exc)
@@ -357,7 +314,7 @@ class Trainer:
     def _fit(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, train_data: Any,
         loss_fn: LossFn | None, val_data: Any, metrics: Metrics | None, scheduler: Any,
-        step_fn: StepFn | None, compile_options: dict[str, Any] | None,
+        step_fn: StepFn | None, compiler: _compile.Compiler | None,
     ) -> FitResult:  # fmt: skip
         strategy = self.strategy
         # every rank checks its arguments and finds its checkpoint, then all agree (or all
@@ -381,7 +338,7 @@ class Trainer:
         ):  # fmt: skip
             run = self._train(
                 prepared, payload, model, optimizer, scheduler, loss_fn, step_fn, val_data,
-                metrics, compile_options,
+                metrics, compiler,
             )  # fmt: skip
             result = FitResult(
                 history=[dict(record) for record in run.state.history],
@@ -395,13 +352,13 @@ class Trainer:
         self, prepared: FitPlan, payload: dict[str, Any] | None, model: nn.Module,
         optimizer: torch.optim.Optimizer, scheduler: Any, loss_fn: LossFn | None,
         step_fn: StepFn | None, val_data: Any, metrics: Metrics | None,
-        compile_options: dict[str, Any] | None,
+        compiler: _compile.Compiler | None,
     ) -> FitRun:  # fmt: skip
         strategy = self.strategy
         spec, plan = prepared.spec, prepared.plan
         loader, sampler = spec.train_loader(plan, seed=self.seed + strategy.rank)
         wrapped, dist_optimizer = self._setups.setup(model, optimizer)
-        forward = self._setups.compiled(model, compile_options)
+        forward = self._setups.compiled(model, compiler)
         if payload is not None:
             state = _resume.restore_run(payload, strategy, scheduler, self.seed)
             self.callbacks.load_state_dict(payload.get("callbacks") or {})
@@ -420,7 +377,7 @@ class Trainer:
             settings=settings, rank_progress=self._rank_progress, forward_model=forward,
         )  # fmt: skip
         assert self._sink is not None
-        self._sink.hyperparams(self._hyperparams(model, optimizer, len(spec)))
+        self._sink.hyperparams(hyperparams(self, model, optimizer, len(spec)))
         run = FitRun(
             trainer=self, loop=loop, state=state, callbacks=self.callbacks, sink=self._sink,
             window=LogWindow(strategy, self.log_every_n_steps),
@@ -444,8 +401,7 @@ class Trainer:
         weights-only).
         """
         self._require_open("save_checkpoint")
-        payload = self._payload(extra, path)
-        self._write_on_rank_zero(payload, lambda ready: ckpt.atomic_save(ready, Path(path)))
+        _saving.save_to(self, path, extra)
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, Any]:
         """Load a checkpoint onto this rank's device; the next ``fit`` continues from it.
@@ -462,52 +418,9 @@ class Trainer:
         self._pending = found
         return {key: found.payload.get(key) for key in ("producer", "progress", "extra")}
 
-    def _payload(
-        self, extra: dict[str, Any] | None, path: str | os.PathLike[str]
-    ) -> dict[str, Any] | None:
-        """The checkpoint on rank 0 (None elsewhere): a collective that every rank joins."""
-        callback_states, ranks = _agreement.exchange(
-            self.strategy, "save_checkpoint", lambda: prepare_save(self, extra, path)
-        )
-        run = self._run
-        assert run is not None
-        # every rank: gathering (or writing) a sharded model's state is a collective
-        states = self.strategy.checkpoint_state(run.model, run.optimizer, Path(path))
-        if not self.is_main:
-            return None
-        payload = _resume.build_payload(self.strategy, run, extra, ranks, states)
-        payload["callbacks"] = callback_states
-        return payload
-
     def _save_to_folder(self) -> None:
-        assert self.checkpoints is not None and self._run is not None
         self._rank_progress.phase = "checkpoint"
-        folder, step = self.checkpoints, self._run.state.global_step
-        payload = self._payload(None, folder.path_for(step))
-        self._write_on_rank_zero(payload, lambda ready: folder.save(ready, step))
-
-    def _write_on_rank_zero(
-        self, payload: dict[str, Any] | None, write: Callable[[dict[str, Any]], object]
-    ) -> None:
-        """Rank 0 writes ``payload``; then every rank learns how that went (a broadcast).
-
-        So a failed write fails every rank, and no rank goes on to read the folder (a next
-        ``fit`` with ``resume="auto"``) while rank 0 is still writing to it. It costs no
-        time: the other ranks would wait for rank 0 at their next collective anyway.
-        """
-        failure = None
-        if payload is not None:
-            try:
-                write(payload)
-            except Exception as exc:
-                failure = exc
-        outcome = self.strategy.broadcast(
-            None if failure is None else f"{type(failure).__name__}: {failure}", src=0
-        )
-        if failure is not None:
-            raise failure
-        if outcome is not None:
-            raise ckpt.CheckpointError(f"rank 0 could not write the checkpoint: {outcome}")
+        _saving.save_to_folder(self)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The latest ``fit``'s model weights as full CPU tensors, the same on every rank.
@@ -559,38 +472,6 @@ class Trainer:
             data, batch_size=self.batch_size, shuffle=shuffle, num_workers=self.num_workers,
             pin_memory=self.strategy.device.type == "cuda", what=what,
         )  # fmt: skip
-
-    def _hyperparams(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, samples: int
-    ) -> dict[str, Any]:
-        clip = self.gradient_clip
-        return {
-            "strategy": self.strategy.name, "world_size": self.world_size,
-            "batch_size": self.batch_size, "grad_accum_steps": self.grad_accum_steps,
-            "precision": self.strategy.options.precision, "max_epochs": self.max_epochs,
-            "max_steps": self.max_steps, "seed": self.seed, "train_samples": samples,
-            "model": type(model).__name__, "optimizer": type(optimizer).__name__,
-            "lr": optimizer.param_groups[0].get("lr"),
-            "gradient_clip_norm": None if clip is None else clip.max_norm,
-            "gradient_clip_value": None if clip is None else clip.max_value,
-        }  # fmt: skip
-
-    def _report(self, record: dict[str, float], loop: TrainLoop) -> None:
-        if not (self.progress and self.is_main):
-            return
-        hidden = ("epoch", "skipped_steps", "samples_per_s")
-        parts = [f"epoch {int(record['epoch']) + 1}/{self.max_epochs}"]
-        parts += [
-            f"{k}={v:.4f}"
-            for k, v in record.items()
-            if k not in hidden and not k.startswith("time_")
-        ]
-        if record.get("skipped_steps"):
-            parts.append(f"skipped_steps={int(record['skipped_steps'])} (non-finite gradients)")
-        tqdm.write(" ".join(parts))
-        if loop.timing is not None:
-            workers = getattr(loop.loader, "num_workers", self.num_workers)
-            tqdm.write(loop.timing.table(self.strategy.comm_phase, workers))
 
     def __repr__(self) -> str:
         return f"Trainer(strategy={self.strategy!r}, max_epochs={self.max_epochs})"

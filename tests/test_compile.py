@@ -187,6 +187,40 @@ def test_compile_user_compiled_model_trains_its_module_with_clean_keys():
     assert max_abs_diff(run["state"], eager["state"]) <= EXACT
 
 
+def test_compile_user_compiled_model_keeps_the_users_own_settings():
+    eager = fit("dp", 8)
+    net = make_net()
+    users_backend = CountingBackend()
+    # compile=False: distkit recompiles the module in the backend's order, with the user's
+    # backend (not torch's default inductor)
+    run = fit("dp", 8, net=torch.compile(net, backend=users_backend))
+    assert users_backend.graphs and run["graphs"] == 0
+    assert _no_orig_mod(run["state"])
+    assert max_abs_diff(net.state_dict(), eager["state"]) <= EXACT
+
+
+def aot_eager_function(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+    """A backend as a plain function: its repr holds an address that differs per process."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    return lookup_backend("aot_eager")(gm, example_inputs)
+
+
+def _fit_with_function_backend() -> float:
+    trainer = distkit.Trainer("ddp", batch_size=4, progress=False,
+                              compile={"backend": aot_eager_function})  # fmt: skip
+    net = make_net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    result = trainer.fit(net, optimizer, make_dataset(16), loss_fn=nn.functional.cross_entropy)
+    return result.history[-1]["train_loss"]
+
+
+def test_compile_function_backend_agrees_across_ranks(run_on_ranks):
+    """The ranks compare their settings by the function's name, not its address."""
+    losses = run_on_ranks(_fit_with_function_backend, world_size=2)
+    assert losses[0] == losses[1]
+
+
 def test_compile_default_inductor_backend_matches_eager():
     # inductor (torch.compile's default) generates C++: one slow compile, on a tiny run
     graphs = torch._dynamo.utils.counters["stats"]

@@ -85,6 +85,9 @@ def test_testing_public_names_are_pinned():
         "mean_gradients",
         "world_size_invariance",
         "checkpoint_round_trip",
+        "clipping",
+        "stop_together",
+        "callback_state_round_trip",
     )
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -175,15 +175,17 @@ class Strategy(ABC):
             model = self.convert_sync_batchnorm(model)
         return self._setup_model_and_optimizer(model, optimizer)
 
-    def compile_model(self, model: nn.Module, options: dict[str, Any]) -> nn.Module:
-        """``torch.compile`` what :meth:`setup` returned, in the order this backend needs.
+    def compile_model(
+        self, model: nn.Module, compiler: Callable[[nn.Module], nn.Module]
+    ) -> nn.Module:
+        """Compile what :meth:`setup` returned with ``compiler``, in the order this backend needs.
 
-        The result runs the training forward passes; every other hook still receives the
-        set-up model. Default: compile the set-up model itself (DDP's documented order:
-        compile the DDP wrapper, so its optimizer splits the graph at bucket boundaries).
+        ``compiler`` is ``torch.compile`` with the user's arguments (or a compiled model's
+        own settings). The result runs the training forward passes; every other hook still
+        receives the set-up model. Default: compile the set-up model itself (DDP's documented
+        order: the DDP wrapper, so its optimizer splits the graph at bucket boundaries).
         """
-        compiled: nn.Module = torch.compile(model, **options)  # type: ignore[assignment]
-        return compiled
+        return compiler(model)
 
     def setup_optimizer(
         self, model: nn.Module, optimizer: torch.optim.Optimizer

@@ -163,8 +163,10 @@ class ApexStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
     ) -> StepOutcome:
         return self.generation.optimizer_step(optimizer, skip_nonfinite=skip_nonfinite)
 
-    def compile_model(self, model: nn.Module, options: dict[str, Any]) -> nn.Module:
-        return self.generation.compile_model(model, options)
+    def compile_model(
+        self, model: nn.Module, compiler: Callable[[nn.Module], nn.Module]
+    ) -> nn.Module:
+        return self.generation.compile_model(model, compiler)
 
     def finalize_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         self.generation.finalize_gradients(optimizer)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -56,7 +57,9 @@ class Generation(Protocol):
         """Averaged, unscaled gradients in place before clipping (see Strategy's hook)."""
         ...
 
-    def compile_model(self, model: nn.Module, options: dict[str, Any]) -> nn.Module:
+    def compile_model(
+        self, model: nn.Module, compiler: Callable[[nn.Module], nn.Module]
+    ) -> nn.Module:
         """``torch.compile`` the set-up model, or refuse where this generation cannot."""
         ...
 

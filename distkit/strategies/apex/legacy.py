@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -120,7 +120,9 @@ class LegacyApex:
         optimizer.step()
         return StepOutcome.STEPPED
 
-    def compile_model(self, model: nn.Module, options: dict[str, Any]) -> nn.Module:
+    def compile_model(
+        self, model: nn.Module, compiler: Callable[[nn.Module], nn.Module]
+    ) -> nn.Module:
         raise UnsupportedFeatureError(
             "compile=True with legacy apex amp: amp casts by patching torch functions (O1) "
             "or the model (O2) at run time, behind torch.compile's back, and apex's DDP "

@@ -7,6 +7,7 @@ DDP; apex contributes its fused optimizers, which the strategy swaps in on reque
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -76,9 +77,10 @@ class ModernApex:
             return StepOutcome.SKIPPED_NONFINITE
         return StepOutcome.of(precision.step(optimizer))
 
-    def compile_model(self, model: nn.Module, options: dict[str, Any]) -> nn.Module:
-        compiled: nn.Module = torch.compile(model, **options)  # type: ignore[assignment]
-        return compiled  # torch DDP's documented order: compile the wrapper
+    def compile_model(
+        self, model: nn.Module, compiler: Callable[[nn.Module], nn.Module]
+    ) -> nn.Module:
+        return compiler(model)  # torch DDP's documented order: compile the wrapper
 
     def finalize_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         self._strategy.precision.unscale_(optimizer)  # torch DDP averaged in backward
