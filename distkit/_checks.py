@@ -193,3 +193,22 @@ def check_trainer_arguments(args: dict[str, Any]) -> None:
                "a folder path (str or os.PathLike) or None")  # fmt: skip
     if str(args["resume"]) == "auto" and args["checkpoint_dir"] is None:
         raise ConfigurationError("resume='auto' needs checkpoint_dir=... to look in")
+
+
+def check_instance(
+    value: object, base: type, *, where: str, name: str, fix: str, args: str = "(...)"
+) -> None:
+    """``value`` is an instance of ``base``; a class instead, or another object, says the fix.
+
+    Args:
+        where: what ``value`` is, e.g. ``"callbacks[0]"``.
+        name: ``base``'s public name, e.g. ``"distkit.Callback"``.
+        fix: what to pass instead, e.g. ``"subclass distkit.Callback"``.
+        args: how the hint calls the class (``"(...)"``, or ``"()"`` where none are needed).
+    """
+    if isinstance(value, type) and issubclass(value, base):
+        raise ConfigurationError(
+            f"{where} is the class {value.__name__}; pass an instance: {value.__name__}{args}"
+        )
+    if not isinstance(value, base):
+        raise ConfigurationError(f"{where} is a {type(value).__name__}, not a {name}; {fix}")

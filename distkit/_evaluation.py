@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from distkit._checks import check_instance
 from distkit.batch import batch_size_of, split_batch, to_device
-from distkit.errors import ConfigurationError
 from distkit.metrics import Metric
 from distkit.strategies.base import Strategy
 
@@ -26,16 +26,10 @@ def named_metrics(metrics: Metrics | None) -> dict[str, Metric]:
     else:
         items = [(type(m).__name__.lower(), m) for m in metrics]
     for name, metric in items:
-        if isinstance(metric, type) and issubclass(metric, Metric):
-            raise ConfigurationError(
-                f"metric {name!r} is the class {metric.__name__}; pass an instance: "
-                f"{metric.__name__}()"
-            )
-        if not isinstance(metric, Metric):
-            raise ConfigurationError(
-                f"metric {name!r} is a {type(metric).__name__}, not a distkit.metrics.Metric; "
-                "use distkit.metrics.Accuracy(), MeanIoU(num_classes), or subclass Metric"
-            )
+        check_instance(
+            metric, Metric, where=f"metric {name!r}", name="distkit.metrics.Metric", args="()",
+            fix="use distkit.metrics.Accuracy(), MeanIoU(num_classes), or subclass Metric",
+        )  # fmt: skip
     return dict(items)
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from distkit._checks import check_instance
 from distkit.errors import ConfigurationError
 from distkit.loggers import Logger
 from distkit.loggers._base import as_number, as_numbers
@@ -130,14 +131,8 @@ def _checked(loggers: Iterable[Logger] | None) -> list[Logger]:
         )
     checked = list(loggers)
     for i, logger in enumerate(checked):
-        if isinstance(logger, type):
-            raise ConfigurationError(
-                f"loggers[{i}] is the class {logger.__name__}; pass an instance, e.g. "
-                f"{logger.__name__}('logs')"
-            )
-        if not isinstance(logger, Logger):
-            raise ConfigurationError(
-                f"loggers[{i}] is a {type(logger).__name__}, not a distkit.loggers.Logger; "
-                "subclass Logger and implement log_metrics(metrics, step)"
-            )
+        check_instance(
+            logger, Logger, where=f"loggers[{i}]", name="distkit.loggers.Logger",
+            fix="subclass Logger and implement log_metrics(metrics, step)",
+        )  # fmt: skip
     return checked

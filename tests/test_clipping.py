@@ -135,5 +135,7 @@ def test_clipping_fp16_two_processes_clip_like_one_with_twice_the_batch(run_on_r
     two = run_on_ranks(_ddp_fp16_clipped, 4, world_size=2)
     one = run_on_ranks(_ddp_fp16_clipped, 8, world_size=1)[0]
     assert two[0]["norms"] == two[1]["norms"]  # every rank clips by the same norm
-    assert two[0]["norms"] == pytest.approx(one["norms"], rel=1e-3)
-    assert max_abs_diff(two[0]["state"], one["state"]) <= 1e-3
+    # fp16 autocast rounds matmuls of another batch shape differently: 1.8e-4 measured here
+    # (fp32 keeps 1e-5: the contract's clipping promise)
+    assert two[0]["norms"] == pytest.approx(one["norms"], rel=5e-4)
+    assert max_abs_diff(two[0]["state"], one["state"]) <= 5e-4

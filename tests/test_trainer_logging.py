@@ -217,3 +217,27 @@ def test_best_checkpoint_never_keeps_a_nan_metric(tmp_path):
                          loss_fn=nn.functional.cross_entropy, val_data=make_dataset(8),
                          metrics={"nan": NanMetric()})  # fmt: skip
     assert len(result.validations) == 2 and not list(tmp_path.glob("best-*.pt"))
+
+
+class CtrlC(distkit.Callback):
+    """Ctrl-C while training: the KeyboardInterrupt a terminal's SIGINT raises, at step 2."""
+
+    def __init__(self) -> None:
+        self.seen: list[BaseException] = []
+
+    def on_train_step_end(self, trainer, logs):
+        if logs["step"] == 2:
+            raise KeyboardInterrupt
+
+    def on_exception(self, trainer, exc):
+        self.seen.append(exc)
+
+
+def test_logging_ctrl_c_finalizes_loggers_as_interrupted_and_tells_callbacks():
+    memory, ctrl_c = Memory(), CtrlC()
+    trainer = distkit.Trainer("dp", batch_size=4, progress=False, loggers=[memory],
+                              callbacks=[ctrl_c])  # fmt: skip
+    with pytest.raises(KeyboardInterrupt) as info:
+        _fit(trainer)
+    assert memory.status == "interrupted"
+    assert ctrl_c.seen == [info.value]

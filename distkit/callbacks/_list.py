@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from distkit._checks import check_instance
 from distkit.callbacks._base import Callback
 from distkit.errors import ConfigurationError
 
@@ -27,16 +28,10 @@ class CallbackList:
             )
         self.callbacks = list(callbacks)
         for i, callback in enumerate(self.callbacks):
-            if isinstance(callback, type) and issubclass(callback, Callback):
-                raise ConfigurationError(
-                    f"callbacks[{i}] is the class {callback.__name__}; pass an instance: "
-                    f"{callback.__name__}(...)"
-                )
-            if not isinstance(callback, Callback):
-                raise ConfigurationError(
-                    f"callbacks[{i}] is a {type(callback).__name__}, not a distkit.Callback; "
-                    "subclass distkit.Callback and override the hooks you need"
-                )
+            check_instance(
+                callback, Callback, where=f"callbacks[{i}]", name="distkit.Callback",
+                fix="subclass distkit.Callback and override the hooks you need",
+            )  # fmt: skip
         self.keys = _unique_keys(self.callbacks)
 
     def __iter__(self) -> Iterator[Callback]:

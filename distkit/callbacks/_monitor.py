@@ -1,25 +1,29 @@
-"""A monitored metric and whether a new value improves on the best one."""
+"""A monitored metric: where a callback reads it, and whether a value improves on another."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from distkit.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from distkit.trainer import Trainer
 
 MODES = ("min", "max")
 
 
-@dataclass(frozen=True)
 class Monitor:
-    """A metric to watch (``monitor``) and which way is better (``mode``)."""
+    """The metric ``monitor`` of callback ``owner``, better when lower (``mode="min"``) or
+    higher (``"max"``).
 
-    monitor: str
-    mode: str
+    It is read after each validation that reports it (``val_loss``, ``val_acc``...) or, for
+    an epoch-record key (``train_loss``), at each epoch's end, once per step: an epoch-end
+    validation is not read a second time from the epoch's record.
+    """
 
-    @classmethod
-    def checked(cls, owner: str, monitor: object, mode: object) -> Monitor:
+    def __init__(self, owner: str, monitor: object, mode: object) -> None:
         if not isinstance(monitor, str) or not monitor:
             raise ConfigurationError(
                 f"{owner}(monitor={monitor!r}): monitor is the name of a metric, e.g. "
@@ -30,19 +34,44 @@ class Monitor:
                 f"{owner}(mode={mode!r}): allowed 'min' (lower is better, e.g. a loss) or "
                 "'max' (higher is better, e.g. accuracy)"
             )
-        return cls(monitor, str(mode))
+        self.owner = owner
+        self.monitor = monitor
+        self.mode = str(mode)
+        self._read_at: int | None = None  # the global step of the last value read
+        self._seen: list[str] = []  # the names reported so far, for the error message
 
-    def value_in(self, owner: str, values: Mapping[str, float]) -> float | None:
-        """The monitored value, or None when ``values`` do not hold it."""
-        value = values.get(self.monitor)
-        return None if value is None else float(value)
+    @property
+    def key(self) -> str:
+        """A state key that tells two monitoring callbacks of one kind apart."""
+        return f"{self.owner}[{self.monitor},{self.mode}]"
 
-    def missing(self, owner: str, seen: list[str]) -> ConfigurationError:
-        return ConfigurationError(
-            f"{owner} monitors {self.monitor!r}, which no validation or epoch reported; "
-            f"they reported: {', '.join(sorted(set(seen))) or 'nothing'}. Pass val_data (and "
-            "metrics) to fit, or monitor one of these names"
-        )
+    def at_validation(self, trainer: Trainer, metrics: Mapping[str, float]) -> float | None:
+        """The monitored value in a validation's results, if they hold it."""
+        self._seen += list(metrics)
+        value = metrics.get(self.monitor)
+        if value is None:
+            return None
+        self._read_at = trainer.global_step
+        return float(value)
+
+    def at_epoch_end(self, trainer: Trainer, record: Mapping[str, float]) -> float | None:
+        """The monitored value in an epoch's record, unless it was read at this step.
+
+        Raises:
+            ConfigurationError: neither the validations nor the record hold it.
+        """
+        self._seen += list(record)
+        if self._read_at == trainer.global_step:
+            return None  # the epoch-end validation was read already
+        value = record.get(self.monitor)
+        if value is None:
+            raise ConfigurationError(
+                f"{self.owner} monitors {self.monitor!r}, which no validation or epoch "
+                f"reported; they reported: {', '.join(sorted(set(self._seen))) or 'nothing'}. "
+                "Pass val_data (and metrics) to fit, or monitor one of these names"
+            )
+        self._read_at = trainer.global_step
+        return float(value)
 
     def better(self, value: float, best: float | None, min_delta: float = 0.0) -> bool:
         """Whether ``value`` improves on ``best`` by more than ``min_delta`` (NaN never does)."""

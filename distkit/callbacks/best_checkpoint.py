@@ -37,12 +37,10 @@ class BestCheckpoint(Callback):
     """
 
     def __init__(self, monitor: str = "val_loss", mode: str = "min", keep: int = 1) -> None:
-        self._monitor = Monitor.checked("BestCheckpoint", monitor, mode)
+        self._monitor = Monitor("BestCheckpoint", monitor, mode)
         check_ints(keep=(keep, 1))
         self.keep = keep
         self.kept: list[tuple[float, str]] = []  # (value, file name), best first
-        self._saved_step: int | None = None
-        self._seen: list[str] = []
 
     @property
     def monitor(self) -> str:
@@ -54,7 +52,7 @@ class BestCheckpoint(Callback):
 
     @property
     def state_key(self) -> str:
-        return f"BestCheckpoint[{self.monitor},{self.mode}]"
+        return self._monitor.key
 
     @property
     def best_score(self) -> float | None:
@@ -75,22 +73,16 @@ class BestCheckpoint(Callback):
             )
 
     def on_validation_end(self, trainer: Trainer, metrics: Mapping[str, float]) -> None:
-        self._seen += list(metrics)
-        value = self._monitor.value_in("BestCheckpoint", metrics)
+        value = self._monitor.at_validation(trainer, metrics)
         if value is not None:
             self._consider(trainer, value)
 
     def on_epoch_end(self, trainer: Trainer, record: Mapping[str, float]) -> None:
-        self._seen += list(record)
-        if self._saved_step == trainer.global_step:
-            return  # the epoch-end validation was considered already
-        value = self._monitor.value_in("BestCheckpoint", record)
-        if value is None:
-            raise self._monitor.missing("BestCheckpoint", self._seen)
-        self._consider(trainer, value)
+        value = self._monitor.at_epoch_end(trainer, record)
+        if value is not None:
+            self._consider(trainer, value)
 
     def _consider(self, trainer: Trainer, value: float) -> None:
-        self._saved_step = trainer.global_step
         worst = self.kept[-1][0] if len(self.kept) >= self.keep else None
         if not self._monitor.better(value, worst):  # NaN is never better
             return  # every rank sees the same value: all skip, or all save below

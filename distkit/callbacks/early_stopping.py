@@ -38,7 +38,7 @@ class EarlyStopping(Callback):
         mode: str = "min",
         min_delta: float = 0.0,
     ) -> None:
-        self._monitor = Monitor.checked("EarlyStopping", monitor, mode)
+        self._monitor = Monitor("EarlyStopping", monitor, mode)
         check_ints(patience=(patience, 1))
         if isinstance(min_delta, bool) or not isinstance(min_delta, (int, float)) or min_delta < 0:
             raise ConfigurationError(
@@ -50,8 +50,6 @@ class EarlyStopping(Callback):
         self.best: float | None = None
         self.wait = 0  # checks since the last improvement
         self.stopped_step: int | None = None
-        self._checked_step: int | None = None  # a validation at this step was checked
-        self._seen: list[str] = []
 
     @property
     def monitor(self) -> str:
@@ -63,23 +61,17 @@ class EarlyStopping(Callback):
 
     @property
     def state_key(self) -> str:
-        return f"EarlyStopping[{self.monitor},{self.mode}]"
+        return self._monitor.key
 
     def on_validation_end(self, trainer: Trainer, metrics: Mapping[str, float]) -> None:
-        self._seen += list(metrics)
-        value = self._monitor.value_in("EarlyStopping", metrics)
+        value = self._monitor.at_validation(trainer, metrics)
         if value is not None:
-            self._checked_step = trainer.global_step
             self._check(trainer, value)
 
     def on_epoch_end(self, trainer: Trainer, record: Mapping[str, float]) -> None:
-        self._seen += list(record)
-        if self._checked_step == trainer.global_step:
-            return  # the epoch-end validation was checked already
-        value = self._monitor.value_in("EarlyStopping", record)
-        if value is None:
-            raise self._monitor.missing("EarlyStopping", self._seen)
-        self._check(trainer, value)
+        value = self._monitor.at_epoch_end(trainer, record)
+        if value is not None:
+            self._check(trainer, value)
 
     def _check(self, trainer: Trainer, value: float) -> None:
         if self._monitor.better(value, self.best, self.min_delta):
