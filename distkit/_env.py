@@ -2,6 +2,11 @@
 
 Launchers announce themselves through environment variables (and, for the legacy
 ``torch.distributed.launch``, a ``--local_rank`` argument). Nothing here changes the environment.
+
+Which launcher wins when several left variables: horovodrun (it may run on top of mpirun),
+then torchrun (it may run inside a SLURM step: ``srun torchrun ...``), then mpirun / mpiexec
+(Open MPI, MPICH, PMIx; inside SLURM too), then a SLURM step (``srun python ...``). A
+``salloc`` / ``sbatch`` shell that is not a step (no ``SLURM_PROCID``) is a plain process.
 """
 
 from __future__ import annotations
@@ -9,11 +14,18 @@ from __future__ import annotations
 import os
 import re
 import sys
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-Launcher = Literal["torchrun", "torch.distributed.launch", "horovodrun", "mpirun", "none"]
+from distkit._hostlist import expand_hostlist
+
+Launcher = Literal["torchrun", "torch.distributed.launch", "horovodrun", "mpirun", "srun", "none"]
+#: the first port of the range distkit derives a rendezvous port from (srun, mpirun)
+DERIVED_PORT_BASE = 20000
+#: how many ports that range has
+DERIVED_PORT_SPAN = 20000
 
 _LOCAL_RANK_ARG = re.compile(r"^--local[_-]rank(?:=(\d+))?$")
 
@@ -53,6 +65,12 @@ class LaunchEnv:
         """Whether horovodrun (or mpirun, which Horovod also runs under) started this process."""
         return self.launcher in ("horovodrun", "mpirun")
 
+    @property
+    def is_cluster_launcher(self) -> bool:
+        """Whether srun or mpirun started this process: torch.distributed then meets at
+        :attr:`master_addr`:`master_port` with a store that rank 0 hosts (no agent)."""
+        return self.launcher in ("srun", "mpirun")
+
     @classmethod
     def detect(
         cls, environ: Mapping[str, str] | None = None, argv: Sequence[str] | None = None
@@ -67,13 +85,6 @@ class LaunchEnv:
                 local_rank=_int(env, "HOROVOD_LOCAL_RANK", 0),
                 world_size=_int(env, "HOROVOD_SIZE", 1),
             )
-        if "OMPI_COMM_WORLD_SIZE" in env or "PMI_SIZE" in env:
-            return cls(
-                launcher="mpirun",
-                rank=_int(env, "OMPI_COMM_WORLD_RANK", _int(env, "PMI_RANK", 0)),
-                local_rank=_int(env, "OMPI_COMM_WORLD_LOCAL_RANK", _int(env, "MPI_LOCALRANKID", 0)),
-                world_size=_int(env, "OMPI_COMM_WORLD_SIZE", _int(env, "PMI_SIZE", 1)),
-            )
         legacy_local_rank = _local_rank_from_argv(args)
         if "WORLD_SIZE" in env and "RANK" in env:
             torchrun = "TORCHELASTIC_RUN_ID" in env and legacy_local_rank is None
@@ -85,6 +96,25 @@ class LaunchEnv:
                 world_size=_int(env, "WORLD_SIZE", 1),
                 master_addr=env.get("MASTER_ADDR"),
                 master_port=_int(env, "MASTER_PORT", 0) or None,
+            )
+        slurm_step = "SLURM_PROCID" in env
+        if "OMPI_COMM_WORLD_SIZE" in env or ("PMI_SIZE" in env and not slurm_step):
+            return cls(
+                launcher="mpirun",
+                rank=_int(env, "OMPI_COMM_WORLD_RANK", _int(env, "PMI_RANK", 0)),
+                local_rank=_int(env, "OMPI_COMM_WORLD_LOCAL_RANK", _int(env, "MPI_LOCALRANKID", 0)),
+                world_size=_int(env, "OMPI_COMM_WORLD_SIZE", _int(env, "PMI_SIZE", 1)),
+                master_addr=env.get("MASTER_ADDR") or "127.0.0.1",
+                master_port=_int(env, "MASTER_PORT", 0) or _mpi_port(env),
+            )
+        if slurm_step:
+            return cls(
+                launcher="srun",
+                rank=_int(env, "SLURM_PROCID", 0),
+                local_rank=_int(env, "SLURM_LOCALID", 0),
+                world_size=_int(env, "SLURM_NTASKS", _int(env, "SLURM_NPROCS", 1)),
+                master_addr=env.get("MASTER_ADDR") or _slurm_first_host(env),
+                master_port=_int(env, "MASTER_PORT", 0) or _slurm_port(env),
             )
         return cls()
 
@@ -100,6 +130,30 @@ def _int(env: Mapping[str, str], key: str, default: int) -> int:
             f"environment variable {key}={value!r} is not an integer; the launcher that set it "
             "is misconfigured (unset it or launch with torchrun / horovodrun)"
         ) from None
+
+
+def _slurm_first_host(env: Mapping[str, str]) -> str:
+    """The step's first node (rank 0 runs there under srun's block distribution)."""
+    for key in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"):
+        if env.get(key):
+            try:
+                return expand_hostlist(env[key])[0]
+            except ValueError as exc:
+                raise ValueError(f"environment variable {key}: {exc}") from None
+    return "127.0.0.1"
+
+
+def _slurm_port(env: Mapping[str, str]) -> int:
+    """A port every task of the step derives alike: from the job and step ids."""
+    job, step = _int(env, "SLURM_JOB_ID", 0), _int(env, "SLURM_STEP_ID", 0)
+    return DERIVED_PORT_BASE + (job * 97 + step) % DERIVED_PORT_SPAN
+
+
+def _mpi_port(env: Mapping[str, str]) -> int:
+    """A port every rank of the MPI job derives alike on one node: from the job's name
+    (PMIx namespace, Open MPI's job id), else the launcher's process (mpiexec's proxy)."""
+    job = env.get("PMIX_NAMESPACE") or env.get("OMPI_MCA_ess_base_jobid") or str(os.getppid())
+    return DERIVED_PORT_BASE + zlib.crc32(job.encode()) % DERIVED_PORT_SPAN
 
 
 def _local_rank_from_argv(argv: Sequence[str]) -> int | None:

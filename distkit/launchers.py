@@ -38,6 +38,11 @@ class LauncherFamily(ABC):
     def recognises(self, env: LaunchEnv) -> bool:
         """Whether this family's launcher started this process (``strategy="auto"`` asks)."""
 
+    def accepts(self, env: LaunchEnv) -> bool:
+        """Whether this family also runs under ``env``'s launcher when no family recognises it
+        as its own (``strategy="auto"``'s second choice; default: only its own)."""
+        return self.recognises(env)
+
     @abstractmethod
     def command(
         self, request: LaunchRequest, *, python: str, tools: Mapping[str, str]
@@ -83,7 +88,8 @@ class LauncherFamily(ABC):
 
 
 class TorchLaunchers(LauncherFamily):
-    """torchrun or ``torch.distributed.launch``; plain ``python`` is a world of one.
+    """torchrun or ``torch.distributed.launch``, a SLURM step (``srun``), or mpirun when no
+    Horovod claims it; plain ``python`` is a world of one.
 
     ``distkit run`` starts ``python -m torch.distributed.run`` (torchrun, with this
     interpreter): ``--standalone`` on one node; on several, the same command runs on every node
@@ -94,7 +100,11 @@ class TorchLaunchers(LauncherFamily):
     args_option = "--torchrun-args"
 
     def recognises(self, env: LaunchEnv) -> bool:
-        return env.is_torch_launcher or own_process_group()
+        return env.is_torch_launcher or env.launcher == "srun" or own_process_group()
+
+    def accepts(self, env: LaunchEnv) -> bool:
+        # under mpirun, torch.distributed meets at MASTER_ADDR:MASTER_PORT (see distkit._env)
+        return self.recognises(env) or env.launcher == "mpirun"
 
     def command(
         self, request: LaunchRequest, *, python: str, tools: Mapping[str, str]

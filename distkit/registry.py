@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import sys
 from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING
@@ -206,16 +207,17 @@ class StrategyRegistry:
 
         The first ``auto_select`` class whose launcher family recognises ``env`` (built-ins
         first, then registered ones, then plugins). With distkit's own: torchrun /
-        ``torch.distributed.launch`` or a process group the user made -> the torch
-        launchers' strategy; horovodrun / mpirun -> Horovod's; a plain process -> the
-        single-process one.
+        ``torch.distributed.launch``, a SLURM step or a process group the user made -> the
+        torch launchers' strategy; horovodrun -> Horovod's; mpirun -> Horovod's where Horovod
+        is installed, else the torch launchers'; a plain process -> the single-process one.
         """
-        for name, cls in self._auto_candidates():
-            if cls.launcher.recognises(env):
-                return name
-        for name, cls in self.load_all().items():
-            if cls.auto_select and cls.launcher.recognises(env):
-                return name
+        for check in ("recognises", "accepts"):  # its own launcher first, then one it runs under
+            for name, cls in self._auto_candidates():
+                if getattr(cls.launcher, check)(env):
+                    return name
+            for name, cls in self.load_all().items():
+                if cls.auto_select and getattr(cls.launcher, check)(env):
+                    return name
         raise ConfigurationError(
             f"strategy='auto': no registered strategy runs under {env.launcher}; name one "
             f"instead: {', '.join(self.names())}"
@@ -338,5 +340,13 @@ def make_strategy(strategy: str | Strategy) -> Strategy:
     if isinstance(strategy, Strategy):
         return strategy
     if isinstance(strategy, str) and strategy.strip().lower() == "auto":
-        strategy = auto_strategy_name(LaunchEnv.detect())
+        env = LaunchEnv.detect()
+        strategy = auto_strategy_name(env)
+        if env.launcher == "mpirun" and env.rank == 0:  # two backends run there: say which
+            print(
+                f"distkit: strategy='auto' under mpirun runs {strategy!r} ('horovod' where "
+                "Horovod is built with MPI, else 'ddp'); pass strategy=... to choose",
+                file=sys.stderr,
+                flush=True,
+            )
     return resolve_strategy_class(strategy)()

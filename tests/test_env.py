@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from distkit._env import LaunchEnv
+from distkit._env import DERIVED_PORT_BASE, DERIVED_PORT_SPAN, LaunchEnv
+from distkit._hostlist import expand_hostlist
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -106,11 +107,110 @@ def test_launch_env_detect_horovodrun():
 
 
 def test_launch_env_detect_mpirun():
-    env = LaunchEnv.detect(environ=MPIRUN_ENV, argv=["train.py"])
+    env = LaunchEnv.detect(environ={**MPIRUN_ENV, "PMIX_NAMESPACE": "prterun-vm-1@1"},
+                           argv=["train.py"])  # fmt: skip
 
-    assert env == LaunchEnv(launcher="mpirun", rank=2, local_rank=0, world_size=6)
-    assert env.is_horovod_launcher
+    assert (env.launcher, env.rank, env.local_rank, env.world_size) == ("mpirun", 2, 0, 6)
+    assert env.is_horovod_launcher and env.is_cluster_launcher
     assert not env.is_torch_launcher
+    # torch.distributed meets on this node by default, at a port every rank derives alike
+    assert env.master_addr == "127.0.0.1"
+    assert DERIVED_PORT_BASE <= env.master_port < DERIVED_PORT_BASE + DERIVED_PORT_SPAN
+    again = LaunchEnv.detect(environ={**MPIRUN_ENV, "OMPI_COMM_WORLD_RANK": "0",
+                                      "PMIX_NAMESPACE": "prterun-vm-1@1"}, argv=[])  # fmt: skip
+    other_job = LaunchEnv.detect(environ={**MPIRUN_ENV, "PMIX_NAMESPACE": "prterun-vm-2@1"},
+                                 argv=[])  # fmt: skip
+    assert again.master_port == env.master_port != other_job.master_port
+
+
+def test_launch_env_detect_mpich_and_explicit_rendezvous():
+    environ = {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1",
+               "MASTER_ADDR": "node1", "MASTER_PORT": "29400"}  # fmt: skip
+    env = LaunchEnv.detect(environ=environ, argv=[])
+    assert env == LaunchEnv(launcher="mpirun", rank=1, local_rank=1, world_size=2,
+                            master_addr="node1", master_port=29400)  # fmt: skip
+
+
+SRUN_ENV = {
+    "SLURM_PROCID": "5",
+    "SLURM_LOCALID": "1",
+    "SLURM_NTASKS": "8",
+    "SLURM_NODEID": "2",
+    "SLURM_NNODES": "4",
+    "SLURM_JOB_ID": "123456",
+    "SLURM_STEP_ID": "0",
+    "SLURM_NODELIST": "gpu[07-09,12]",
+    "SLURM_JOB_NODELIST": "gpu[07-09,12]",
+    "SLURM_TASKS_PER_NODE": "2(x4)",
+}
+
+
+def test_launch_env_detect_srun_reads_slurm_variables():
+    env = LaunchEnv.detect(environ=SRUN_ENV, argv=["train.py"])
+
+    assert (env.launcher, env.rank, env.local_rank, env.world_size) == ("srun", 5, 1, 8)
+    assert env.master_addr == "gpu07"  # the first host of the node list
+    assert DERIVED_PORT_BASE <= env.master_port < DERIVED_PORT_BASE + DERIVED_PORT_SPAN
+    assert env.is_cluster_launcher and env.is_multiprocess_launcher
+    assert not env.is_torch_launcher and not env.is_horovod_launcher
+    same_job = LaunchEnv.detect(environ={**SRUN_ENV, "SLURM_PROCID": "0"}, argv=[])
+    assert same_job.master_port == env.master_port
+
+
+def test_launch_env_detect_srun_takes_master_address_and_port_from_the_environment():
+    environ = {**SRUN_ENV, "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29999"}
+    env = LaunchEnv.detect(environ=environ, argv=[])
+    assert (env.master_addr, env.master_port) == ("10.1.2.3", 29999)
+
+
+def test_launch_env_salloc_shell_is_a_plain_process():
+    # salloc / sbatch shells carry the job's variables but are not a step: no SLURM_PROCID
+    shell = {k: v for k, v in SRUN_ENV.items() if k not in ("SLURM_PROCID", "SLURM_LOCALID")}
+    assert LaunchEnv.detect(environ=shell, argv=[]) == LaunchEnv()
+
+
+def test_launch_env_torchrun_inside_a_slurm_step_is_torchrun():
+    env = LaunchEnv.detect(environ={**SRUN_ENV, **TORCHRUN_ENV}, argv=[])
+    assert env.launcher == "torchrun" and (env.rank, env.world_size) == (3, 4)
+
+
+def test_launch_env_srun_with_pmi_is_srun_but_mpirun_inside_slurm_is_mpirun():
+    pmi = {**SRUN_ENV, "PMI_RANK": "5", "PMI_SIZE": "8"}  # srun --mpi=pmi2
+    assert LaunchEnv.detect(environ=pmi, argv=[]).launcher == "srun"
+    ompi = {**SRUN_ENV, **MPIRUN_ENV}  # mpirun inside an allocation
+    assert LaunchEnv.detect(environ=ompi, argv=[]).launcher == "mpirun"
+
+
+def test_launch_env_bad_slurm_node_list_names_the_variable():
+    words = r"SLURM_NODELIST: SLURM host list 'gpu\[07-': '\[' without"
+    with pytest.raises(ValueError, match=words):
+        LaunchEnv.detect(environ={**SRUN_ENV, "SLURM_NODELIST": "gpu[07-",
+                                  "SLURM_JOB_NODELIST": ""}, argv=[])  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("hostlist", "hosts"),
+    [
+        ("node1", ["node1"]),
+        ("node[01-04,07]", ["node01", "node02", "node03", "node04", "node07"]),
+        ("gpu[9-11]", ["gpu9", "gpu10", "gpu11"]),
+        ("a[1-2]-ib[08-09],login1", ["a1-ib08", "a1-ib09", "a2-ib08", "a2-ib09", "login1"]),
+        ("n1, n2", ["n1", "n2"]),
+    ],
+)
+def test_hostlist_expands_slurm_syntax(hostlist, hosts):
+    assert expand_hostlist(hostlist) == hosts
+
+
+@pytest.mark.parametrize(
+    ("hostlist", "words"),
+    [("node[1-", "'[' without ']'"), ("node1]", "']' without '['"),
+     ("node[a-b]", "'a-b' is not N or N-M"), ("node[5-2]", "runs backwards"),
+     ("", "names no host")],
+)  # fmt: skip
+def test_hostlist_refuses_malformed_lists(hostlist, words):
+    with pytest.raises(ValueError, match=__import__("re").escape(words)):
+        expand_hostlist(hostlist)
 
 
 def test_launch_env_detect_horovodrun_wins_over_mpi_variables():

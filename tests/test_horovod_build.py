@@ -283,3 +283,23 @@ def test_failed_step_reports_log_tail_and_path(tmp_path: Path) -> None:
     assert "exit code 3" in message and str(tmp_path / "sub" / "build.log") in message
     assert "line 99" in message and "line 60" in message and "line 59\n" not in message
     assert "line 0\n" in (tmp_path / "sub" / "build.log").read_text()
+
+
+@pytest.mark.timeout(30)
+def test_ensure_horovod_without_mpi_ignores_an_mpicc_on_path(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`--without-mpi` (nox's tests session: Open MPI's mpirun is installed for the mpirun
+    tests, Horovod stays Gloo-only): the cache key and the build say no MPI."""
+    calls: list[str] = []
+    _fake_environment(monkeypatch, calls, installed=None)
+    with_mpi = hb.Flavour(cuda=False, mpi=True)
+    monkeypatch.setattr(hb, "detect_flavour", lambda cuda: with_mpi)
+    wheel = hb.ensure_horovod(cache_dir=tmp_path, mpi=False)
+    assert wheel is not None
+    assert wheel.parent.name == hb.cache_key("0.28.1", "2.13.0+cpu", hb.python_tag(), CPU)
+    parsed = []
+    monkeypatch.setattr(hb, "ensure_horovod", lambda *a, **k: parsed.append(k["mpi"]))
+    assert hb.main(["--without-mpi", "--cache-dir", str(tmp_path)]) == 0
+    assert hb.main(["--cache-dir", str(tmp_path)]) == 0
+    assert parsed == [False, None]

@@ -12,6 +12,7 @@ result with ``horovodrun --check-build``::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -82,6 +83,7 @@ def ensure_horovod(
     install: bool = True,
     verify: bool = True,
     jobs: int | None = None,
+    mpi: bool | None = None,
 ) -> Path | None:
     """Make ``horovod.torch`` work in this interpreter: reuse, install from cache, or build.
 
@@ -92,6 +94,7 @@ def ensure_horovod(
         install: install the wheel (``pip install --no-deps``); False only builds/caches it.
         verify: run ``horovodrun --check-build`` after installing.
         jobs: compile jobs; default the CPUs available to this process.
+        mpi: build with MPI (True), without (False), or when ``mpicc`` is on PATH (None).
 
     Returns:
         The cached wheel's path; None when a matching horovod was already installed and no
@@ -103,6 +106,8 @@ def ensure_horovod(
     """
     torch_version, cuda = torch_info()
     flavour = detect_flavour(cuda)
+    if mpi is not None:
+        flavour = dataclasses.replace(flavour, mpi=mpi)
     key = cache_key(version, torch_version, python_tag(), flavour)
     out_dir = Path(cache_dir or default_cache_dir()).expanduser() / key
     session = _Session(out_dir / "build.log")
@@ -167,6 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-install", action="store_true", help="only build and cache the wheel")
     parser.add_argument("--no-verify", action="store_true", help="skip horovodrun --check-build")
     parser.add_argument("--jobs", type=int, metavar="N", help="compile jobs (default: all CPUs)")
+    parser.add_argument(
+        "--without-mpi", dest="mpi", action="store_const", const=False, default=None,
+        help="build Gloo only, even where mpicc is found (default: MPI when mpicc is on PATH)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     try:
         wheel = ensure_horovod(
@@ -176,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             install=not args.no_install,
             verify=not args.no_verify,
             jobs=args.jobs,
+            mpi=args.mpi,
         )
     except DistkitError as exc:
         print(f"{_PREFIX} ERROR: {exc}", file=sys.stderr, flush=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.metadata
 import shutil
 import subprocess
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from distkit.diagnosis import MachineFacts, StrategyReport
 
@@ -27,6 +27,8 @@ class HorovodFacts:
     mpirun: bool = False
     build_key: str | None = None  # from distkit.horovod_build's marker in the installed package
     expected_key: str | None = None  # the key a build for this interpreter's torch would have
+    #: the same build with the other MPI choice (``--without-mpi`` beside an mpicc): also current
+    other_mpi_key: str | None = None
 
 
 def probe(machine: MachineFacts) -> HorovodFacts:
@@ -60,7 +62,9 @@ def probe(machine: MachineFacts) -> HorovodFacts:
             error = f"{type(exc).__name__}: {exc}"
     gpu_build = bool(machine.cuda_devices and _torch_cuda())
     torch_version = hb.torch_info()[0]
-    expected = hb.cache_key(version, torch_version, hb.python_tag(), hb.detect_flavour(gpu_build))
+    flavour = hb.detect_flavour(gpu_build)
+    expected = hb.cache_key(version, torch_version, hb.python_tag(), flavour)
+    other = replace(flavour, mpi=not flavour.mpi)
     return HorovodFacts(
         version=version,
         horovodrun=horovodrun,
@@ -69,6 +73,7 @@ def probe(machine: MachineFacts) -> HorovodFacts:
         mpirun=shutil.which("mpirun") is not None,
         build_key=hb.installed_key(version),
         expected_key=expected,
+        other_mpi_key=hb.cache_key(version, torch_version, hb.python_tag(), other),
     )
 
 
@@ -104,12 +109,13 @@ def verdict(name: str, machine: MachineFacts, hvd: HorovodFacts) -> StrategyRepo
             why.append(f"its PyTorch extension is missing or does not load with torch {torch}")
         if not controllers:
             why.append("no usable controller (no Gloo; MPI needs mpirun on PATH)")
-    if hvd.build_key == hvd.expected_key:
+    current = hvd.build_key is not None and hvd.build_key in (hvd.expected_key, hvd.other_mpi_key)
+    if current:
         summary += "; built by distkit.horovod_build for this torch"
     elif hvd.build_key is None:
         summary += "; not built by distkit.horovod_build (cannot tell which torch it was built for)"
     else:
         summary += f"; built by distkit.horovod_build as {hvd.build_key}, not {hvd.expected_key}"
-    stale = hvd.build_key is not None and hvd.build_key != hvd.expected_key
+    stale = hvd.build_key is not None and not current
     fix = f"{build} --force" if why or stale else None
     return StrategyReport(name, not why, summary, why, fix, details)

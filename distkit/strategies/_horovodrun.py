@@ -13,6 +13,7 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from distkit._env import LaunchEnv
+from distkit._imports import is_importable
 from distkit.errors import ConfigurationError, MissingDependencyError
 from distkit.launch import LaunchRequest, with_strategy_arg
 from distkit.launchers import LauncherFamily, own_process_group
@@ -38,6 +39,18 @@ def parse_hosts(hosts: str, slots: int) -> list[tuple[str, int]]:
     return parsed
 
 
+def horovod_has_mpi() -> bool:
+    """Whether an installed Horovod was built with MPI (imports it: ask only under mpirun)."""
+    if not is_importable("horovod.torch"):
+        return False
+    try:
+        import horovod.torch as hvd
+
+        return bool(hvd.mpi_built())
+    except Exception:  # a broken install: not a Horovod that runs here
+        return False
+
+
 class Horovodrun(LauncherFamily):
     """horovodrun, or mpirun, which Horovod also runs under.
 
@@ -50,7 +63,11 @@ class Horovodrun(LauncherFamily):
     args_option = "--horovod-args"
 
     def recognises(self, env: LaunchEnv) -> bool:
-        return env.is_horovod_launcher and not own_process_group()
+        if own_process_group():
+            return False
+        # plain mpirun runs Horovod only where Horovod was built with MPI (else "auto" takes
+        # ddp: a Gloo-only Horovod under mpirun would run every process alone)
+        return env.launcher == "horovodrun" or (env.launcher == "mpirun" and horovod_has_mpi())
 
     def world_size(self, request: LaunchRequest) -> int:
         if request.hosts:

@@ -6,6 +6,7 @@ below :class:`~distkit.strategies.base.Strategy`.
 
 from __future__ import annotations
 
+import functools
 import os
 from datetime import timedelta
 from typing import Any, ClassVar
@@ -30,7 +31,7 @@ def init_process_group(
     A group the user already created is reused and left alone at teardown. Without a launcher a
     world of one is formed on an in-process store, so the same code runs under ``python``.
     """
-    if env.is_horovod_launcher:
+    if env.launcher == "horovodrun":
         from distkit.registry import auto_strategy_name  # the strategy that fits this launcher
 
         raise LauncherMismatchError(
@@ -53,12 +54,13 @@ def init_process_group(
     topology = _topology(env.rank, env.local_rank, env.world_size, use_cuda, strategy)
     if topology.device.type == "cuda":
         torch.cuda.set_device(topology.device)
-    if env.is_torch_launcher:
-        _require_rendezvous_env(env)
+    if env.is_torch_launcher or (env.is_cluster_launcher and env.world_size > 1):
+        if env.is_torch_launcher:
+            _require_rendezvous_env(env)
+        store = _attempt_store(timeout) if env.is_torch_launcher else _cluster_store(env, timeout)
         dist.init_process_group(
-            chosen, store=_attempt_store(timeout), rank=env.rank, world_size=env.world_size,
-            timeout=timeout,
-        )  # fmt: skip
+            chosen, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout
+        )
     else:
         dist.init_process_group(
             chosen, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
@@ -110,6 +112,41 @@ def _attempt_store(timeout: timedelta) -> dist.Store:
     scope = f"distkit/attempt_{attempt}"
     group = store.add(f"{scope}/rank_{rank}/groups", 1)
     return dist.PrefixStore(f"{scope}/group_{group}", store)
+
+
+def _cluster_store(env: LaunchEnv, timeout: timedelta) -> dist.Store:
+    """The rendezvous of an srun / mpirun job: a store that rank 0 hosts at the address and
+    port :class:`~distkit._env.LaunchEnv` read or derived (no agent runs beside the workers).
+
+    Every group of the job gets its own prefix, numbered per rank, as in
+    :func:`_attempt_store`.
+    """
+    assert env.master_addr is not None and env.master_port is not None
+    try:
+        store = _job_store(env.master_addr, env.master_port, env.world_size, env.rank, timeout)
+    except (RuntimeError, OSError) as exc:
+        raise LauncherMismatchError(
+            f"rank {env.rank} of a {env.launcher} job could not meet the others at "
+            f"{env.master_addr}:{env.master_port} ({type(exc).__name__}: {exc}). Check that "
+            "every task was started by the same step (a `python` run straight from an sbatch "
+            "script starts one task, not SLURM_NTASKS: use srun), that MASTER_ADDR names the "
+            "first task's host and resolves on every node, and that MASTER_PORT is free "
+            "(set it by hand if two jobs share a node)"
+        ) from exc
+    group = store.add(f"distkit/rank_{env.rank}/groups", 1)
+    return dist.PrefixStore(f"distkit/group_{group}", store)
+
+
+@functools.cache
+def _job_store(addr: str, port: int, world_size: int, rank: int, timeout: timedelta) -> dist.Store:
+    """One store per job and process, kept for the life of the process, as torchrun's agent
+    keeps its store for the job's life.
+
+    A store per process group would die with rank 0's group: a rank that already moved on to
+    the next Trainer (a sweep) would meet rank 0's old store, then lose it, and hang. This
+    cache is the only process-wide state distkit keeps; it holds what the launcher made.
+    """
+    return dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=timeout)
 
 
 def _require_rendezvous_env(env: LaunchEnv) -> None:

