@@ -7,6 +7,7 @@ Importing distkit imports no backend library (Horovod, apex) and changes nothing
 """
 
 from distkit import callbacks, loggers
+from distkit._spawn import spawn
 from distkit.callbacks import Callback
 from distkit.errors import (
     ConfigurationError,
@@ -17,6 +18,7 @@ from distkit.errors import (
     StrategyPluginError,
     UnknownStrategyError,
     UnsupportedFeatureError,
+    WorkerError,
 )
 from distkit.metrics import Accuracy, ConfusionMatrix, MeanIoU, Metric
 from distkit.registry import BUILTIN_STRATEGIES as _BUILTINS
@@ -60,11 +62,13 @@ __all__ = [
     "Trainer",
     "UnknownStrategyError",
     "UnsupportedFeatureError",
+    "WorkerError",
     "__version__",
     "available_strategies",
     "callbacks",
     "loggers",
     "register_strategy",
+    "spawn",
 ]
 __all__ += _STRATEGY_CLASSES
 __all__.sort()

@@ -99,3 +99,9 @@ class CheckpointError(DistkitError, RuntimeError):
     Missing, corrupt, unsafe (needs pickled code) or of another format; or its tensors do not
     fit the model, or its optimizer state is another optimizer's.
     """
+
+
+class WorkerError(DistkitError, RuntimeError):
+    """A :func:`distkit.spawn` worker failed in a way that cannot be re-raised as itself: its
+    exception does not pickle, it died without a word (killed, ``os._exit``), or the workers
+    ran past ``timeout``. The worker's traceback, when there is one, is the ``__cause__``."""

@@ -37,11 +37,13 @@ PUBLIC_NAMES = [
     "Trainer",
     "UnknownStrategyError",
     "UnsupportedFeatureError",
+    "WorkerError",
     "__version__",
     "available_strategies",
     "callbacks",
     "loggers",
     "register_strategy",
+    "spawn",
 ]
 
 # Modules that importing distkit must not load: backend libraries, torch's launchers and the
