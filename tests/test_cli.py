@@ -404,3 +404,22 @@ def test_cli_refuses_the_other_launchers_arguments(tmp_path, capsys):
     assert "--horovod-args is for horovodrun, but strategy='ddp' runs under torchrun" in (
         capsys.readouterr().err
     )
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("environ", "line"),
+    [
+        ({"SLURM_PROCID": "1", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "9",
+          "SLURM_NODELIST": "n[1-2]"},
+         "launcher  srun (rank 1 of 4)  ->  strategy='auto' picks ddp"),
+        ({"SLURM_JOB_ID": "9", "SLURM_NTASKS": "4"},
+         "launcher  none (rank 0 of 1)  ->  strategy='auto' picks dp"),
+    ],
+)  # fmt: skip
+def test_doctor_names_the_cluster_launcher_and_what_auto_picks(environ, line):
+    """A SLURM step is named as such; an allocation shell (no SLURM_PROCID) is one process."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "PMI"))}
+    done = subprocess.run([sys.executable, "-m", "distkit.cli", "doctor"], env={**env, **environ},
+                          capture_output=True, text=True, timeout=100)  # fmt: skip
+    assert line in done.stdout, done.stdout + done.stderr
