@@ -118,7 +118,8 @@ def _refuse_forking_cuda(method: str) -> None:
         )
 
 
-def _worker_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+def torchrun_variables(rank: int, world_size: int, port: int, run_id: str) -> dict[str, str]:
+    """The variables torchrun sets for one worker of a single-node job."""
     return {
         "RANK": str(rank),
         "LOCAL_RANK": str(rank),
@@ -126,7 +127,13 @@ def _worker_env(rank: int, world_size: int, port: int) -> dict[str, str]:
         "LOCAL_WORLD_SIZE": str(world_size),
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
-        "TORCHELASTIC_RUN_ID": f"distkit-spawn-{port}",
+        "TORCHELASTIC_RUN_ID": run_id,
+    }
+
+
+def _worker_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    return {
+        **torchrun_variables(rank, world_size, port, f"distkit-spawn-{port}"),
         "TORCHELASTIC_USE_AGENT_STORE": "True",  # the caller hosts the store, as an agent
     }
 

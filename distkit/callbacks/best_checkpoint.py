@@ -38,17 +38,10 @@ class BestCheckpoint(Callback):
 
     def __init__(self, monitor: str = "val_loss", mode: str = "min", keep: int = 1) -> None:
         self._monitor = Monitor("BestCheckpoint", monitor, mode)
+        self.monitor, self.mode = self._monitor.monitor, self._monitor.mode
         check_ints(keep=(keep, 1))
         self.keep = keep
         self.kept: list[tuple[float, str]] = []  # (value, file name), best first
-
-    @property
-    def monitor(self) -> str:
-        return self._monitor.monitor
-
-    @property
-    def mode(self) -> str:
-        return self._monitor.mode
 
     @property
     def state_key(self) -> str:

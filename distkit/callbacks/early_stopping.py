@@ -39,6 +39,7 @@ class EarlyStopping(Callback):
         min_delta: float = 0.0,
     ) -> None:
         self._monitor = Monitor("EarlyStopping", monitor, mode)
+        self.monitor, self.mode = self._monitor.monitor, self._monitor.mode
         check_ints(patience=(patience, 1))
         if isinstance(min_delta, bool) or not isinstance(min_delta, (int, float)) or min_delta < 0:
             raise ConfigurationError(
@@ -50,14 +51,6 @@ class EarlyStopping(Callback):
         self.best: float | None = None
         self.wait = 0  # checks since the last improvement
         self.stopped_step: int | None = None
-
-    @property
-    def monitor(self) -> str:
-        return self._monitor.monitor
-
-    @property
-    def mode(self) -> str:
-        return self._monitor.mode
 
     @property
     def state_key(self) -> str:

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from distkit._spawn import torchrun_variables
+
 #: what the fork server imports once, before it forks any rank
 PRELOAD = ["torch", "distkit"]
 
@@ -35,15 +37,7 @@ def free_port() -> int:
 
 def torchrun_env(rank: int, world_size: int, port: int) -> dict[str, str]:
     """The variables torchrun sets for one worker on a single node."""
-    return {
-        "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(world_size),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "TORCHELASTIC_RUN_ID": "distkit-tests",
-    }
+    return torchrun_variables(rank, world_size, port, "distkit-tests")
 
 
 def plain_env(rank: int, world_size: int, port: int) -> dict[str, str]:
