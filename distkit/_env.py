@@ -6,7 +6,8 @@ Launchers announce themselves through environment variables (and, for the legacy
 Which launcher wins when several left variables: horovodrun (it may run on top of mpirun),
 then torchrun (it may run inside a SLURM step: ``srun torchrun ...``), then mpirun / mpiexec
 (Open MPI, MPICH, PMIx; inside SLURM too), then a SLURM step (``srun python ...``). A
-``salloc`` / ``sbatch`` shell that is not a step (no ``SLURM_PROCID``) is a plain process.
+``salloc`` shell (no ``SLURM_PROCID``) is a plain process; an sbatch script's own process
+has ``SLURM_PROCID=0`` and looks like rank 0 of the step (see ``_torch_dist._wait_for_tasks``).
 """
 
 from __future__ import annotations

@@ -178,3 +178,17 @@ def test_clusters_horovodrun_over_two_host_entries_equals_one_process(tmp_path, 
            sys.executable, *JOB, "horovod", "4", str(tmp_path)]  # fmt: skip
     _wait([_start(hvd, _env(), tmp_path)])
     _check(tmp_path, one_process, "horovod")
+
+
+def test_clusters_rank_zero_says_why_when_the_other_tasks_never_come(monkeypatch, capsys):
+    """An sbatch script that runs python itself: SLURM calls its one process rank 0 of
+    SLURM_NTASKS. Rank 0 waits (the others might be slow to start) but says what may be
+    wrong; here with the hint after 0.2 s and a 1.5 s limit instead of 30 s and 30 min."""
+    from datetime import timedelta
+
+    from distkit.strategies import _torch_dist
+
+    monkeypatch.setattr(_torch_dist, "JOIN_HINT_S", 0.2)
+    with pytest.raises(TimeoutError, match="only 1 of 2 tasks reached the store"):
+        _torch_dist._job_store.__wrapped__("127.0.0.1", _free_port(), 2, 0, timedelta(seconds=1.5))
+    assert "start the tasks with srun" in capsys.readouterr().err

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
+import time
 from datetime import timedelta
 from typing import Any, ClassVar
 
@@ -146,7 +148,39 @@ def _job_store(addr: str, port: int, world_size: int, rank: int, timeout: timede
     the next Trainer (a sweep) would meet rank 0's old store, then lose it, and hang. This
     cache is the only process-wide state distkit keeps; it holds what the launcher made.
     """
-    return dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=timeout)
+    store = dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=timeout,
+                          wait_for_workers=False)  # fmt: skip
+    store.add(_JOINED, 1)
+    if rank == 0:
+        _wait_for_tasks(store, world_size, timeout)
+    return store
+
+
+_JOINED = "distkit/joined"
+#: seconds rank 0 waits for the other tasks before it says what may be wrong (once)
+JOIN_HINT_S = 30.0
+
+
+def _wait_for_tasks(store: dist.Store, world_size: int, timeout: timedelta) -> None:
+    """Rank 0 waits for every task to reach the store; after a while it says why that can
+    hang (an sbatch script that runs python itself: its one process has SLURM_PROCID=0)."""
+    start, hinted = time.monotonic(), False
+    while (joined := store.add(_JOINED, 0)) < world_size:
+        waited = time.monotonic() - start
+        if waited > timeout.total_seconds():
+            raise TimeoutError(
+                f"only {joined} of {world_size} tasks reached the store in {waited:.0f}s"
+            )
+        if waited > JOIN_HINT_S and not hinted:
+            hinted = True
+            print(
+                f"distkit: rank 0 has waited {waited:.0f}s for {world_size - joined} of "
+                f"{world_size} tasks. Under SLURM, start the tasks with srun (`srun python "
+                "train.py`): a `python train.py` in an sbatch script is one process that SLURM "
+                "still calls rank 0 of SLURM_NTASKS. Under mpirun, check -np.",
+                file=sys.stderr, flush=True,
+            )  # fmt: skip
+        time.sleep(0.05)
 
 
 def _require_rendezvous_env(env: LaunchEnv) -> None:
