@@ -42,6 +42,8 @@ class LaunchEnv:
         world_size: number of processes (1 when none).
         master_addr: rendezvous address for torch.distributed, if any.
         master_port: rendezvous port for torch.distributed, if any.
+        elastic: the launcher may add and remove processes during the run (horovodrun
+            ``--min-np/--max-np`` with a host discovery script).
     """
 
     launcher: Launcher = "none"
@@ -50,6 +52,7 @@ class LaunchEnv:
     world_size: int = 1
     master_addr: str | None = None
     master_port: int | None = None
+    elastic: bool = False
 
     @property
     def is_multiprocess_launcher(self) -> bool:
@@ -85,6 +88,7 @@ class LaunchEnv:
                 rank=_int(env, "HOROVOD_RANK", 0),
                 local_rank=_int(env, "HOROVOD_LOCAL_RANK", 0),
                 world_size=_int(env, "HOROVOD_SIZE", 1),
+                elastic=env.get("HOROVOD_ELASTIC") == "1",
             )
         legacy_local_rank = _local_rank_from_argv(args)
         if "WORLD_SIZE" in env and "RANK" in env:

@@ -76,8 +76,10 @@ class FitRun:
             self._validation()
             stop = self._agree_stop() or stop
         every = trainer.checkpoint_every
-        if every != "epoch" and trainer.checkpoints is not None and step % int(every) == 0:
-            trainer._save_to_folder()
+        if every != "epoch" and step % int(every) == 0:
+            if trainer.checkpoints is not None:
+                trainer._save_to_folder()
+            trainer.strategy.commit()  # elastic: may re-form the group (raises to re-run)
         self.sink.flush()
         if stop:
             self.stopped_early = True
@@ -117,9 +119,11 @@ class FitRun:
             state.global_step,
         )
         self.callbacks.call("on_epoch_end", trainer, record)
-        if trainer.checkpoints is not None and trainer.checkpoint_every == "epoch":
-            trainer._save_to_folder()
         self.sink.flush()
+        if trainer.checkpoint_every == "epoch":
+            if trainer.checkpoints is not None:
+                trainer._save_to_folder()
+            trainer.strategy.commit()
         if self._agree_stop():
             self.stopped_early = True
             return True

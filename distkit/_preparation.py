@@ -61,11 +61,7 @@ def prepare_fit(
     named_metrics(metrics)
     strategy = trainer.strategy
     spec = trainer._loader_spec(train_data, "train_data", shuffle=trainer.shuffle)
-    plan = GlobalBatchPlan(
-        len(spec), batch_size=spec.batch_size, world_size=strategy.world_size,
-        rank=strategy.rank, grad_accum_steps=trainer.grad_accum_steps, shuffle=spec.shuffle,
-        seed=trainer.seed, drop_last=spec.drop_last or trainer.drop_last,
-    )  # fmt: skip
+    plan = batch_plan(trainer, spec)
     val = None if val_data is None else trainer._loader_spec(val_data, "val_data", shuffle=False)
     if trainer.checkpoints is not None and strategy.is_main:
         trainer.checkpoints.check_writable()  # now, not after the first epoch trained
@@ -97,6 +93,16 @@ def prepare_fit(
     }
     details = {"model": lambda: _agreement.named_shapes(model)}
     return _agreement.Prepared(agreed, FitPlan(spec, plan, found), details=details)
+
+
+def batch_plan(trainer: Trainer, spec: LoaderSpec) -> GlobalBatchPlan:
+    """The global batches of ``spec``'s data for this rank, at the current world size."""
+    strategy = trainer.strategy
+    return GlobalBatchPlan(
+        len(spec), batch_size=spec.batch_size, world_size=strategy.world_size,
+        rank=strategy.rank, grad_accum_steps=trainer.grad_accum_steps, shuffle=spec.shuffle,
+        seed=trainer.seed, drop_last=spec.drop_last or trainer.drop_last,
+    )  # fmt: skip
 
 
 def prepare_evaluate(

@@ -19,10 +19,11 @@ from distkit._faults import fail_fast
 from distkit._fit import FitRun, hyperparams
 from distkit._logging import LogSink, LogWindow
 from distkit._loop import FitState, LoopSettings, StepFn, TrainLoop
-from distkit._preparation import FitPlan, prepare_evaluate, prepare_fit
+from distkit._preparation import FitPlan, batch_plan, prepare_evaluate, prepare_fit
 from distkit._progress import Progress
 from distkit._resume import Run
 from distkit._setups import SetupCache
+from distkit._snapshot import RunSnapshot
 from distkit.callbacks import Callback
 from distkit.callbacks._list import CallbackList
 from distkit.data import LoaderSpec
@@ -317,15 +318,18 @@ class Trainer:
         step_fn: StepFn | None, compiler: _compile.Compiler | None,
     ) -> FitResult:  # fmt: skip
         strategy = self.strategy
+
         # every rank checks its arguments and finds its checkpoint, then all agree (or all
         # raise) before the first collective of the set-up
-        prepared, _ = _agreement.exchange(
-            strategy,
-            "fit",
-            lambda: prepare_fit(
+        def prepare() -> _agreement.Prepared[FitPlan]:
+            return prepare_fit(
                 self, model, optimizer, train_data, loss_fn, val_data, metrics, scheduler, step_fn
-            ),
-        )
+            )
+
+        if strategy.elastic:  # a process joining later could not meet this collective
+            prepared = prepare().local
+        else:
+            prepared, _ = _agreement.exchange(strategy, "fit", prepare)
         self._pending = None
         payload = None if prepared.found is None else prepared.found.payload
         if payload is not None:
@@ -355,8 +359,7 @@ class Trainer:
         compiler: _compile.Compiler | None,
     ) -> FitRun:  # fmt: skip
         strategy = self.strategy
-        spec, plan = prepared.spec, prepared.plan
-        loader, sampler = spec.train_loader(plan, seed=self.seed + strategy.rank)
+        spec = prepared.spec
         wrapped, dist_optimizer = self._setups.setup(model, optimizer)
         forward = self._setups.compiled(model, compiler)
         if payload is not None:
@@ -371,22 +374,35 @@ class Trainer:
             step_scheduler=self.scheduler_interval == "step", progress=self.progress,
             clip=self.gradient_clip,
         )  # fmt: skip
-        loop = TrainLoop(
-            strategy=strategy, model=wrapped, optimizer=dist_optimizer, loader=loader,
-            sampler=sampler, plan=plan, loss_fn=loss_fn, step_fn=step_fn, scheduler=scheduler,
-            settings=settings, rank_progress=self._rank_progress, forward_model=forward,
-        )  # fmt: skip
         assert self._sink is not None
-        self._sink.hyperparams(hyperparams(self, model, optimizer, len(spec)))
-        run = FitRun(
-            trainer=self, loop=loop, state=state, callbacks=self.callbacks, sink=self._sink,
-            window=LogWindow(strategy, self.log_every_n_steps),
-            validate=None if val_data is None else (
-                lambda: self.evaluate(model, val_data, loss_fn=loss_fn, metrics=metrics)
-            ),
-        )  # fmt: skip
-        run.run()
-        return run
+        sink = self._sink
+        sink.hyperparams(hyperparams(self, model, optimizer, len(spec)))
+        runs: list[FitRun] = []
+
+        def body() -> None:
+            # an elastic strategy runs this again in a re-formed group: new rank, new size
+            self._topology = strategy.topology
+            plan = batch_plan(self, spec) if runs else prepared.plan
+            loader, sampler = spec.train_loader(plan, seed=self.seed + strategy.rank)
+            loop = TrainLoop(
+                strategy=strategy, model=wrapped, optimizer=dist_optimizer, loader=loader,
+                sampler=sampler, plan=plan, loss_fn=loss_fn, step_fn=step_fn,
+                scheduler=scheduler, settings=settings, rank_progress=self._rank_progress,
+                forward_model=forward,
+            )  # fmt: skip
+            run = FitRun(
+                trainer=self, loop=loop, state=state, callbacks=self.callbacks, sink=sink,
+                window=LogWindow(strategy, self.log_every_n_steps),
+                validate=None if val_data is None else (
+                    lambda: self.evaluate(model, val_data, loss_fn=loss_fn, metrics=metrics)
+                ),
+            )  # fmt: skip
+            runs.append(run)
+            run.run()
+
+        snapshot = RunSnapshot(model, optimizer, scheduler, state, self.callbacks)
+        strategy.run_training(body, snapshot)
+        return runs[-1]
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(

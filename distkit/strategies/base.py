@@ -286,6 +286,29 @@ class Strategy(ABC):
         grads = step_gradients(optimizer)
         return clip_(grads, clip, local_norm(grads, self.device))
 
+    # ------------------------------------------------------------------ elastic hooks
+    @property
+    def elastic(self) -> bool:
+        """Whether processes may join or leave a running fit (default: no).
+
+        Then ``fit`` skips the collectives a joining process could not meet (the ranks'
+        agreement, set-up broadcasts), and :meth:`run_training` synchronises the state.
+        """
+        return False
+
+    def run_training(self, body: Callable[[], None], snapshot: Any) -> None:
+        """Run ``body`` (a fit's epochs) once (default).
+
+        An elastic backend runs it again whenever its group changed, after restoring the
+        last committed ``snapshot`` (a :class:`distkit._snapshot.RunSnapshot`: ``save()``,
+        ``restore()``, ``sync(strategy)``) and sending rank 0's to every rank.
+        """
+        body()
+
+    def commit(self) -> None:  # noqa: B027  (a hook that does nothing by default)
+        """A point where an elastic backend saves the run and may take in a changed group
+        (every ``checkpoint_every`` steps, or each epoch's end). Default: nothing."""
+
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
         """Context in which ``backward`` accumulates locally without communicating."""
         return contextlib.nullcontext()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -17,6 +18,7 @@ from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ConfigurationError, LauncherMismatchError, UnsupportedFeatureError
 from distkit.strategies import _horovod_doctor
 from distkit.strategies._horovod_channel import HorovodKVChannel
+from distkit.strategies._horovod_elastic import elastic_state
 from distkit.strategies._horovodrun import HOROVODRUN
 from distkit.strategies.base import StepOutcome, Strategy, Topology
 from distkit.syncbn import convert_to_global_batchnorm
@@ -70,6 +72,8 @@ class HorovodStrategy(Strategy):
         self.op = op
         self._hvd_module: ModuleType | None = None
         self._channel: HorovodKVChannel | None = None
+        self._elastic = False  # horovodrun --min-np/--max-np (HOROVOD_ELASTIC=1)
+        self._elastic_state: Any = None  # the running fit's, between commits
 
     @property
     def _hvd(self) -> Any:
@@ -90,6 +94,7 @@ class HorovodStrategy(Strategy):
         hvd = require("horovod.torch", feature="strategy='horovod'", hint=_horovod_hint())
         self._refuse_collective_timeout()
         hvd.init()
+        self._elastic = env.elastic
         if env.launcher == "mpirun" and hvd.size() != env.world_size:
             raise LauncherMismatchError(
                 f"mpirun started {env.world_size} processes but Horovod sees {hvd.size()}: this "
@@ -98,9 +103,10 @@ class HorovodStrategy(Strategy):
                 "keep mpirun and use strategy='ddp', or rebuild Horovod with HOROVOD_WITH_MPI=1."
             )
         self._hvd_module = hvd
-        # one scope per Horovod group in the launcher's key-value server (a uuid from rank 0)
-        scope = hvd.broadcast_object(uuid.uuid4().hex, root_rank=0, name="distkit.scope")
-        self._channel = HorovodKVChannel.from_env(f"distkit-{scope}")
+        if not self._elastic:  # elastic: no collective a joining process could not meet
+            # one scope per Horovod group in the launcher's key-value server (rank 0's uuid)
+            scope = hvd.broadcast_object(uuid.uuid4().hex, root_rank=0, name="distkit.scope")
+            self._channel = HorovodKVChannel.from_env(f"distkit-{scope}")
         if torch.cuda.is_available():
             device = torch.device("cuda", hvd.local_rank())
             torch.cuda.set_device(device)
@@ -136,7 +142,8 @@ class HorovodStrategy(Strategy):
         self, model: nn.Module, optimizer: torch.optim.Optimizer
     ) -> tuple[nn.Module, torch.optim.Optimizer]:
         hvd = self._hvd
-        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        if not self._elastic:  # elastic: run_training's first sync sends rank 0's weights
+            hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         distributed = hvd.DistributedOptimizer(
             optimizer,
             named_parameters=model.named_parameters(),
@@ -153,10 +160,40 @@ class HorovodStrategy(Strategy):
         # A fresh optimizer has no state to broadcast. Horovod would initialise it with a
         # zero-gradient step, which advances Adam's step count and applies AdamW's weight decay
         # once: the run would then differ from DDP's. Only resumed state is broadcast.
+        if self._elastic:
+            return model, distributed
         has_state = self.all_reduce(torch.tensor([float(bool(optimizer.state))]), op="sum")
         if has_state.item() > 0:
             hvd.broadcast_optimizer_state(distributed, root_rank=0)
         return model, distributed
+
+    # ------------------------------------------------------------------ elastic (horovodrun)
+    @property
+    def elastic(self) -> bool:
+        return self._elastic
+
+    def run_training(self, body: Callable[[], None], snapshot: Any) -> None:
+        if not self._elastic:
+            body()
+            return
+        state = elastic_state(self._hvd, snapshot, self)
+        state.register_reset_callbacks([self._after_reset])
+        self._elastic_state = state
+        try:
+            self._hvd.elastic.run(lambda _state: body())(state)
+        finally:
+            self._elastic_state = None
+
+    def commit(self) -> None:
+        if self._elastic_state is not None:
+            # saves the run in memory; raises HostsUpdatedInterrupt when hosts changed, which
+            # run_training's loop turns into a re-formed group and a new run of the body
+            self._elastic_state.commit()
+
+    def _after_reset(self) -> None:
+        """Horovod re-formed the group: this process's rank and the world size changed."""
+        hvd, device = self._hvd, self.device
+        self._topology = Topology(hvd.rank(), hvd.local_rank(), hvd.size(), device)
 
     def setup_optimizer(
         self, model: nn.Module, optimizer: torch.optim.Optimizer
