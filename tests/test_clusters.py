@@ -192,3 +192,58 @@ def test_clusters_rank_zero_says_why_when_the_other_tasks_never_come(monkeypatch
     with pytest.raises(TimeoutError, match="only 1 of 2 tasks reached the store"):
         _torch_dist._job_store.__wrapped__("127.0.0.1", _free_port(), 2, 0, timedelta(seconds=1.5))
     assert "start the tasks with srun" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- two network namespaces
+def _ip(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+
+
+@pytest.fixture
+def two_hosts():
+    """Two network namespaces joined by a veth pair: each "host" has its own loopback and
+    address (10.77.x.1 and 10.77.x.2), as two machines on one network. Needs root and
+    iproute2 (skips without)."""
+    if shutil.which("ip") is None or os.geteuid() != 0:
+        pytest.skip("needs root and iproute2 (`ip netns`) to make two network namespaces")
+    tag = f"{os.getpid() % 10000}"
+    names, subnet = (f"dka{tag}", f"dkb{tag}"), f"10.77.{os.getpid() % 250}"
+    steps = [
+        ("netns", "add", names[0]), ("netns", "add", names[1]),
+        ("link", "add", f"va{tag}", "type", "veth", "peer", "name", f"vb{tag}"),
+        ("link", "set", f"va{tag}", "netns", names[0]),
+        ("link", "set", f"vb{tag}", "netns", names[1]),
+        ("-n", names[0], "addr", "add", f"{subnet}.1/24", "dev", f"va{tag}"),
+        ("-n", names[1], "addr", "add", f"{subnet}.2/24", "dev", f"vb{tag}"),
+        ("-n", names[0], "link", "set", f"va{tag}", "up"),
+        ("-n", names[1], "link", "set", f"vb{tag}", "up"),
+        ("-n", names[0], "link", "set", "lo", "up"), ("-n", names[1], "link", "set", "lo", "up"),
+    ]  # fmt: skip
+    try:
+        for step in steps:
+            done = _ip(*step)
+            if done.returncode != 0:
+                pytest.skip(f"cannot make network namespaces here: ip {' '.join(step)}: "
+                            f"{done.stderr.strip()}")  # fmt: skip
+        yield [(names[0], f"va{tag}", f"{subnet}.1"), (names[1], f"vb{tag}", f"{subnet}.2")]
+    finally:
+        for name in names:
+            _ip("netns", "del", name)
+
+
+def test_clusters_two_torchrun_hosts_in_network_namespaces_equal_one_process(
+    tmp_path, one_process, two_hosts
+):
+    """Two torchrun agents on two "machines" (network namespaces, a veth link between them):
+    node 0 hosts the rendezvous at its own address, Gloo runs over the link."""
+    (ns0, _, addr0), _ = two_hosts
+    agents = []
+    for node, (ns, interface, addr) in enumerate(two_hosts):
+        cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run",
+               "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{addr0}:29611",
+               "--rdzv-id", f"ns-{ns0}", "--rdzv-conf", f"is_host={str(node == 0).lower()}",
+               "--local-addr", addr, *JOB, "auto", "4", str(tmp_path)]  # fmt: skip
+        agents.append(_start(cmd, _env(GLOO_SOCKET_IFNAME=interface), tmp_path))
+    _wait(agents)
+    _check(tmp_path, one_process, "ddp")
