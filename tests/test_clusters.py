@@ -155,6 +155,25 @@ def test_clusters_mpirun_refuses_a_horovod_without_mpi(tmp_path):
     assert not list(tmp_path.glob("rank*.pt"))
 
 
+def _mpich_bin() -> str | None:
+    """MPICH's bin folder (nox installs it beside Open MPI and names it here)."""
+    folder = os.environ.get("DISTKIT_TEST_MPICH")
+    return folder if folder and Path(folder, "mpiexec").exists() else None
+
+
+@pytest.mark.skipif(_mpich_bin() is None, reason="MPICH not installed (nox -s tests does)")
+def test_clusters_mpich_mpiexec_runs_ddp_as_one_job(tmp_path, one_process):
+    """MPICH's hydra sets PMI_RANK / PMI_SIZE / MPI_LOCALRANKID (no PMIx namespace): the
+    rendezvous port comes from the launcher's process, the same for every rank."""
+    folder = _mpich_bin()
+    assert folder is not None
+    env = _env(PATH=f"{folder}{os.pathsep}{os.environ.get('PATH', '')}")
+    cmd = [str(Path(folder, "mpiexec")), "-n", "2", sys.executable, *JOB, "ddp", "4",
+           str(tmp_path)]  # fmt: skip
+    _wait([_start(cmd, env, tmp_path)])
+    _check(tmp_path, one_process, "ddp")
+
+
 # ---------------------------------------------------------------- torchrun across two nodes
 def test_clusters_two_torchrun_nodes_equal_one_process(tmp_path, one_process):
     """Two torchrun agents (--nnodes 2, c10d rendezvous on 127.0.0.1), one process each."""
