@@ -100,6 +100,21 @@ def test_clusters_srun_style_tasks_train_as_one_job_with_auto(tmp_path, one_proc
     _check(tmp_path, one_process, "ddp")
 
 
+def test_clusters_srun_sweep_reuses_the_job_store_whatever_the_timeout(tmp_path):
+    """Two Trainers per task with different collective timeouts: one store per process."""
+    job_id = str(random.randrange(10**6, 10**7))
+    procs = [
+        _start([sys.executable, "-m", "tests.jobs.sweep_job", str(tmp_path)], _env(
+            SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS="2",
+            SLURM_JOB_ID=job_id, SLURM_NODELIST="localhost",
+        ), tmp_path)
+        for rank in range(2)
+    ]  # fmt: skip
+    _wait(procs, 120)
+    losses = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
+    assert losses[0] == losses[1] and len(losses[0].split()) == 2
+
+
 def test_clusters_salloc_shell_is_one_process_not_a_broken_group(tmp_path, one_process):
     """An allocation's shell (no SLURM_PROCID) with SLURM_NTASKS=2 trains alone, at once."""
     env = _env(SLURM_JOB_ID="77", SLURM_NTASKS="2", SLURM_NODELIST="localhost")
@@ -209,7 +224,7 @@ def test_clusters_rank_zero_says_why_when_the_other_tasks_never_come(monkeypatch
 
     monkeypatch.setattr(_torch_dist, "JOIN_HINT_S", 0.2)
     with pytest.raises(TimeoutError, match="only 1 of 2 tasks reached the store"):
-        _torch_dist._job_store.__wrapped__("127.0.0.1", _free_port(), 2, 0, timedelta(seconds=1.5))
+        _torch_dist._job_store("127.0.0.1", _free_port(), 2, 0, timedelta(seconds=1.5))
     assert "start the tasks with srun" in capsys.readouterr().err
 
 

@@ -6,7 +6,6 @@ below :class:`~distkit.strategies.base.Strategy`.
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 import time
@@ -111,7 +110,12 @@ def _attempt_store(timeout: timedelta) -> dist.Store:
     """
     store, rank, _ = next(dist.rendezvous("env://", timeout=timeout))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    scope = f"distkit/attempt_{attempt}"
+    return _next_group_scope(store, f"distkit/attempt_{attempt}", rank)
+
+
+def _next_group_scope(store: dist.Store, scope: str, rank: int) -> dist.Store:
+    """``store`` seen through the prefix of this rank's next process group under ``scope``:
+    every rank creates its groups in the same order, so their counters agree."""
     group = store.add(f"{scope}/rank_{rank}/groups", 1)
     return dist.PrefixStore(f"{scope}/group_{group}", store)
 
@@ -135,25 +139,32 @@ def _cluster_store(env: LaunchEnv, timeout: timedelta) -> dist.Store:
             "first task's host and resolves on every node, and that MASTER_PORT is free "
             "(set it by hand if two jobs share a node)"
         ) from exc
-    group = store.add(f"distkit/rank_{env.rank}/groups", 1)
-    return dist.PrefixStore(f"distkit/group_{group}", store)
+    return _next_group_scope(store, "distkit", env.rank)
 
 
-@functools.cache
+#: the job's store per (address, port, world size, rank): see :func:`_job_store`
+_JOB_STORES: dict[tuple[str, int, int, int], dist.Store] = {}
+
+
 def _job_store(addr: str, port: int, world_size: int, rank: int, timeout: timedelta) -> dist.Store:
     """One store per job and process, kept for the life of the process, as torchrun's agent
     keeps its store for the job's life.
 
     A store per process group would die with rank 0's group: a rank that already moved on to
     the next Trainer (a sweep) would meet rank 0's old store, then lose it, and hang. This
-    cache is the only process-wide state distkit keeps; it holds what the launcher made.
+    cache is the only process-wide state distkit keeps; it holds what the launcher made. The
+    first Trainer's timeout is the store's: a later Trainer with another one must not host a
+    second store on the same port.
     """
-    store = dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=timeout,
-                          wait_for_workers=False)  # fmt: skip
-    store.add(_JOINED, 1)
-    if rank == 0:
-        _wait_for_tasks(store, world_size, timeout)
-    return store
+    key = (addr, port, world_size, rank)
+    if key not in _JOB_STORES:
+        store = dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=timeout,
+                              wait_for_workers=False)  # fmt: skip
+        store.add(_JOINED, 1)
+        if rank == 0:
+            _wait_for_tasks(store, world_size, timeout)
+        _JOB_STORES[key] = store
+    return _JOB_STORES[key]
 
 
 _JOINED = "distkit/joined"
