@@ -77,9 +77,7 @@ class FitRun:
             stop = self._agree_stop() or stop
         every = trainer.checkpoint_every
         if every != "epoch" and step % int(every) == 0:
-            if trainer.checkpoints is not None:
-                trainer._save_to_folder()
-            trainer.strategy.commit()  # elastic: may re-form the group (raises to re-run)
+            self._save_point()
         self.sink.flush()
         if stop:
             self.stopped_early = True
@@ -121,9 +119,7 @@ class FitRun:
         self.callbacks.call("on_epoch_end", trainer, record)
         self.sink.flush()
         if trainer.checkpoint_every == "epoch":
-            if trainer.checkpoints is not None:
-                trainer._save_to_folder()
-            trainer.strategy.commit()
+            self._save_point()
         if self._agree_stop():
             self.stopped_early = True
             return True
@@ -140,6 +136,13 @@ class FitRun:
         self.sink.log(metrics, state.global_step)
         self.callbacks.call("on_validation_end", trainer, metrics)
         return metrics
+
+    def _save_point(self) -> None:
+        """A ``checkpoint_every`` point: the checkpoint (with a ``checkpoint_dir``), then the
+        strategy's commit (elastic: may re-form the group, raising to run the body again)."""
+        if self.trainer.checkpoints is not None:
+            self.trainer._save_to_folder()
+        self.trainer.strategy.commit()
 
     def _report(self, record: dict[str, float]) -> None:
         """The epoch's line (and timing table) on rank 0, when ``progress`` is on."""

@@ -45,7 +45,7 @@ class LogSink:
     """The loggers, written on rank 0 only; values logged for one step go into one row."""
 
     def __init__(self, loggers: Iterable[Logger] | None, *, is_main: bool) -> None:
-        self.loggers = _checked(loggers)
+        self.loggers = checked_loggers(loggers)
         self.is_main = is_main
         self._step: int | None = None
         self._row: dict[str, int | float] = {}
@@ -121,7 +121,8 @@ class LogWindow:
         return (loss_sum / samples if samples else float("nan")), stops > 0
 
 
-def _checked(loggers: Iterable[Logger] | None) -> list[Logger]:
+def checked_loggers(loggers: Iterable[Logger] | None) -> list[Logger]:
+    """``Trainer(loggers=...)`` as a list of Logger instances, or a ConfigurationError."""
     if loggers is None:
         return []
     if isinstance(loggers, Logger) or not isinstance(loggers, Iterable):

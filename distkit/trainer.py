@@ -17,7 +17,7 @@ from distkit._compile import check_compile
 from distkit._evaluation import LossFn, Metrics, evaluate_shard
 from distkit._faults import fail_fast
 from distkit._fit import FitRun, hyperparams
-from distkit._logging import LogSink, LogWindow
+from distkit._logging import LogSink, LogWindow, checked_loggers
 from distkit._loop import FitState, LoopSettings, StepFn, TrainLoop
 from distkit._preparation import FitPlan, batch_plan, prepare_evaluate, prepare_fit
 from distkit._progress import Progress
@@ -145,7 +145,7 @@ class Trainer:
     ) -> None:
         check_trainer_arguments({k: v for k, v in locals().items() if k != "self"})
         self.callbacks = CallbackList(callbacks)
-        self.loggers = LogSink(loggers, is_main=False).loggers  # checked; rank 0 writes
+        self.loggers = checked_loggers(loggers)  # rank 0 writes
         self.compile = check_compile(compile)
         self.max_epochs = max_epochs
         self.batch_size = batch_size
@@ -305,10 +305,10 @@ class Trainer:
             )  # fmt: skip
         except BaseException as exc:
             self.callbacks.call_on_exception(self, exc)
-            self._sink = None
             sink.finalize("interrupted" if isinstance(exc, KeyboardInterrupt) else "failed")
             raise
-        self._sink = None
+        finally:
+            self._sink = None
         sink.finalize("success")
         return result
 
