@@ -157,8 +157,7 @@ class FitRun:
             parts.append(f"skipped_steps={int(record['skipped_steps'])} (non-finite gradients)")
         tqdm.write(" ".join(parts))
         if loop.timing is not None:
-            workers = getattr(loop.loader, "num_workers", trainer.num_workers)
-            tqdm.write(loop.timing.table(trainer.strategy.comm_phase, workers))
+            tqdm.write(loop.timing.table(trainer.strategy.comm_phase, loop.feed.num_workers))
 
     def _agree_stop(self) -> bool:
         """Whether any rank set ``should_stop``; afterwards every rank's flag says so."""

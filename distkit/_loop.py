@@ -13,9 +13,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from distkit._checks import check_loss
+from distkit._feed import Feed
 from distkit._progress import Progress
 from distkit.batch import batch_size_of, split_batch, to_device
-from distkit.data import GlobalBatchPlan, PlanBatchSampler, reseed_workers
 from distkit.errors import DistkitError
 from distkit.strategies._steps import GradientClip, StepOutcome
 from distkit.strategies.base import Strategy
@@ -72,9 +72,7 @@ class TrainLoop:
     strategy: Strategy
     model: nn.Module  # as wrapped by the strategy
     optimizer: torch.optim.Optimizer  # as wrapped by the strategy
-    loader: Any
-    sampler: PlanBatchSampler
-    plan: GlobalBatchPlan
+    feed: Feed  # the epoch's micro-batches and their weights
     loss_fn: LossFn | None
     step_fn: StepFn | None
     scheduler: Any
@@ -94,24 +92,21 @@ class TrainLoop:
         Returns True when stopped early.
         """
         strategy, model = self.strategy, self.model
-        self.sampler.set_epoch(state.epoch, state.position)
-        reseed_workers(
-            self.loader, self.settings.seed * 1000003 + strategy.rank * 7919 + state.epoch
-        )
         model.train()
         # kept on the device: no host sync per step
         loss_sum = torch.tensor(float(state.loss_sum), dtype=torch.float64, device=strategy.device)
         state.loss_sum = loss_sum
         step_loss, step_samples = torch.zeros_like(loss_sum), 0
         bar = tqdm(
-            total=self.plan.remaining(state.position),
+            total=self.feed.remaining(state.epoch, state.position),
             desc=f"epoch {state.epoch + 1}/{self.settings.max_epochs}",
             # a bar only where a person watches: piped output (CI, horovodrun) gets epoch lines
             disable=not (self.settings.progress and strategy.is_main and sys.stderr.isatty()),
             leave=False,
             dynamic_ncols=True,
         )
-        micro_batches = self.plan.micro_batches(state.position)
+        worker_seed = self.settings.seed * 1000003 + strategy.rank * 7919 + state.epoch
+        batches = self.feed.epoch(state.epoch, state.position, worker_seed)
         progress = self.rank_progress
         progress.epoch, progress.step, progress.phase = state.epoch, state.global_step, "data"
         stopped = False
@@ -119,7 +114,7 @@ class TrainLoop:
         start_position = state.position
         timer.start()
         with bar:
-            for batch, micro in zip(self.loader, micro_batches, strict=True):
+            for batch, micro in batches:
                 batch = to_device(batch, strategy.device)
                 timer.mark("data")
                 progress.phase = "forward"

@@ -92,9 +92,14 @@ class GlobalBatchPlan:
         """Micro-batches in a whole epoch (the same on every rank)."""
         return len(self._sizes(0))
 
-    def remaining(self, start: int) -> int:
+    def remaining(self, start: int, epoch: int = 0) -> int:
         """Micro-batches left in an epoch resumed at sample position ``start``."""
         return len(self._sizes(start))
+
+    def fingerprint(self, epoch: int) -> int | None:
+        """A number that differs when two ranks would draw different orders (None: they
+        cannot, the order is distkit's own permutation)."""
+        return None
 
     @property
     def steps_per_epoch(self) -> int:
@@ -116,7 +121,7 @@ class GlobalBatchPlan:
             mine = chunk[self.rank :: self.world_size]
             yield mine if mine else chunk[:1]
 
-    def micro_batches(self, start: int = 0) -> Iterator[MicroBatch]:
+    def micro_batches(self, start: int = 0, epoch: int = 0) -> Iterator[MicroBatch]:
         """Weights and boundaries of the micro-batches from position ``start`` on."""
         sizes = self._sizes(start)
         accum = self.grad_accum_steps

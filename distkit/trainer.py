@@ -16,6 +16,7 @@ from distkit._checks import as_score, check_trainer_arguments, seed_generators
 from distkit._compile import check_compile
 from distkit._evaluation import LossFn, Metrics, evaluate_shard
 from distkit._faults import fail_fast
+from distkit._feed import MapFeed
 from distkit._fit import FitRun, hyperparams
 from distkit._logging import LogSink, LogWindow, checked_loggers
 from distkit._loop import FitState, LoopSettings, StepFn, TrainLoop
@@ -385,8 +386,8 @@ class Trainer:
             plan = batch_plan(self, spec) if runs else prepared.plan
             loader, sampler = spec.train_loader(plan, seed=self.seed + strategy.rank)
             loop = TrainLoop(
-                strategy=strategy, model=wrapped, optimizer=dist_optimizer, loader=loader,
-                sampler=sampler, plan=plan, loss_fn=loss_fn, step_fn=step_fn,
+                strategy=strategy, model=wrapped, optimizer=dist_optimizer,
+                feed=MapFeed(strategy, loader, sampler, plan), loss_fn=loss_fn, step_fn=step_fn,
                 scheduler=scheduler, settings=settings, rank_progress=self._rank_progress,
                 forward_model=forward,
             )  # fmt: skip
