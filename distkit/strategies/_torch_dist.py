@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from distkit._channel import SideChannel
 from distkit._env import LaunchEnv
 from distkit.errors import ConfigurationError, LauncherMismatchError
+from distkit.strategies._collectives import PendingSum
 from distkit.strategies.base import Topology, TrainOptions
 from distkit.syncbn import convert_to_global_batchnorm, convert_to_masked_sync_batchnorm
 
@@ -257,6 +258,7 @@ class TorchDistributedCollectives:
     world_size: int
     device: torch.device
     _owns_group: bool = False  # distkit created the default group (and destroys it)
+    _host_group: Any = None  # a gloo group for host-side sums beside an nccl default group
 
     def _join_group(self) -> Topology:
         """Join (or create) the default group, with the resolved collective timeout."""
@@ -270,12 +272,31 @@ class TorchDistributedCollectives:
 
     def _leave_group(self) -> None:
         """Destroy the default group if :meth:`_join_group` created it."""
+        if self._host_group is not None and dist.is_initialized():
+            dist.destroy_process_group(self._host_group)
+        self._host_group = None
         if self._owns_group:
             destroy_process_group()
             self._owns_group = False
 
     def _all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         return all_reduce(tensor, op, self.world_size, self.device)
+
+    def all_reduce_async(self, tensor: torch.Tensor, *, name: str) -> PendingSum:
+        if tensor.device.type != "cpu" or self.world_size == 1:
+            return super().all_reduce_async(tensor, name=name)  # type: ignore[misc]
+        work = tensor.detach().clone()
+        handle = dist.all_reduce(work, op=dist.ReduceOp.SUM, group=self._cpu_group(), async_op=True)
+        return _TorchPending(handle, work)
+
+    def _cpu_group(self) -> Any:
+        """The default group where it is gloo; else a gloo group, made on first use (every
+        rank makes its first host-side sum at the same point, so they create it together)."""
+        if dist.get_backend() == "gloo":
+            return None
+        if self._host_group is None:
+            self._host_group = dist.new_group(backend="gloo")
+        return self._host_group
 
     def _broadcast(self, obj: Any, src: int) -> Any:
         return broadcast_object(obj, src, self.rank)
@@ -293,6 +314,17 @@ class TorchDistributedCollectives:
         if not dist.is_initialized():
             return None
         return StoreChannel(dist.distributed_c10d._get_default_store())
+
+
+class _TorchPending:
+    """An asynchronous all-reduce on a gloo group: done in gloo's threads, read on wait."""
+
+    def __init__(self, handle: Any, tensor: torch.Tensor) -> None:
+        self._handle, self._tensor = handle, tensor
+
+    def wait(self) -> torch.Tensor:
+        self._handle.wait()
+        return self._tensor
 
 
 class StoreChannel:

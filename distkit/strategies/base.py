@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -31,6 +31,7 @@ from distkit.errors import ConfigurationError, DistkitError
 from distkit.launch import LaunchRequest
 from distkit.launchers import TORCH_LAUNCHERS, LauncherFamily
 from distkit.precision import Precision, normalize_precision
+from distkit.strategies._collectives import Collectives
 from distkit.strategies._steps import (
     GradientClip,
     StepOutcome,
@@ -39,8 +40,6 @@ from distkit.strategies._steps import (
     local_norm,
     step_gradients,
 )
-
-REDUCE_OPS = ("mean", "sum")
 
 
 @dataclass(frozen=True)
@@ -65,7 +64,7 @@ class Topology:
     device: torch.device
 
 
-class Strategy(ABC):
+class Strategy(Collectives, ABC):
     """One data-parallel backend.
 
     Subclasses implement the abstract core; the defaults of everything else suit a backend that
@@ -115,26 +114,6 @@ class Strategy(ABC):
         self, model: nn.Module, optimizer: torch.optim.Optimizer
     ) -> tuple[nn.Module, torch.optim.Optimizer]:
         """Wrap a model that is already on :attr:`device` (and its optimizer) for training."""
-
-    @abstractmethod
-    def _all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
-        """Out-of-place sum/mean over ranks (a mean is only asked of floating tensors)."""
-
-    @abstractmethod
-    def _broadcast(self, obj: Any, src: int) -> Any:
-        """Any picklable object from ``src`` to every rank."""
-
-    @abstractmethod
-    def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Stack (new leading dim of size world_size) of every rank's same-shape tensor."""
-
-    @abstractmethod
-    def _all_gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's picklable object, in rank order."""
-
-    @abstractmethod
-    def barrier(self) -> None:
-        """Wait until every rank reaches this point."""
 
     # ------------------------------------------------------------------ lifecycle
     def connect(self, options: TrainOptions) -> None:
@@ -305,7 +284,7 @@ class Strategy(ABC):
         """
         body()
 
-    def commit(self) -> None:  # noqa: B027  (a hook that does nothing by default)
+    def commit(self) -> None:
         """A point where an elastic backend saves the run and may take in a changed group
         (every ``checkpoint_every`` steps, or each epoch's end). Default: nothing."""
 
@@ -428,50 +407,6 @@ class Strategy(ABC):
         """Restore what :meth:`state_dict` returned (or any strategy's, in the neutral form)."""
         self.precision.load_state_dict(state.get("scaler", {}))
 
-    # ------------------------------------------------------------------ collectives
-    def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
-        """Reduce ``tensor`` over ranks; returns a new tensor and leaves the input unchanged.
-
-        Args:
-            tensor: same shape and dtype on every rank.
-            op: ``"mean"`` or ``"sum"``.
-        """
-        if op not in REDUCE_OPS:
-            raise ConfigurationError(f"unknown reduce op {op!r}. Allowed: {', '.join(REDUCE_OPS)}")
-        _require_tensor(tensor, "all_reduce")
-        if op == "mean" and not tensor.is_floating_point():
-            tensor = tensor.double()  # the mean of integers is not an integer
-        return self._all_reduce(tensor, op)
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        """``obj`` as rank ``src`` holds it, on every rank (any picklable object)."""
-        self._check_rank(src, "src")
-        return self._broadcast(obj, src)
-
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Every rank's tensor stacked along a new first dimension (same shape on every rank)."""
-        _require_tensor(tensor, "all_gather")
-        return self._all_gather(tensor)
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's picklable object, in rank order."""
-        return self._all_gather_object(obj)
-
-    def _check_rank(self, value: int, what: str) -> None:
-        if not 0 <= value < self.world_size:
-            raise ConfigurationError(
-                f"{what}={value} is not a rank; allowed 0..{self.world_size - 1}"
-            )
-
-    @contextlib.contextmanager
-    def main_process_first(self) -> Iterator[None]:
-        """Rank 0 runs the block first (e.g. to download or cache), then the others."""
-        if not self.is_main:
-            self.barrier()
-        yield
-        if self.is_main:
-            self.barrier()
-
     def __repr__(self) -> str:
         where = (
             "not set up"
@@ -487,11 +422,3 @@ def _fp32(state: dict[str, Any]) -> dict[str, Any]:
         key: value.float() if isinstance(value, torch.Tensor) and value.dtype in half else value
         for key, value in state.items()
     }
-
-
-def _require_tensor(value: object, what: str) -> None:
-    if not isinstance(value, torch.Tensor):
-        raise ConfigurationError(
-            f"{what} takes a torch.Tensor, got {type(value).__name__}; "
-            "wrap numbers with torch.tensor(...) or use broadcast/all_gather_object for objects"
-        )

@@ -17,6 +17,7 @@ from distkit._imports import require
 from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ConfigurationError, LauncherMismatchError, UnsupportedFeatureError
 from distkit.strategies import _horovod_doctor
+from distkit.strategies._collectives import PendingSum
 from distkit.strategies._horovod_channel import HorovodKVChannel
 from distkit.strategies._horovod_elastic import elastic_state
 from distkit.strategies._horovodrun import HOROVODRUN
@@ -251,6 +252,13 @@ class HorovodStrategy(Strategy):
         hvd_op = self._hvd.Average if op == "mean" else self._hvd.Sum
         return self._hvd.allreduce(work, op=hvd_op).to(tensor.device)
 
+    def all_reduce_async(self, tensor: torch.Tensor, *, name: str) -> PendingSum:
+        if tensor.device.type != "cpu" or self.world_size == 1:
+            return super().all_reduce_async(tensor, name=name)
+        # Horovod's background thread sums it (CPU ops, beside the gradients' allreduces)
+        handle = self._hvd.allreduce_async(tensor.detach().clone(), op=self._hvd.Sum, name=name)
+        return _HorovodPending(self._hvd, handle)
+
     def _broadcast(self, obj: Any, src: int) -> Any:
         # every rank must pass the same name, or non-root ranks passing None hang
         return self._hvd.broadcast_object(obj, root_rank=src, name="distkit.broadcast")
@@ -264,3 +272,14 @@ class HorovodStrategy(Strategy):
 
     def barrier(self) -> None:
         self._hvd.barrier()
+
+
+class _HorovodPending:
+    """A Horovod ``allreduce_async`` handle; :meth:`wait` synchronises it."""
+
+    def __init__(self, hvd: Any, handle: Any) -> None:
+        self._hvd, self._handle = hvd, handle
+
+    def wait(self) -> torch.Tensor:
+        result: torch.Tensor = self._hvd.synchronize(self._handle)
+        return result
