@@ -24,6 +24,7 @@ from distkit.metrics import Accuracy, ConfusionMatrix, MeanIoU, Metric
 from distkit.registry import BUILTIN_STRATEGIES as _BUILTINS
 from distkit.registry import available_strategies, register_strategy
 from distkit.strategies.base import Strategy, Topology, TrainOptions
+from distkit.streams import ShardedStream
 from distkit.syncbn import GlobalBatchNorm
 from distkit.trainer import FitResult, Trainer
 
@@ -55,6 +56,7 @@ __all__ = [
     "Metric",
     "MissingDependencyError",
     "PeerFailureError",
+    "ShardedStream",
     "Strategy",
     "StrategyPluginError",
     "Topology",

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from distkit._checks import check_instance
+from distkit._stream_feed import StreamFeed
 from distkit.batch import batch_size_of, split_batch, to_device
 from distkit.metrics import Metric
 from distkit.strategies.base import Strategy
@@ -36,14 +37,15 @@ def named_metrics(metrics: Metrics | None) -> dict[str, Metric]:
 def evaluate_shard(
     strategy: Strategy,
     module: nn.Module,
-    loader: Any,
+    batches: Iterable[tuple[Any, bool]],
     loss_fn: LossFn | None,
     metrics: dict[str, Metric],
 ) -> dict[str, float]:
     """Loss and metrics over this rank's shard, summed over ranks (one all-reduce).
 
-    Runs :meth:`~distkit.Strategy.eval_rounds` forward passes: where a forward pass
-    communicates, a rank whose shard ran out runs spare ones that count for nothing.
+    ``batches``: this rank's batches, each with whether it counts (see :func:`map_rounds`
+    and :func:`stream_rounds`: a rank whose shard ran out may run spare forward passes that
+    count for nothing, where a forward pass communicates).
     """
     for metric in metrics.values():
         metric.reset()
@@ -54,7 +56,7 @@ def evaluate_shard(
     module.eval()
     try:
         with torch.no_grad():
-            for batch, counted in _rounds(loader, strategy.eval_rounds(len(loader))):
+            for batch, counted in batches:
                 inputs, target = split_batch(to_device(batch, device))
                 with strategy.autocast():
                     output = module(inputs)
@@ -88,9 +90,10 @@ def evaluate_shard(
     return scores
 
 
-def _rounds(loader: Any, rounds: int) -> Iterator[tuple[Any, bool]]:
-    """The loader's batches (counted), then a spare one-sample batch (not counted) up to
-    ``rounds`` passes."""
+def map_rounds(strategy: Strategy, loader: Any) -> Iterator[tuple[Any, bool]]:
+    """A shard's batches (counted), then spare one-sample batches (not counted) up to
+    :meth:`~distkit.Strategy.eval_rounds` passes."""
+    rounds = strategy.eval_rounds(len(loader))
     done = 0
     for batch in loader:
         done += 1
@@ -99,3 +102,11 @@ def _rounds(loader: Any, rounds: int) -> Iterator[tuple[Any, bool]]:
         spare = loader.collate_fn([loader.dataset[0]])
         for _ in range(rounds - done):
             yield spare, False
+
+
+def stream_rounds(feed: StreamFeed) -> Iterator[tuple[Any, bool]]:
+    """A stream's batches for this rank; every rank runs as many forward passes as the one
+    with the most (it cannot know in advance which backends need that), spare ones (a
+    rank's latest batch again) not counted."""
+    for batch, micro in feed.epoch(0, 0, feed.seed):
+        yield batch, micro.count > 0

@@ -13,7 +13,10 @@ from typing import Any, Protocol
 
 import torch
 
-from distkit.data import GlobalBatchPlan, MicroBatch, PlanBatchSampler, reseed_workers
+from distkit._evaluation import map_rounds, stream_rounds
+from distkit._stream_feed import StreamFeed
+from distkit._stream_spec import StreamSpec
+from distkit.data import GlobalBatchPlan, LoaderSpec, MicroBatch, PlanBatchSampler, reseed_workers
 from distkit.errors import ConfigurationError
 from distkit.strategies.base import Strategy
 
@@ -28,10 +31,14 @@ class Feed(Protocol):
     def remaining(self, epoch: int, position: int) -> int | None:
         """Micro-batches left in ``epoch`` from sample ``position`` on (None: unknown)."""
 
-    def epoch(self, epoch: int, position: int, seed: int) -> Iterator[tuple[Any, MicroBatch]]:
+    def epoch(
+        self, epoch: int, position: int, seed: int, *, local_position: int | None = None
+    ) -> Iterator[tuple[Any, MicroBatch]]:
         """This rank's batches and their weights from sample ``position`` of ``epoch`` on.
 
-        ``seed`` seeds this rank's DataLoader workers for the epoch.
+        ``seed`` seeds this rank's DataLoader workers for the epoch; ``local_position`` is the
+        samples this rank trained of the epoch (None: unknown, after a resume at another
+        world size), for data that each rank reads on its own.
         """
 
 
@@ -53,7 +60,9 @@ class MapFeed:
     def remaining(self, epoch: int, position: int) -> int | None:
         return self.plan.remaining(position, epoch=epoch)
 
-    def epoch(self, epoch: int, position: int, seed: int) -> Iterator[tuple[Any, MicroBatch]]:
+    def epoch(
+        self, epoch: int, position: int, seed: int, *, local_position: int | None = None
+    ) -> Iterator[tuple[Any, MicroBatch]]:
         self._check_same_order(epoch)
         self.sampler.set_epoch(epoch, position)
         reseed_workers(self.loader, seed)
@@ -77,3 +86,34 @@ class MapFeed:
                 "own `generator`, with seed + epoch while it draws) and do not shard by rank "
                 "yourself (no DistributedSampler)"
             )
+
+
+def train_feed(
+    strategy: Strategy,
+    spec: LoaderSpec | StreamSpec,
+    plan: GlobalBatchPlan | None,
+    *,
+    seed: int,
+    grad_accum_steps: int,
+    drop_last: bool,
+) -> Feed:
+    """The feed of a fit's training data: a plan's (map-style data) or a stream's."""
+    if isinstance(spec, StreamSpec):
+        return StreamFeed(
+            strategy, spec, slots=grad_accum_steps, seed=seed,
+            drop_last=drop_last or spec.drop_last,
+        )  # fmt: skip
+    assert plan is not None, "map-style data has a plan"
+    loader, sampler = spec.train_loader(plan, seed=seed + strategy.rank)
+    return MapFeed(strategy, loader, sampler, plan)
+
+
+def eval_batches(
+    strategy: Strategy, spec: LoaderSpec | StreamSpec, seed: int
+) -> Iterator[tuple[Any, bool]]:
+    """This rank's evaluation batches, each with whether it counts (every sample once)."""
+    if isinstance(spec, StreamSpec):
+        return stream_rounds(StreamFeed(strategy, spec, slots=1, seed=seed, purpose="eval"))
+    world, rank = strategy.world_size, strategy.rank
+    loader = spec.eval_loader(world_size=world, rank=rank, seed=seed + rank)
+    return map_rounds(strategy, loader)

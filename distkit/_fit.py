@@ -110,7 +110,7 @@ class FitRun:
             step_scheduler(loop.scheduler, record)
         state.history.append(record)
         state.epoch, state.position, state.loss_sum, state.samples = state.epoch + 1, 0, 0.0, 0
-        state.skipped_steps = 0
+        state.skipped_steps, state.local_position = 0, 0
         self._report(record)
         self.sink.log(
             {k: v for k, v in record.items() if not k.startswith(_TIMING_PREFIX)},
@@ -174,7 +174,7 @@ class FitRun:
 
 
 def hyperparams(
-    trainer: Trainer, model: nn.Module, optimizer: torch.optim.Optimizer, samples: int
+    trainer: Trainer, model: nn.Module, optimizer: torch.optim.Optimizer, samples: int | None
 ) -> dict[str, Any]:
     """What the loggers record of a fit's settings, once, before its first step."""
     clip = trainer.gradient_clip

@@ -36,6 +36,8 @@ class FitState:
 
     epoch: int = 0  # the epoch in progress (or the next one)
     position: int = 0  # samples of this epoch already trained, over all ranks
+    #: samples of this epoch this rank trained (None: unknown, resumed at another world size)
+    local_position: int | None = 0
     global_step: int = 0  # optimizer steps taken (skipped ones included)
     loss_sum: float | torch.Tensor = 0.0  # this rank's loss x samples so far in the epoch
     samples: int = 0  # this rank's real samples so far in the epoch
@@ -106,7 +108,9 @@ class TrainLoop:
             dynamic_ncols=True,
         )
         worker_seed = self.settings.seed * 1000003 + strategy.rank * 7919 + state.epoch
-        batches = self.feed.epoch(state.epoch, state.position, worker_seed)
+        batches = self.feed.epoch(
+            state.epoch, state.position, worker_seed, local_position=state.local_position
+        )
         progress = self.rank_progress
         progress.epoch, progress.step, progress.phase = state.epoch, state.global_step, "data"
         stopped = False
@@ -144,6 +148,8 @@ class TrainLoop:
                     step_loss += loss.detach().double() * counted
                     step_samples += counted
                 state.position += micro.samples
+                if state.local_position is not None:
+                    state.local_position += micro.count
                 bar.update()
                 if micro.last_in_step:
                     progress.phase = "optimizer"

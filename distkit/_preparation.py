@@ -27,6 +27,8 @@ from distkit._checks import (
 from distkit._compile import describe as describe_compile
 from distkit._evaluation import LossFn, Metrics, named_metrics
 from distkit._loop import StepFn
+from distkit._samplers import BatchSamplerPlan, SamplerPlan
+from distkit._stream_spec import StreamSpec, check_stream
 from distkit.data import GlobalBatchPlan, LoaderSpec
 from distkit.errors import ConfigurationError
 from distkit.metrics import Metric
@@ -39,8 +41,8 @@ if TYPE_CHECKING:
 class FitPlan:
     """What a fit found before agreeing: its data, batch plan and checkpoint."""
 
-    spec: LoaderSpec
-    plan: GlobalBatchPlan
+    spec: LoaderSpec | StreamSpec
+    plan: GlobalBatchPlan | None  # None for a stream
     found: _resume.Found | None
 
 
@@ -63,21 +65,33 @@ def prepare_fit(
     spec = trainer._loader_spec(train_data, "train_data", shuffle=trainer.shuffle)
     plan = batch_plan(trainer, spec)
     val = None if val_data is None else trainer._loader_spec(val_data, "val_data", shuffle=False)
+    if isinstance(val, StreamSpec):
+        every = trainer.val_every_n_steps
+        reads, because = (2, f"val_every_n_steps={every}") if every else (
+            trainer.max_epochs, f"max_epochs={trainer.max_epochs}")  # fmt: skip
+        check_stream(val, reads=reads, because=because)
+    if isinstance(spec, StreamSpec):
+        check_stream(spec, reads=trainer.max_epochs, because=f"max_epochs={trainer.max_epochs}")
+        if spec.self_sharded and strategy.elastic:
+            raise ConfigurationError(
+                "train_data is a ShardedStream and the strategy is elastic: when the group "
+                "changes, each process's share of a stream that shards itself cannot be "
+                "re-cut. Let distkit shard the stream (pass it without ShardedStream)"
+            )
     if trainer.checkpoints is not None and strategy.is_main:
         trainer.checkpoints.check_writable()  # now, not after the first epoch trained
     found = trainer._pending or _resume.find_resume(
         trainer.resume, trainer.checkpoints, strategy.device
     )
     if found is not None:
-        _resume.check_fits(found, model, optimizer, len(spec))
+        epoch_samples = None if plan is None else plan.samples_per_epoch
+        _resume.check_fits(found, model, optimizer, samples_of(spec), epoch_samples)
     trainer.callbacks.validate(trainer)
     agreed = {
         "resume from": "no checkpoint" if found is None else found.label,
-        "train_data samples": str(len(spec)),
-        "batch plan": f"{spec.batch_size} per rank x {trainer.grad_accum_steps} accumulated, "
-        f"{len(plan)} micro-batches per epoch, shuffle={plan.shuffle}, "
-        f"drop_last={plan.drop_last}",
-        "val_data samples": "none" if val is None else str(len(val)),
+        "train_data samples": describe_data(spec),
+        "batch plan": describe_plan(trainer, spec, plan),
+        "val_data samples": "none" if val is None else describe_data(val),
         "model": _agreement.describe_model(model),
         "optimizer": f"{type(optimizer).__name__}, {len(optimizer.param_groups)} group(s)",
         "scheduler": "none" if scheduler is None else type(scheduler).__name__,
@@ -95,25 +109,51 @@ def prepare_fit(
     return _agreement.Prepared(agreed, FitPlan(spec, plan, found), details=details)
 
 
-def batch_plan(trainer: Trainer, spec: LoaderSpec) -> GlobalBatchPlan:
-    """The global batches of ``spec``'s data for this rank, at the current world size."""
+def samples_of(spec: LoaderSpec | StreamSpec) -> int | None:
+    """The samples of an epoch, where known ahead (None: a stream)."""
+    return None if isinstance(spec, StreamSpec) else len(spec)
+
+
+def describe_data(spec: LoaderSpec | StreamSpec) -> str:
+    return spec.describe() if isinstance(spec, StreamSpec) else str(len(spec))
+
+
+def describe_plan(trainer: Trainer, spec: LoaderSpec | StreamSpec, plan: Any) -> str:
+    per_step = f"{trainer.grad_accum_steps} accumulated"
+    if isinstance(spec, StreamSpec):
+        size = "whole batches" if spec.batch_size is None else f"{spec.batch_size} per rank"
+        return f"{size} x {per_step}, a stream, drop_last={spec.drop_last or trainer.drop_last}"
+    return str(plan.describe())
+
+
+def batch_plan(trainer: Trainer, spec: LoaderSpec | StreamSpec) -> GlobalBatchPlan | None:
+    """The global batches of ``spec``'s data for this rank, at the current world size (None:
+    a stream, whose batches are learnt as it goes)."""
+    if isinstance(spec, StreamSpec):
+        return None
     strategy = trainer.strategy
-    return GlobalBatchPlan(
-        len(spec), batch_size=spec.batch_size, world_size=strategy.world_size,
-        rank=strategy.rank, grad_accum_steps=trainer.grad_accum_steps, shuffle=spec.shuffle,
-        seed=trainer.seed, drop_last=spec.drop_last or trainer.drop_last,
-    )  # fmt: skip
+    common: dict[str, Any] = {
+        "world_size": strategy.world_size, "rank": strategy.rank,
+        "grad_accum_steps": trainer.grad_accum_steps, "seed": trainer.seed,
+        "drop_last": spec.drop_last or trainer.drop_last,
+    }  # fmt: skip
+    # a user's batch sampler or sampler draws the epoch (the same on every rank)
+    if spec.batch_sampler is not None:
+        return BatchSamplerPlan(spec.batch_sampler, **common)
+    if spec.sampler is not None:
+        return SamplerPlan(spec.sampler, batch_size=spec.batch_size, **common)
+    return GlobalBatchPlan(len(spec), batch_size=spec.batch_size, shuffle=spec.shuffle, **common)
 
 
 def prepare_evaluate(
     trainer: Trainer, model: nn.Module, data: Any, loss_fn: LossFn | None, metrics: Metrics | None
-) -> _agreement.Prepared[tuple[dict[str, Metric], LoaderSpec]]:
+) -> _agreement.Prepared[tuple[dict[str, Metric], LoaderSpec | StreamSpec]]:
     check_model(model)
     named = named_metrics(metrics)
     if loss_fn is None and not named:
         raise ConfigurationError("evaluate needs a loss_fn, metrics, or both")
     spec = trainer._loader_spec(data, "val_data", shuffle=False)
-    agreed = {"data samples": str(len(spec)), "metrics": ", ".join(named) or "none"}
+    agreed = {"data samples": describe_data(spec), "metrics": ", ".join(named) or "none"}
     return _agreement.Prepared(agreed, (named, spec))
 
 

@@ -29,7 +29,8 @@ class Run:
     optimizer: torch.optim.Optimizer  # the user's
     scheduler: Any
     state: FitState
-    train_samples: int  # len(train_data): a mid-epoch position means something only for it
+    #: len(train_data): a mid-epoch position means something only for it (None: a stream)
+    train_samples: int | None
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,10 @@ def _version(package: str) -> str | None:
 
 def rank_state(state: FitState) -> dict[str, Any]:
     """What each rank adds to a checkpoint: its RNG states and partial loss sums."""
-    return {"rng": ckpt.rng_state(), "loss_sum": float(state.loss_sum), "samples": state.samples}
+    return {
+        "rng": ckpt.rng_state(), "loss_sum": float(state.loss_sum), "samples": state.samples,
+        "local_position": state.local_position,
+    }  # fmt: skip
 
 
 def build_payload(
@@ -127,7 +131,10 @@ def restore_run(payload: dict[str, Any], strategy: Strategy, scheduler: Any, see
         mine = ranks[strategy.rank]
         ckpt.set_rng_state(mine["rng"])
         state.loss_sum, state.samples = float(mine["loss_sum"]), int(mine["samples"])
+        local = mine.get("local_position")
+        state.local_position = None if local is None else int(local)
     else:
+        state.local_position = None  # each rank's place in a stream of its own is lost
         # another world size: the data order is re-cut exactly; per-rank random streams
         # (dropout, augmentation) cannot be carried over, so they are reseeded
         torch.manual_seed(seed + strategy.rank + 1_000_003 * state.global_step)
@@ -184,9 +191,15 @@ def check_fits(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     train_samples: int | None = None,
+    epoch_samples: int | None = None,
 ) -> None:
     """Refuse, naming the difference, a checkpoint that does not fit this model, optimizer or
-    training data (checked before anything is loaded, so a refused fit changes nothing)."""
+    training data (checked before anything is loaded, so a refused fit changes nothing).
+
+    ``train_samples`` is ``len(train_data)`` (None: unknown, a stream); ``epoch_samples`` the
+    samples of an epoch's order where that is fixed (``len(sampler)`` for a user's sampler;
+    None: it varies, a batch sampler's, whose plan checks the position when it resumes).
+    """
     for key in ("model", "progress"):
         if not isinstance(found.payload.get(key), dict):
             raise ckpt.CheckpointError(
@@ -200,13 +213,15 @@ def check_fits(
     progress = found.payload["progress"]
     position, saved = int(progress["position"]), progress.get("train_samples")
     # a checkpoint from the last step of an epoch has position == its length: still valid
-    if position and (position > train_samples or saved not in (None, train_samples)):
+    beyond = epoch_samples is not None and position > epoch_samples
+    if position and (beyond or saved not in (None, train_samples)):
         of = "" if saved is None else f" of {saved}"
+        drawn = "" if epoch_samples in (None, train_samples) else f" ({epoch_samples} drawn)"
         raise ConfigurationError(
             f"{found.label} stopped mid-epoch after {position}{of} samples; train_data has "
-            f"{train_samples}. A mid-epoch resume continues the epoch's order, which depends on "
-            "the data's length: resume with the same train_data, or from a checkpoint saved at "
-            "the end of an epoch (checkpoint_every='epoch')"
+            f"{train_samples}{drawn}. A mid-epoch resume continues the epoch's order, which "
+            "depends on the data's length: resume with the same train_data, or from a "
+            "checkpoint saved at the end of an epoch (checkpoint_every='epoch')"
         )
 
 

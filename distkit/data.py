@@ -9,6 +9,10 @@ gradient all-reduce. Each micro-batch's loss is weighted by ``world_size * n_loc
 the averaged gradient is exactly the mean over the samples of the optimizer step, as one process
 with the whole batch would compute it.
 
+A DataLoader's own sampler (``WeightedRandomSampler``, ...) or batch sampler (length
+bucketing, ...) replaces the permutation: every rank draws it alike, and
+:mod:`distkit._samplers` shards its draw by the same rules.
+
 Evaluation gives rank ``r`` the samples ``r, r + world_size, ...`` with no padding, so metrics
 count every sample exactly once.
 """
@@ -17,7 +21,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Iterator, Sized
+from collections.abc import Callable, Iterable, Iterator, Sized
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +30,7 @@ import torch
 from torch.utils.data import (
     DataLoader,
     Dataset,
+    DistributedSampler,
     IterableDataset,
     RandomSampler,
     Sampler,
@@ -88,18 +93,38 @@ class GlobalBatchPlan:
         full, rest = divmod(self.num_samples - start, self.global_batch)
         return [self.global_batch] * full + ([rest] if rest and not self.drop_last else [])
 
+    def _layout(self, start: int, epoch: int) -> list[tuple[int, int]]:
+        """``(samples over all ranks, samples on this rank)`` of each global micro-batch of
+        ``epoch`` from position ``start`` on."""
+        return [(size, len(range(self.rank, size, self.world_size))) for size in self._sizes(start)]
+
     def __len__(self) -> int:
         """Micro-batches in a whole epoch (the same on every rank)."""
         return len(self._sizes(0))
 
     def remaining(self, start: int, epoch: int = 0) -> int:
         """Micro-batches left in an epoch resumed at sample position ``start``."""
-        return len(self._sizes(start))
+        return len(self._layout(start, epoch))
 
     def fingerprint(self, epoch: int) -> int | None:
         """A number that differs when two ranks would draw different orders (None: they
         cannot, the order is distkit's own permutation)."""
         return None
+
+    def describe(self) -> str:
+        """How batches are made, for the ranks' agreement before ``fit``."""
+        return (
+            f"{self.batch_size} per rank x {self.grad_accum_steps} accumulated, {len(self)} "
+            f"micro-batches per epoch, {self._source()}, drop_last={self.drop_last}"
+        )
+
+    def _source(self) -> str:
+        return f"shuffle={self.shuffle}"
+
+    @property
+    def samples_per_epoch(self) -> int | None:
+        """Samples in an epoch's order (None: it varies from epoch to epoch)."""
+        return self.num_samples
 
     @property
     def steps_per_epoch(self) -> int:
@@ -123,19 +148,18 @@ class GlobalBatchPlan:
 
     def micro_batches(self, start: int = 0, epoch: int = 0) -> Iterator[MicroBatch]:
         """Weights and boundaries of the micro-batches from position ``start`` on."""
-        sizes = self._sizes(start)
+        layout = self._layout(start, epoch)
         accum = self.grad_accum_steps
-        for first in range(0, len(sizes), accum):
-            group = sizes[first : first + accum]
-            step_samples = sum(group)
-            for i, size in enumerate(group):
-                count = len(range(self.rank, size, self.world_size))
+        for first in range(0, len(layout), accum):
+            group = layout[first : first + accum]
+            step_samples = sum(samples for samples, _ in group)
+            for i, (samples, count) in enumerate(group):
                 yield MicroBatch(
                     step=first // accum,
                     last_in_step=i == len(group) - 1,
                     count=count,
                     weight=self.world_size * count / step_samples,
-                    samples=size,
+                    samples=samples,
                 )
 
 
@@ -159,7 +183,7 @@ class PlanBatchSampler(Sampler[list[int]]):
         return self.plan.local_batches(self.epoch, self.start)
 
     def __len__(self) -> int:
-        return self.plan.remaining(self.start)
+        return self.plan.remaining(self.start, epoch=self.epoch)
 
 
 class ShardSampler(Sampler[int]):
@@ -184,6 +208,10 @@ class LoaderSpec:
     shuffle: bool
     drop_last: bool
     kwargs: dict[str, Any]  # DataLoader arguments that do not concern sampling
+    #: a user's sampler (indices): it draws each epoch's order, identically on every rank
+    sampler: Iterable[Any] | None = None
+    #: a user's batch sampler (lists of indices): its batches are one process's micro-batches
+    batch_sampler: Iterable[list[Any]] | None = None
 
     @classmethod
     def from_data(
@@ -215,27 +243,6 @@ class LoaderSpec:
     @classmethod
     def _from_loader(cls, loader: DataLoader[Any], what: str) -> LoaderSpec:
         _require_sized(loader.dataset, what)
-        if loader.batch_size is None:
-            raise ConfigurationError(
-                f"{what} is a DataLoader with a custom batch_sampler (or batch_size=None); "
-                "distkit must own batching to shard it over ranks. Pass the Dataset (or a "
-                "DataLoader with batch_size=... and shuffle=...) instead."
-            )
-        if isinstance(loader.sampler, RandomSampler):
-            if loader.sampler.replacement or loader.sampler._num_samples is not None:
-                raise ConfigurationError(
-                    f"{what} uses RandomSampler(replacement=True or num_samples=...), which "
-                    "cannot be sharded exactly; pass shuffle=True without those options"
-                )
-            shuffle = True
-        elif isinstance(loader.sampler, SequentialSampler):
-            shuffle = False
-        else:
-            raise ConfigurationError(
-                f"{what} uses a {type(loader.sampler).__name__}; distkit shards data itself and "
-                "supports DataLoaders built with shuffle=True or shuffle=False only. Pass the "
-                "Dataset and let distkit shard it (a DistributedSampler is not needed either)."
-            )
         kwargs: dict[str, Any] = {
             "num_workers": loader.num_workers,
             "collate_fn": loader.collate_fn,
@@ -247,7 +254,29 @@ class LoaderSpec:
         }
         if loader.num_workers > 0:
             kwargs["prefetch_factor"] = loader.prefetch_factor
-        return cls(loader.dataset, loader.batch_size, shuffle, loader.drop_last, kwargs)
+        if loader.batch_size is None:
+            batches = loader.batch_sampler
+            if batches is None:
+                raise ConfigurationError(
+                    f"{what} is a DataLoader with batch_size=None (automatic batching off); "
+                    "distkit must own batching to shard it over ranks. Pass batch_size=..., "
+                    "a batch_sampler=..., or the Dataset itself."
+                )
+            _refuse_rank_sharding(batches, what)
+            # evaluation shards samples one by one: batches of the sampler's size, if it says
+            size = getattr(batches, "batch_size", None)
+            size = size if isinstance(size, int) and size > 0 else 1
+            return cls(loader.dataset, size, False, False, kwargs, batch_sampler=batches)
+        sampler = loader.sampler
+        _refuse_rank_sharding(sampler, what)
+        # exactly these types (a subclass may draw otherwise): distkit's own permutation
+        if type(sampler) is RandomSampler and not _draws_more(sampler):
+            return cls(loader.dataset, loader.batch_size, True, loader.drop_last, kwargs)
+        if type(sampler) is SequentialSampler:
+            return cls(loader.dataset, loader.batch_size, False, loader.drop_last, kwargs)
+        return cls(
+            loader.dataset, loader.batch_size, False, loader.drop_last, kwargs, sampler=sampler
+        )
 
     def train_loader(
         self, plan: GlobalBatchPlan, *, seed: int
@@ -296,6 +325,26 @@ class _WorkerSeeder:
         random.seed(seed)
         if self.user_fn is not None:
             self.user_fn(worker_id)
+
+
+def _draws_more(sampler: RandomSampler) -> bool:
+    """Whether a RandomSampler draws with replacement or another number of samples."""
+    return sampler.replacement or sampler._num_samples is not None
+
+
+def _refuse_rank_sharding(sampler: object, what: str) -> None:
+    """Refuse a sampler (or a batch sampler's sampler) that gives each rank its own part."""
+    for part in (sampler, getattr(sampler, "sampler", None)):
+        if isinstance(part, DistributedSampler) or (
+            hasattr(part, "num_replicas") and hasattr(part, "rank")
+        ):
+            raise ConfigurationError(
+                f"{what} uses a {type(part).__name__}, which gives each process its own part "
+                "of the data; distkit shards the data itself: every rank draws the same "
+                "order, then takes its share of each global batch. Pass the sampler you "
+                "would use in one process (or the Dataset, or shuffle=True): a "
+                "DistributedSampler is not needed."
+            )
 
 
 def _require_sized(dataset: object, what: str) -> None:

@@ -16,15 +16,16 @@ from distkit._checks import as_score, check_trainer_arguments, seed_generators
 from distkit._compile import check_compile
 from distkit._evaluation import LossFn, Metrics, evaluate_shard
 from distkit._faults import fail_fast
-from distkit._feed import MapFeed
+from distkit._feed import eval_batches, train_feed
 from distkit._fit import FitRun, hyperparams
 from distkit._logging import LogSink, LogWindow, checked_loggers
 from distkit._loop import FitState, LoopSettings, StepFn, TrainLoop
-from distkit._preparation import FitPlan, batch_plan, prepare_evaluate, prepare_fit
+from distkit._preparation import FitPlan, batch_plan, prepare_evaluate, prepare_fit, samples_of
 from distkit._progress import Progress
 from distkit._resume import Run
 from distkit._setups import SetupCache
 from distkit._snapshot import RunSnapshot
+from distkit._stream_spec import StreamSpec, is_stream
 from distkit.callbacks import Callback
 from distkit.callbacks._list import CallbackList
 from distkit.data import LoaderSpec
@@ -369,7 +370,7 @@ class Trainer:
         else:
             state = FitState()
             seed_generators(self.seed + strategy.rank)
-        self._run = Run(model, optimizer, scheduler, state, len(spec))
+        self._run = Run(model, optimizer, scheduler, state, samples_of(spec))
         settings = LoopSettings(
             max_epochs=self.max_epochs, seed=self.seed, nonfinite=self.nonfinite,
             step_scheduler=self.scheduler_interval == "step", progress=self.progress,
@@ -377,17 +378,20 @@ class Trainer:
         )  # fmt: skip
         assert self._sink is not None
         sink = self._sink
-        sink.hyperparams(hyperparams(self, model, optimizer, len(spec)))
+        sink.hyperparams(hyperparams(self, model, optimizer, samples_of(spec)))
         runs: list[FitRun] = []
 
         def body() -> None:
             # an elastic strategy runs this again in a re-formed group: new rank, new size
             self._topology = strategy.topology
             plan = batch_plan(self, spec) if runs else prepared.plan
-            loader, sampler = spec.train_loader(plan, seed=self.seed + strategy.rank)
+            feed = train_feed(
+                strategy, spec, plan, seed=self.seed, grad_accum_steps=self.grad_accum_steps,
+                drop_last=self.drop_last,
+            )  # fmt: skip
             loop = TrainLoop(
                 strategy=strategy, model=wrapped, optimizer=dist_optimizer,
-                feed=MapFeed(strategy, loader, sampler, plan), loss_fn=loss_fn, step_fn=step_fn,
+                feed=feed, loss_fn=loss_fn, step_fn=step_fn,
                 scheduler=scheduler, settings=settings, rank_progress=self._rank_progress,
                 forward_model=forward,
             )  # fmt: skip
@@ -468,11 +472,11 @@ class Trainer:
         (named, spec), _ = _agreement.exchange(
             strategy, "evaluate", lambda: prepare_evaluate(self, model, data, loss_fn, metrics)
         )
-        loader = spec.eval_loader(
-            world_size=strategy.world_size, rank=strategy.rank, seed=self.seed + strategy.rank
-        )
         wrapped = self._setups.wrapped(model)
-        scores = evaluate_shard(strategy, strategy.eval_model(wrapped), loader, loss_fn, named)
+        scores = evaluate_shard(
+            strategy, strategy.eval_model(wrapped), eval_batches(strategy, spec, self.seed),
+            loss_fn, named,
+        )  # fmt: skip
         return {key: as_score(key, value) for key, value in scores.items()}
 
     # ------------------------------------------------------------------ helpers
@@ -484,7 +488,12 @@ class Trainer:
                 "multi-process fit fails)"
             )
 
-    def _loader_spec(self, data: Any, what: str, *, shuffle: bool) -> LoaderSpec:
+    def _loader_spec(self, data: Any, what: str, *, shuffle: bool) -> LoaderSpec | StreamSpec:
+        if is_stream(data):
+            return StreamSpec.from_data(
+                data, batch_size=self.batch_size, num_workers=self.num_workers,
+                pin_memory=self.strategy.device.type == "cuda", what=what,
+            )  # fmt: skip
         return LoaderSpec.from_data(
             data, batch_size=self.batch_size, shuffle=shuffle, num_workers=self.num_workers,
             pin_memory=self.strategy.device.type == "cuda", what=what,

@@ -320,32 +320,53 @@ def test_loader_spec_from_dataloader_keeps_drop_last():
 
 
 @pytest.mark.parametrize(
-    ("make_loader", "words"),
+    ("make_loader", "field"),
     [
         (
             lambda ds: DataLoader(
                 ds, batch_size=2, sampler=WeightedRandomSampler([1.0] * len(ds), len(ds))
             ),
-            ["WeightedRandomSampler", "shuffle=True", "Dataset"],
+            "sampler",
         ),
         (
             lambda ds: DataLoader(
                 ds, batch_sampler=BatchSampler(SequentialSampler(ds), 2, drop_last=False)
             ),
-            ["batch_sampler", "Pass the Dataset"],
-        ),
-        (
-            lambda ds: DataLoader(ds, batch_size=2, sampler=DistributedSampler(ds, 2, 0)),
-            ["DistributedSampler", "not needed"],
+            "batch_sampler",
         ),
         (
             lambda ds: DataLoader(
                 ds, batch_size=2, sampler=RandomSampler(ds, replacement=True, num_samples=4)
             ),
-            ["replacement=True", "cannot be sharded"],
+            "sampler",
         ),
     ],
-    ids=["weighted-sampler", "batch-sampler", "distributed-sampler", "replacement"],
+    ids=["weighted-sampler", "batch-sampler", "replacement"],
+)
+def test_loader_spec_from_dataloader_keeps_a_users_sampler_to_draw_on_every_rank(
+    make_loader, field
+):
+    loader = make_loader(_dataset())
+
+    spec = _from_data(loader)
+
+    expected = loader.sampler if field == "sampler" else loader.batch_sampler
+    assert getattr(spec, field) is expected  # see tests/test_samplers.py
+
+
+@pytest.mark.parametrize(
+    ("make_loader", "words"),
+    [
+        (
+            lambda ds: DataLoader(ds, batch_size=2, sampler=DistributedSampler(ds, 2, 0)),
+            ["DistributedSampler", "not needed"],
+        ),
+        (
+            lambda ds: DataLoader(ds, batch_size=None),
+            ["batch_size=None", "automatic batching off"],
+        ),
+    ],
+    ids=["distributed-sampler", "no-batching"],
 )
 def test_loader_spec_from_dataloader_refuses_samplers_it_cannot_shard(make_loader, words):
     with pytest.raises(ConfigurationError) as info:

@@ -62,8 +62,11 @@ def _fit_untrained(**kwargs: Any) -> Any:
 
 
 class _Stream(IterableDataset):
+    def __init__(self, n: int = 64) -> None:
+        self.n = n
+
     def __iter__(self):
-        return iter(_data())
+        return iter(_data(self.n))
 
 
 class _NumpyScore(distkit.Metric):
@@ -332,9 +335,9 @@ CASES: list[tuple[str, Callable[[Path], Any], type[BaseException], str]] = [
     ),
     (
         "train_data-stream",
-        lambda t: _fit(train_data=_Stream()),
+        lambda t: _fit(train_data=_Stream(0)),
         ConfigurationError,
-        "train_data has no length (_Stream)",
+        "train_data has no data in epoch 0: it yielded nothing on every process",
     ),
     (
         "train_data-empty",
@@ -372,9 +375,11 @@ CASES: list[tuple[str, Callable[[Path], Any], type[BaseException], str]] = [
     ),
     (
         "val_data-stream",
-        lambda t: _fit_untrained(val_data=_Stream(), metrics=[distkit.Accuracy()]),
+        lambda t: _fit_untrained(
+            val_data=iter([]), metrics=[distkit.Accuracy()], trainer=_trainer(max_epochs=2)
+        ),
         ConfigurationError,
-        "val_data has no length",
+        "val_data is an iterator (list_iterator), which can be read once, and max_epochs=2",
     ),
     (
         "val_data-nothing-to-compute",

@@ -1,0 +1,205 @@
+"""A stream's micro-batches with exact weights, and one end for every rank.
+
+No rank knows ahead how much of a stream the others hold. Each rank reads its batches a block
+of ``steps_ahead`` optimizer steps at a time and tells every other how many samples each of
+them has (one host-side sum over ranks of a ``world_size x steps x slots`` table of counts).
+From the table every rank knows, for each step of the block, alike: whether the step happens
+at all (some rank has data), how many micro-batch passes it runs (the most any rank has: a
+rank short of data runs a stand-in batch whose loss weight is zero, so every rank joins every
+collective), and each micro-batch's loss weight ``world_size * count / step samples``, the
+same weighting as a fixed plan.
+
+The table of the next block is summed while this block trains (its batches are read a block
+ahead: at most ``2 x steps_ahead`` steps of batches are held), on a backend that can (gloo
+beside the model's group, Horovod's async allreduce): reading it then waits for nothing and
+synchronises no device. The first block of an epoch waits for its table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from itertools import islice
+from typing import Any
+
+import torch
+
+from distkit._stream_spec import StreamSpec
+from distkit.batch import batch_size_of
+from distkit.data import MicroBatch
+from distkit.errors import ConfigurationError
+from distkit.strategies._collectives import PendingSum
+from distkit.strategies.base import Strategy
+
+
+class StreamFeed:
+    """Micro-batches of a stream, ``slots`` per optimizer step (1 for evaluation)."""
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        spec: StreamSpec,
+        *,
+        slots: int,
+        seed: int,
+        drop_last: bool = False,
+        purpose: str = "train",
+        steps_ahead: int = 4,
+    ) -> None:
+        self.strategy = strategy
+        self.spec = spec
+        self.slots = slots
+        self.seed = seed
+        self.drop_last = drop_last
+        self.purpose = purpose
+        #: steps whose batches are read (and counted over ranks) at once, a block ahead
+        self.steps_ahead = steps_ahead
+        self._stand_in: Any = None  # this rank's latest real batch
+        self._sums = 0  # sums started (names them for Horovod)
+
+    @property
+    def num_workers(self) -> int:
+        return self.spec.num_workers
+
+    def remaining(self, epoch: int, position: int) -> int | None:
+        return None  # a stream's length is not known
+
+    def epoch(
+        self, epoch: int, position: int, seed: int, *, local_position: int | None = None
+    ) -> Iterator[tuple[Any, MicroBatch]]:
+        strategy, spec = self.strategy, self.spec
+        if spec.self_sharded and position and local_position is None:
+            raise ConfigurationError(
+                f"the checkpoint stopped mid-epoch in {spec.what}, a ShardedStream, at another "
+                f"number of processes than {strategy.world_size}: each process's place in its "
+                "own share cannot be carried over. Resume with the number of processes it was "
+                "saved with, or from a checkpoint saved at the end of an epoch"
+            )
+        start = (local_position or 0) if spec.self_sharded else position
+        local = spec.local_batches(
+            world_size=strategy.world_size, rank=strategy.rank, epoch=epoch, start=start,
+            seed=self.seed, worker_seed=seed,
+        )  # fmt: skip
+        return self._steps(local, epoch, fresh=position == 0)
+
+    def _steps(
+        self, local: Iterator[Any], epoch: int, *, fresh: bool
+    ) -> Iterator[tuple[Any, MicroBatch]]:
+        world, rank, block = self.strategy.world_size, self.strategy.rank, self.steps_ahead
+        current, pending = self._fetch(local)
+        step = 0
+        while True:
+            table = pending.wait().reshape(world, block, self.slots).tolist()
+            steps, cut = self._block_steps(table)
+            if not steps:
+                if fresh and step == 0:
+                    raise self._empty(epoch, dropped=cut)
+                return
+            # a rank that read a whole block may have more; when none did, all are done
+            fullest = max(sum(1 for row in rank_table for n in row if n) for rank_table in table)
+            more = not cut and fullest == block * self.slots
+            if more:  # the next block's batches and their table, summed while this one trains
+                ahead, pending = self._fetch(local)
+            for index, counts in enumerate(steps):
+                passes = max(sum(1 for n in row if n) for row in counts)
+                total = sum(sum(row[:passes]) for row in counts)
+                mine = current[index * self.slots : (index + 1) * self.slots]
+                for slot in range(passes):
+                    count = counts[rank][slot]
+                    own = slot < len(mine) and count > 0
+                    batch = mine[slot] if own else self._stand_in_for(epoch, counts)
+                    yield batch, MicroBatch(
+                        step=step, last_in_step=slot == passes - 1, count=count,
+                        weight=world * count / total, samples=sum(row[slot] for row in counts),
+                    )  # fmt: skip
+                step += 1
+            if not more or len(steps) < block:
+                return
+            current = ahead
+
+    def _fetch(self, local: Iterator[Any]) -> tuple[list[Any], PendingSum]:
+        """This rank's batches for the next block of steps (fewer at its end), and the sum of
+        their table started: ``world_size x steps_ahead x slots`` sample counts."""
+        batches = list(islice(local, self.steps_ahead * self.slots))
+        table = torch.zeros(self.strategy.world_size, self.steps_ahead * self.slots,
+                            dtype=torch.int64)  # fmt: skip
+        table[self.strategy.rank, : len(batches)] = torch.tensor(
+            [_size(batch, self.spec.what) for batch in batches], dtype=torch.int64
+        )
+        if batches:
+            self._stand_in = batches[-1]
+        self._sums += 1
+        name = f"distkit.stream.{self.purpose}.{self._sums}"
+        return batches, self.strategy.all_reduce_async(table.reshape(-1), name=name)
+
+    def _block_steps(self, table: list[list[list[int]]]) -> tuple[list[list[list[int]]], bool]:
+        """The steps of a block that train (each ``world_size x slots`` counts), and whether
+        the epoch ends after them (a partial global batch under drop_last)."""
+        world = len(table)
+        steps: list[list[list[int]]] = []
+        for index in range(self.steps_ahead):
+            counts = [table[r][index] for r in range(world)]
+            passes = max(sum(1 for n in row if n) for row in counts)
+            if passes == 0:
+                return steps, False
+            if self.drop_last:
+                for slot in range(passes):
+                    if not self._full([row[slot] for row in counts]):
+                        if slot:
+                            steps.append([row[:slot] for row in counts])
+                        return steps, True
+            steps.append(counts)
+        return steps, False
+
+    def _full(self, column: list[int]) -> bool:
+        """Whether a global micro-batch is whole (every rank's share of it full)."""
+        if self.spec.batch_size is None:
+            return all(column)
+        return sum(column) == self.spec.batch_size * len(column)
+
+    def _stand_in_for(self, epoch: int, counts: list[list[int]]) -> Any:
+        if self._stand_in is None:  # resumed past the end of this rank's share: its first
+            strategy = self.strategy
+            first = self.spec.local_batches(
+                world_size=strategy.world_size, rank=strategy.rank, epoch=epoch, start=0,
+                seed=self.seed, worker_seed=0,
+            )  # fmt: skip
+            self._stand_in = next(first, None)
+        if self._stand_in is None:
+            holders = [r for r, row in enumerate(counts) if sum(row)]
+            raise ConfigurationError(
+                f"rank {self.strategy.rank} has no batch of {self.spec.what} in epoch {epoch} "
+                f"while rank(s) {holders} do: every process must join each step, and this one "
+                "has no batch to stand in with (it takes its latest). Give every process at "
+                "least one batch (more samples than processes; a ShardedStream with a share "
+                "for every rank), or use fewer processes"
+            )
+        return self._stand_in
+
+    def _empty(self, epoch: int, *, dropped: bool) -> ConfigurationError:
+        spec = self.spec
+        if dropped:
+            why = (
+                "drop_last=True dropped its first global batch, which is partial (fewer samples "
+                f"than {self.strategy.world_size} processes x batch_size). Lower batch_size or "
+                "set drop_last=False"
+            )
+        elif spec.one_shot:
+            why = (
+                f"it is an iterator ({type(spec.source).__name__}), which can be read once and "
+                "was read already. Pass an iterable whose __iter__ starts afresh"
+            )
+        else:
+            why = "it yielded nothing on every process. Check the stream"
+        when = "" if self.purpose == "eval" else f" in epoch {epoch}"
+        return ConfigurationError(f"{spec.what} has no data{when}: {why}")
+
+
+def _size(batch: Any, what: str) -> int:
+    size = batch_size_of(batch)
+    if size <= 0:
+        raise ConfigurationError(
+            f"a batch of {what} has no samples that distkit can count ({type(batch).__name__}): "
+            "a batch must hold tensors whose first dimension is the batch (e.g. (inputs, "
+            "target)); distkit weighs each step by its samples"
+        )
+    return size
