@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from distkit._checks import step_scheduler
 from distkit._logging import LogSink, LogWindow, StepLogs
-from distkit._loop import FitState, StepResult, TrainLoop
+from distkit._loop import FitState, StepResult, TrainLoop, mark_stepped
 from distkit.callbacks._list import CallbackList
 
 if TYPE_CHECKING:
@@ -107,6 +107,7 @@ class FitRun:
             else:
                 record.update(self._validation())
         if loop.scheduler is not None and trainer.scheduler_interval == "epoch":
+            mark_stepped(loop.scheduler, loop.optimizer)
             step_scheduler(loop.scheduler, record)
         state.history.append(record)
         state.epoch, state.position, state.loss_sum, state.samples = state.epoch + 1, 0, 0.0, 0

@@ -213,5 +213,15 @@ class TrainLoop:
         if not outcome.stepped:
             state.skipped_steps += 1
         elif settings.step_scheduler and self.scheduler is not None:
+            mark_stepped(self.scheduler, optimizer)
             self.scheduler.step()
         return outcome, norm
+
+
+def mark_stepped(scheduler: Any, stepped: torch.optim.Optimizer) -> None:
+    """Tell torch's scheduler that its optimizer stepped, where a backend stepped a wrapper
+    of it (Horovod's DistributedOptimizer is another object): torch watches the user's
+    optimizer's ``step`` and would warn that the schedule skipped its first value."""
+    user = getattr(scheduler, "optimizer", None)
+    if user is not None and user is not stepped:
+        user._opt_called = True

@@ -40,7 +40,27 @@ CALLS = {
     "clip": ("tests.test_horovod", "train_clipped", ("horovod", 2), {"grad_accum_steps": 2}),
     "clip_fp16": ("tests.test_horovod", "train_clipped", ("horovod", 4), {"precision": "fp16"}),
     "compile": ("tests.test_compile", "eager_then_compiled", ("horovod", 4, 1), {}),
+    "schedulers": ("tests.test_horovod", "scheduler_warnings", (), {}),
 }  # fmt: skip
+
+
+def scheduler_warnings() -> list[str]:
+    """Runs on Horovod ranks: per-step and per-epoch schedulers; the warnings torch gave."""
+    import warnings
+
+    messages = []
+    for interval in ("step", "epoch"):
+        net = make_mlp()
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
+        trainer = distkit.Trainer("horovod", batch_size=8, max_epochs=2, progress=False,
+                                  scheduler_interval=interval)  # fmt: skip
+        with trainer, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(net, optimizer, make_dataset(32), scheduler=scheduler,
+                        loss_fn=nn.functional.cross_entropy)  # fmt: skip
+        messages += [str(w.message) for w in caught]
+    return messages
 
 
 def fit_twice_then_new_optimizer() -> dict:
@@ -120,6 +140,13 @@ def horovod(tmp_path_factory):
         [CALLS[name] for name in names], tmp_path_factory.mktemp("horovod"), np=2
     )
     return {name: [per_rank[r][i] for r in range(2)] for i, name in enumerate(names)}
+
+
+def test_horovod_schedulers_see_the_wrapped_optimizer_step(horovod):
+    """torch watches the user's optimizer's step; Horovod steps a DistributedOptimizer, so
+    without distkit's note torch warns that the schedule skipped its first value."""
+    for messages in _ok(horovod["schedulers"]):
+        assert not [m for m in messages if "lr_scheduler.step()" in m]
 
 
 def _ok(results: list) -> list:
