@@ -18,7 +18,7 @@ synchronises no device. The first block of an epoch waits for its table.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from itertools import islice
+from itertools import islice, pairwise
 from typing import Any
 
 import torch
@@ -55,6 +55,7 @@ class StreamFeed:
         self.steps_ahead = steps_ahead
         self._stand_in: Any = None  # this rank's latest real batch
         self._sums = 0  # sums started (names them for Horovod)
+        self._ended = False  # a rank's share fell short in this epoch (a stream distkit shards)
 
     @property
     def num_workers(self) -> int:
@@ -75,6 +76,7 @@ class StreamFeed:
                 "saved with, or from a checkpoint saved at the end of an epoch"
             )
         start = (local_position or 0) if spec.self_sharded else position
+        self._ended = False
         local = spec.local_batches(
             world_size=strategy.world_size, rank=strategy.rank, epoch=epoch, start=start,
             seed=self.seed, worker_seed=seed,
@@ -89,6 +91,8 @@ class StreamFeed:
         step = 0
         while True:
             table = pending.wait().reshape(world, block, self.slots).tolist()
+            if not self.spec.self_sharded:
+                self._check_one_stream(table, epoch)
             steps, cut = self._block_steps(table)
             if not steps:
                 if fresh and step == 0:
@@ -149,6 +153,31 @@ class StreamFeed:
                         return steps, True
             steps.append(counts)
         return steps, False
+
+    def _check_one_stream(self, table: list[list[list[int]]], epoch: int) -> None:
+        """Refuse counts that no single stream read by every rank can give: a stream distkit
+        shards must yield the same items on every rank, so its ranks' shares of a global
+        micro-batch differ by at most one sample (a batch, for an iterable of batches), the
+        lower ranks holding more, and once one rank's share falls short none has more."""
+        world = len(table)
+        columns = [[table[r][i][j] for r in range(world)]
+                   for i in range(self.steps_ahead) for j in range(self.slots)]  # fmt: skip
+        per_rank = self.spec.batch_size
+        for column in columns:
+            present = [1 if n else 0 for n in column]
+            shares = present if per_rank is None else column
+            ordered = all(a >= b for a, b in pairwise(shares))
+            if (self._ended and any(column)) or not ordered or max(shares) - min(shares) > 1:
+                raise ConfigurationError(
+                    f"{self.spec.what} yields different data on different ranks (epoch {epoch}: "
+                    f"a global micro-batch of {column} samples per rank): distkit reads the "
+                    "whole stream on every rank and keeps each rank's share, so the stream must "
+                    "yield the same items in the same order everywhere (seed its shuffling from "
+                    "torch/random/numpy, which distkit seeds alike, or set_epoch). A stream "
+                    "that reads a part per rank is a distkit.ShardedStream"
+                )
+            full = all(present) if per_rank is None else min(column) == per_rank
+            self._ended = self._ended or not full
 
     def _full(self, column: list[int]) -> bool:
         """Whether a global micro-batch is whole (every rank's share of it full)."""

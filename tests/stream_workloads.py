@@ -210,3 +210,42 @@ def train_steps_by_hand(steps: list[TensorDataset], epochs: int = 2) -> dict[str
 
 def save_result(result: dict[str, Any], out: Path) -> None:
     torch.save(result, out / f"rank{result['rank']}.pt")
+
+
+def fit_rank_dependent_stream(strategy: str) -> str:
+    """A stream that yields more on rank 1 than on rank 0 (a rank-seeded length): the error."""
+    with distkit.Trainer(strategy, batch_size=4, progress=False) as trainer:
+        net = make_mlp()
+        stream = SampleStream(30 + 7 * trainer.rank)
+        try:
+            trainer.fit(net, torch.optim.SGD(net.parameters(), lr=0.1), stream,
+                        loss_fn=nn.functional.cross_entropy)  # fmt: skip
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+    return "trained"
+
+
+class FailingStream(SampleStream):
+    """Rank 1's stream raises after a few samples (a corrupt shard)."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__(61)
+        self.rank = rank
+
+    def __iter__(self):
+        for index, item in enumerate(super().__iter__()):
+            if self.rank == 1 and index == 20:
+                raise OSError("shard-0003.tar: unexpected end of data")
+            yield item
+
+
+def fit_failing_stream(strategy: str) -> str:
+    with distkit.Trainer(strategy, batch_size=4, progress=False, fault_timeout=10) as trainer:
+        net = make_mlp()
+        try:
+            stream = FailingStream(trainer.rank)
+            trainer.fit(net, torch.optim.SGD(net.parameters(), lr=0.1), stream,
+                        loss_fn=nn.functional.cross_entropy)  # fmt: skip
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+    return "trained"

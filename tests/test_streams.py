@@ -251,3 +251,19 @@ def test_streams_under_horovodrun_end_together_and_evaluate_exactly(tmp_path, wo
     for result in results:
         _same_training(result, _reference(2 * world))
         assert {key: result["census"][key] for key in CENSUS} == CENSUS
+
+
+def test_streams_a_stream_that_differs_between_ranks_is_refused_on_every_rank():
+    from tests.stream_workloads import fit_rank_dependent_stream
+
+    errors = run_on_ranks(functools.partial(fit_rank_dependent_stream, "ddp"), world_size=2)
+    for error in errors:
+        assert error.startswith("ConfigurationError: train_data yields different data on")
+
+
+def test_streams_a_stream_that_fails_on_one_rank_stops_every_rank():
+    from tests.stream_workloads import fit_failing_stream
+
+    errors = run_on_ranks(functools.partial(fit_failing_stream, "ddp"), world_size=2, timeout=90)
+    assert errors[1] == "OSError: shard-0003.tar: unexpected end of data"
+    assert errors[0].startswith("PeerFailureError") and "rank 1" in errors[0]
