@@ -95,6 +95,7 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/overhead.py", *session.posargs, env=env)
     session.run("python", "benchmarks/scaling.py", env=env)
     session.run("python", "benchmarks/memory.py", env=env)
+    session.run("python", "benchmarks/streams.py", env=env)
     session.run("python", "benchmarks/peers.py", env=env)
     session.run("python", "benchmarks/plot.py")
 

@@ -11,6 +11,8 @@ forward, backward, all-reduce, optimizer) and the difference against map-style:
 * ``stream``: an IterableDataset of samples (the check, plus reading the whole stream on every
   rank and collating).
 
+and the time of one table sum alone (the check itself: one per block of 4 steps).
+
     python benchmarks/streams.py              # ddp x2 (gloo) and dp x1
     python benchmarks/streams.py --rounds 5
 
@@ -73,11 +75,27 @@ def _one_fit(kind: str, strategy: str) -> float:
     return float(result.history[-1]["time_step_ms"])
 
 
+def _table_sum_us(strategy: str, repeats: int = 300) -> float:
+    """One table sum alone, started and waited for back to back (no training to hide it
+    behind: an upper bound of what a block costs), median in microseconds."""
+    import time
+
+    with distkit.Trainer(strategy, progress=False) as trainer:
+        table = torch.zeros(trainer.world_size * 4, dtype=torch.int64)
+        times = []
+        for index in range(repeats):
+            start = time.perf_counter()
+            trainer.strategy.all_reduce_async(table, name=f"bench.{index}").wait()
+            times.append(time.perf_counter() - start)
+    return 1e6 * statistics.median(times)
+
+
 def _rounds(strategy: str, rounds: int) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {"map-style": [], "batches": [], "stream": []}
     for _ in range(rounds):
         for kind in times:
             times[kind].append(_one_fit(kind, strategy))
+    times["table sum us"] = [_table_sum_us(strategy)]
     return times
 
 
@@ -94,12 +112,18 @@ def main() -> None:
         times = run()
         medians = {kind: statistics.median(values) for kind, values in times.items()}
         table[label] = medians
+        one_sum = medians.pop("table sum us")
+        table[label] = {**medians, "table_sum_us": one_sum}
         base = medians["map-style"]
         print(f"{label}: ms per step (median of {args.rounds} rounds)")
         for kind, value in medians.items():
             extra = "" if kind == "map-style" else (
                 f"  {1000 * (value - base):+7.0f} us/step  ratio {value / base:.3f}")  # fmt: skip
             print(f"  {kind:10s} {value:7.3f}{extra}")
+        print(
+            f"  one table sum alone: {one_sum:.0f} us (a block of 4 steps: <= "
+            f"{one_sum / 4:.0f} us/step, less where it overlaps training)"
+        )
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "streams.json").write_text(json.dumps(table, indent=2) + "\n")
 

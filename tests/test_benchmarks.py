@@ -153,3 +153,13 @@ def test_plot_writes_both_charts(tmp_path: Path, scaling: bool) -> None:
         data = (out / name).read_bytes()
         assert data.startswith(PNG_MAGIC) and len(data) > 10_000, name
     assert ("scaling.json: its panel is left out" in proc.stdout) is not scaling
+
+
+def test_streams_benchmark_prints_each_kind_against_map_style(tmp_path: Path) -> None:
+    shutil.copy(BENCH / "streams.py", tmp_path / "streams.py")
+    proc = run_script(str(tmp_path / "streams.py"), "--rounds", "1")
+    for line in ("ddp x2: ms per step", "dp x1: ms per step", "one table sum alone"):
+        assert line in proc.stdout
+    table = json.loads((tmp_path / "results" / "streams.json").read_text())
+    assert set(table) == {"ddp x2", "dp x1"}
+    assert all(value > 0 for row in table.values() for value in row.values())
