@@ -122,7 +122,8 @@ class EpochTiming:
         if self.data_share > 0.3:
             lines.append(
                 f"  data loading takes {self.data_share:.0%} of each step: raise num_workers "
-                f"(now {num_workers}), make __getitem__ cheaper, or use a larger batch_size"
+                f"(now {num_workers}), make __getitem__ (a stream: its reading) cheaper, or use "
+                "a larger batch_size"
             )
         if self.straggler > 1.2:
             lines.append(

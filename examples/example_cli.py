@@ -29,7 +29,9 @@ def limit_threads() -> None:
     """
     if "OMP_NUM_THREADS" in os.environ:
         return
-    sizes = (os.environ.get("WORLD_SIZE", ""), os.environ.get("HOROVOD_SIZE", ""))
+    # torchrun, horovodrun, Open MPI's mpirun, MPICH's mpiexec
+    names = ("WORLD_SIZE", "HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+    sizes = tuple(os.environ.get(name, "") for name in names)
     if any(size.isdigit() and int(size) > 1 for size in sizes):
         torch.set_num_threads(1)
 
