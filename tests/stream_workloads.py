@@ -129,10 +129,12 @@ def train_stream(
     checkpoint_every: int | str = "epoch",
     resume: str | None = None,
     seed: int = 3,
+    val_every_n_steps: int | None = None,
 ) -> dict[str, Any]:
     """Train the shared workload from a stream; final weights, history, validations."""
     trainer = distkit.Trainer(
-        strategy, batch_size=batch_size, max_epochs=epochs, grad_accum_steps=grad_accum_steps,
+        strategy, val_every_n_steps=val_every_n_steps, batch_size=batch_size,
+        max_epochs=epochs, grad_accum_steps=grad_accum_steps,
         num_workers=num_workers, progress=False, seed=seed, max_steps=max_steps,
         checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
     )  # fmt: skip
@@ -149,17 +151,24 @@ def train_stream(
             "state": trainer.full_state_dict(),
             "history": result.history,
             "steps": trainer.global_step,
+            "validations": result.validations,
             "rank": trainer.rank,
             "world_size": trainer.world_size,
         }
 
 
 def train_map_style(
-    batch_size: int, *, n: int = 61, epochs: int = 2, grad_accum_steps: int = 1
+    batch_size: int,
+    *,
+    n: int = 61,
+    epochs: int = 2,
+    grad_accum_steps: int = 1,
+    val_every_n_steps: int | None = None,
 ) -> dict[str, Any]:
     """The same training, map-style and unshuffled, on one process (the reference)."""
     trainer = distkit.Trainer(
-        "dp", batch_size=batch_size, max_epochs=epochs, grad_accum_steps=grad_accum_steps,
+        "dp", val_every_n_steps=val_every_n_steps, batch_size=batch_size,
+        max_epochs=epochs, grad_accum_steps=grad_accum_steps,
         shuffle=False, progress=False, seed=3,
     )  # fmt: skip
     with trainer:
@@ -171,7 +180,7 @@ def train_map_style(
             metrics={"acc": distkit.Accuracy()},
         )  # fmt: skip
         return {"state": trainer.full_state_dict(), "history": result.history,
-                "steps": trainer.global_step}  # fmt: skip
+                "steps": trainer.global_step, "validations": result.validations}  # fmt: skip
 
 
 def rank_share_steps(n: int, batch_size: int, world: int) -> list[TensorDataset]:

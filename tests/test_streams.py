@@ -103,6 +103,21 @@ def test_streams_ranks_train_like_one_process_with_the_global_batch(
         _same_training(result, reference)
 
 
+def test_streams_validation_inside_an_epoch_meets_the_training_stream_s_sums():
+    """Validation every 3 steps starts its own sums while the training stream's next block
+    is being summed: every rank starts them in the same order, and the values are exact."""
+    results = run_on_ranks(
+        functools.partial(train_stream, "ddp", 4, val_every_n_steps=3), world_size=2
+    )
+    reference = train_map_style(8, val_every_n_steps=3)
+    for result in results:
+        _same_training(result, reference)
+        assert len(result["validations"]) == len(reference["validations"]) > 4
+        for mine, theirs in zip(result["validations"], reference["validations"], strict=True):
+            assert mine["step"] == theirs["step"]
+            assert mine["val_acc"] == pytest.approx(theirs["val_acc"], abs=1e-12)
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_streams_evaluation_counts_every_sample_once(world):
     results = run_on_ranks(functools.partial(census, "ddp", 61), world_size=world, timeout=120)
