@@ -30,6 +30,7 @@ PUBLIC_NAMES = [
     "Metric",
     "MissingDependencyError",
     "PeerFailureError",
+    "ShardedStream",
     "Strategy",
     "StrategyPluginError",
     "Topology",
