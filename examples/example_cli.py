@@ -57,3 +57,13 @@ def run(main: Callable[[], int]) -> int:
         if launched_rank() == 0:
             print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return 2
+
+
+def agree_on_failure(trainer: distkit.Trainer, failure: BaseException | None) -> tuple[bool, bool]:
+    """One decision for all ranks after each prepared its data (a rank that went on to train
+    alone would wait for the others): ``(rank 0 failed, any rank failed)``."""
+    flags = torch.tensor(
+        [float(failure is not None and trainer.is_main), float(failure is not None)]
+    )
+    main_failed, any_failed = trainer.strategy.all_reduce(flags, op="sum").tolist()
+    return bool(main_failed), bool(any_failed)

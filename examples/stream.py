@@ -255,11 +255,7 @@ def prepare_shards(
                 index = read_index(folder)
         except Exception as exc:
             failure = exc
-    # one decision for all: a rank that went on to train alone would wait for the others
-    flags = torch.tensor(
-        [float(failure is not None and trainer.is_main), float(failure is not None)]
-    )
-    main_failed, any_failed = trainer.strategy.all_reduce(flags, op="sum").tolist()
+    main_failed, any_failed = example_cli.agree_on_failure(trainer, failure)
     if not any_failed:
         if trainer.is_main:
             done = "wrote" if wrote else "found"
