@@ -51,6 +51,7 @@ class FitRun:
         self.callbacks.call("on_fit_start", trainer)
         while state.epoch < trainer.max_epochs and not self._steps_done():
             if self.loop.run_epoch(state, self._after_step):
+                self._check_losses()  # the steps since the last check point
                 return  # max_steps or should_stop inside the epoch
             if self._end_epoch():
                 return
@@ -64,6 +65,7 @@ class FitRun:
         self.callbacks.call("on_train_step_end", trainer, logs)
         stop = self._agree_stop() if self.callbacks.stop_each_step else False
         if self.window.due(step):
+            self._check_losses()
             loss, any_stop = self.window.gather(stop=trainer.should_stop)
             row = {"train_loss": loss, "lr": logs["lr"], "epoch": state.epoch}
             if "grad_norm" in logs:
@@ -100,6 +102,7 @@ class FitRun:
     def _end_epoch(self) -> bool:
         """Close the epoch (record, validation, scheduler, reports); True: stop here."""
         trainer, state, loop = self.trainer, self.state, self.loop
+        self._check_losses()
         record = loop.epoch_record(state)
         if self.validate is not None:
             if self._validated_at == state.global_step:  # the epoch's last step validated
@@ -130,6 +133,7 @@ class FitRun:
     def _validation(self) -> dict[str, float]:
         assert self.validate is not None
         trainer, state = self.trainer, self.state
+        self._check_losses()
         trainer._rank_progress.phase = "validation"
         metrics = {f"val_{key}": value for key, value in self.validate().items()}
         self._validated_at, self._last_validation = state.global_step, metrics
@@ -141,6 +145,7 @@ class FitRun:
     def _save_point(self) -> None:
         """A ``checkpoint_every`` point: the checkpoint (with a ``checkpoint_dir``), then the
         strategy's commit (elastic: may re-form the group, raising to run the body again)."""
+        self._check_losses()  # never a checkpoint of parameters trained on a NaN
         if self.trainer.checkpoints is not None:
             self.trainer._save_to_folder()
         self.trainer.strategy.commit()
@@ -160,12 +165,18 @@ class FitRun:
         if loop.timing is not None:
             tqdm.write(loop.timing.table(trainer.strategy.comm_phase, loop.feed.num_workers))
 
+    def _check_losses(self) -> None:
+        """``nonfinite="raise"``: raise on every rank if a step since the last check had a
+        non-finite loss on any rank (a collective)."""
+        self.loop.watch.check(self.trainer.strategy, self.state.global_step)
+
     def _agree_stop(self) -> bool:
         """Whether any rank set ``should_stop``; afterwards every rank's flag says so."""
         trainer = self.trainer
-        strategy = trainer.strategy
-        flag = torch.tensor([float(trainer.should_stop)], device=strategy.device)
-        stop = bool(strategy.all_reduce(flag, op="sum").item() > 0)
+        # a host-side sum (a gloo group beside nccl, Horovod's allreduce_async): a callback
+        # that may stop after every step costs the device no synchronisation
+        flag = torch.tensor([float(trainer.should_stop)])
+        stop = bool(trainer.strategy.all_reduce_async(flag, name="distkit.stop").wait()[0] > 0)
         trainer.should_stop = stop
         return stop
 

@@ -14,9 +14,10 @@ from tqdm.auto import tqdm
 
 from distkit._checks import check_loss
 from distkit._feed import Feed
+from distkit._nonfinite import NonFiniteWatch
 from distkit._progress import Progress
 from distkit.batch import batch_size_of, split_batch, to_device
-from distkit.errors import DistkitError
+from distkit.errors import NonFiniteLossError as NonFiniteLossError  # its old home
 from distkit.strategies._steps import GradientClip, StepOutcome
 from distkit.strategies.base import Strategy
 from distkit.syncbn import placeholder_batch
@@ -24,10 +25,6 @@ from distkit.timing import EpochTiming, StepTimer
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 StepFn = Callable[[nn.Module, Any], torch.Tensor]
-
-
-class NonFiniteLossError(DistkitError, FloatingPointError):
-    """A training loss was NaN or infinite (``nonfinite="raise"``)."""
 
 
 @dataclass
@@ -84,6 +81,8 @@ class TrainLoop:
     rank_progress: Progress = field(default_factory=Progress)  # read by the watchdog thread
     timer: StepTimer | None = None  # the current epoch's
     timing: EpochTiming | None = None  # the last finished epoch's, over all ranks
+    #: the step losses ``nonfinite="raise"`` reads at the check points (FitRun calls check)
+    watch: NonFiniteWatch = field(default_factory=lambda: NonFiniteWatch(enabled=False, every=1))
 
     def run_epoch(
         self, state: FitState, after_step: Callable[[FitState, StepResult], bool]
@@ -114,6 +113,7 @@ class TrainLoop:
         progress = self.rank_progress
         progress.epoch, progress.step, progress.phase = state.epoch, state.global_step, "data"
         stopped = False
+        skip_nonfinite = self.settings.nonfinite == "skip"
         timer = self.timer = StepTimer(strategy.device)
         start_position = state.position
         timer.start()
@@ -130,22 +130,18 @@ class TrainLoop:
                         loss = self._loss(batch)
                     check_loss(loss, "loss_fn" if self.step_fn is None else "step_fn")
                     loss = strategy.reduce_loss(loss, batch_size_of(batch))
-                    if self.settings.nonfinite == "raise" and not torch.isfinite(loss):
-                        raise NonFiniteLossError(
-                            f"non-finite training loss ({loss.item()}) on rank {strategy.rank} "
-                            f"in epoch {state.epoch}, step {state.global_step}. Lower the "
-                            "learning rate, check the data, or pass nonfinite='skip' to skip "
-                            "such steps on every rank."
-                        )
                     timer.mark("forward")
                     progress.phase = "backward"
-                    strategy.backward(loss * micro.weight, self.optimizer)
+                    weight = micro.weight
+                    strategy.backward(loss if weight == 1.0 else loss * weight, self.optimizer)
                 timer.mark("backward")
                 counted = micro.count
-                if self.settings.nonfinite == "skip" and counted and not torch.isfinite(loss):
+                # "skip" reads the loss here (its step reads the gradients anyway); "raise"
+                # reads the step sums at the next check point (self.watch): no host sync
+                if skip_nonfinite and counted and not torch.isfinite(loss):
                     counted = 0  # its step is skipped: keep it out of the epoch's mean loss
                 if counted:
-                    step_loss += loss.detach().double() * counted
+                    step_loss.add_(loss.detach(), alpha=counted)
                     step_samples += counted
                 state.position += micro.samples
                 if state.local_position is not None:
@@ -153,6 +149,7 @@ class TrainLoop:
                 bar.update()
                 if micro.last_in_step:
                     progress.phase = "optimizer"
+                    self.watch.note(state.epoch, state.global_step, step_loss)
                     outcome, norm = self._step(state)
                     loss_sum += step_loss
                     state.samples += step_samples

@@ -105,3 +105,12 @@ class WorkerError(DistkitError, RuntimeError):
     """A :func:`distkit.spawn` worker failed in a way that cannot be re-raised as itself: its
     exception does not pickle, it died without a word (killed, ``os._exit``), or the workers
     ran past ``timeout``. The worker's traceback, when there is one, is the ``__cause__``."""
+
+
+class NonFiniteLossError(DistkitError, FloatingPointError):
+    """A training loss was NaN or infinite (``nonfinite="raise"``), raised on every rank.
+
+    The message names the value, the rank(s), the epoch and the step, and how many steps
+    later it was found (the losses are read at log points, validations, checkpoints and
+    epoch ends, not after every step).
+    """

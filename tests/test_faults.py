@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import distkit
-from distkit._loop import NonFiniteLossError
+from distkit.errors import NonFiniteLossError
 from tests.horovod_runner import horovodrun_path
 from tests.workloads import max_abs_diff
 
