@@ -169,14 +169,27 @@ class TrainLoop:
         """The epoch's training summary, reduced over ranks (the same dict on every rank)."""
         timer = self.timer
         assert timer is not None, "epoch_record follows run_epoch"
+        from distkit import _comm_probe
+
+        phases = timer.summary()  # before the probe: its time is no part of the epoch's
+        # a collective on every rank, here at the same point; a separate buffer (no training
+        # state), so the epoch trained exactly as it would without it
+        numel, dtype = _comm_probe.gradient_size(self.model)
+        comm_ms = _comm_probe.allreduce_ms(self.strategy, numel, dtype)
         mine = torch.tensor(
-            [float(state.loss_sum), float(state.samples), float(state.skipped_steps)],
+            [float(state.loss_sum), float(state.samples), float(state.skipped_steps), comm_ms],
             dtype=torch.float64,
         )
-        # one collective for the loss sums and every rank's timing
-        per_rank = self.strategy.all_gather(torch.cat([mine, timer.summary()]))
+        # one collective for the loss sums, the probe and every rank's timing
+        per_rank = self.strategy.all_gather(torch.cat([mine, phases]))
         totals = per_rank[:, :3].sum(dim=0)
-        self.timing = EpochTiming.from_ranks(per_rank[:, 3:], timer.samples)
+        self.timing = EpochTiming.from_ranks(
+            per_rank[:, 4:],
+            timer.samples,
+            # the rank that waited least for the others: the transfer itself
+            comm_ms=float(per_rank[:, 3].min()),
+            comm_mb=numel * dtype.itemsize / 1e6,
+        )
         return {
             "epoch": state.epoch,
             "train_loss": (totals[0] / totals[1]).item(),

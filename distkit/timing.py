@@ -6,7 +6,9 @@ kernel launches; waiting for data is host time on any device.
 
 Communication shows up where the backend does it: DDP and apex all-reduce during backward,
 Horovod waits for its all-reduce in the optimizer step. Every rank waits for the slowest at
-each all-reduce, so stragglers are found from the work before it (data + forward).
+each all-reduce, so stragglers are found from the work before it (data + forward). How
+much of a step the all-reduce itself takes is measured apart, by a probe once per epoch
+(:mod:`distkit._comm_probe`): its share of the step says whether more processes can pay.
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ import torch
 
 PHASES = ("data", "forward", "backward", "optimizer")
 _DEVICE_PHASES = ("forward", "backward", "optimizer")
+#: above this share of the step, communication is named with its fixes. With N processes
+#: training N x the samples of one, N beat one only while N x compute > compute + comm:
+#: at 2 processes exactly while communication takes less than half of the step
+COMM_HINT_SHARE = 0.5
 
 
 class StepTimer:
@@ -80,10 +86,22 @@ class EpochTiming:
     slowest_rank: int
     data_share: float  # data wait / step time
     world_size: int
+    comm_ms: float = 0.0  # one all-reduce of the gradients (the probe's; 0: none measured)
+    comm_share: float = 0.0  # comm_ms / step time
+    comm_mb: float = 0.0  # the gradients' size, all-reduced once per step
 
     @classmethod
-    def from_ranks(cls, per_rank: torch.Tensor, global_samples: int) -> EpochTiming:
-        """``per_rank``: one :meth:`StepTimer.summary` row per rank."""
+    def from_ranks(
+        cls,
+        per_rank: torch.Tensor,
+        global_samples: int,
+        *,
+        comm_ms: float = 0.0,
+        comm_mb: float = 0.0,
+    ) -> EpochTiming:
+        """``per_rank``: one :meth:`StepTimer.summary` row per rank; ``comm_ms``: the
+        gradients' all-reduce time (:func:`distkit._comm_probe.allreduce_ms`), ``comm_mb``
+        their size."""
         steps = max(float(per_rank[0, -1]), 1.0)
         mean = per_rank.mean(dim=0)
         step_ms = {p: float(mean[i]) * 1000.0 / steps for i, p in enumerate(PHASES)}
@@ -99,11 +117,17 @@ class EpochTiming:
             slowest_rank=slowest,
             data_share=step_ms["data"] / step_ms["step"] if step_ms["step"] > 0 else 0.0,
             world_size=int(per_rank.shape[0]),
+            comm_ms=comm_ms,
+            # the all-reduce is inside the step (overlapped with backward or not): at most all
+            comm_share=min(comm_ms / step_ms["step"], 1.0) if step_ms["step"] > 0 else 0.0,
+            comm_mb=comm_mb,
         )
 
     def as_record(self) -> dict[str, float]:
-        """Flat history entries (``time_*_ms``, ``samples_per_s``, ``time_straggler``)."""
+        """Flat history entries (``time_*_ms``, ``time_comm_ms``, ``samples_per_s``,
+        ``time_straggler``)."""
         record = {f"time_{phase}_ms": value for phase, value in self.step_ms.items()}
+        record["time_comm_ms"] = self.comm_ms
         record["samples_per_s"] = self.samples_per_s
         record["time_straggler"] = self.straggler
         return record
@@ -115,10 +139,15 @@ class EpochTiming:
             names[comm_phase] = f"{comm_phase}+allreduce"
         cells = " | ".join(f"{names[p]} {self.step_ms[p]:.1f}" for p in PHASES)
         ranks = f"; slowest rank {self.straggler:.2f}x fastest" if self.world_size > 1 else ""
+        comm = ""
+        if self.comm_ms > 0:
+            comm = f" | allreduce ~{self.comm_ms:.1f} ms ({self.comm_share:.0%} of the step)"
         lines = [
-            f"  step {self.step_ms['step']:.1f} ms = {cells}  "
+            f"  step {self.step_ms['step']:.1f} ms = {cells}{comm}  "
             f"({self.samples_per_s:,.0f} samples/s{ranks})"
         ]
+        if self.comm_share > COMM_HINT_SHARE:
+            lines.append(self._comm_hint())
         if self.data_share > 0.3:
             lines.append(
                 f"  data loading takes {self.data_share:.0%} of each step: raise num_workers "
@@ -132,3 +161,27 @@ class EpochTiming:
                 "cores, and its data (num_workers, slow samples)"
             )
         return "\n".join(lines)
+
+    def _comm_hint(self) -> str:
+        """One sentence: communication dominates, the knobs, and what each would gain.
+
+        The gains assume no overlap of communication with compute and compute that grows
+        linearly with the batch (on a GPU a larger batch often costs less than linearly, so
+        they are lower bounds there).
+        """
+        step, comm, n = self.step_ms["step"], self.comm_ms, self.world_size
+        compute = max(step - comm, 1e-9)
+        twice = 2 * step / (2 * compute + comm)  # samples/s with 2x batch or 2 accumulations
+        halved = step / (compute + comm / 2)  # gradients sent as 16-bit floats
+        fewer = (
+            f"one process would be ~{step / (n * compute):.1f}x faster than {n}"
+            if step > n * compute
+            else "fewer processes lose less of each step to it"
+        )
+        return (
+            f"  communication takes {self.comm_share:.0%} of each step ({self.comm_mb:.1f} MB "
+            f"of gradients all-reduced per step), more than the computation: doubling the "
+            f"per-process batch_size or grad_accum_steps=2 would give ~{twice:.1f}x the "
+            f"samples/s, fp16/bf16 gradient compression (Horovod compression=\"fp16\", a DDP "
+            f"bf16_compress_hook) ~{halved:.1f}x, and {fewer}"
+        )
