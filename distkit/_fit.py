@@ -8,6 +8,7 @@ meets its peers.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -44,10 +45,12 @@ class FitRun:
     stopped_early: bool = False
     _validated_at: int | None = None  # the global step of the latest validation
     _last_validation: dict[str, float] = field(default_factory=dict)
+    _stop_each_step: bool = False  # callbacks.stop_each_step, read once (run)
 
     def run(self) -> None:
         """Train up to ``max_epochs`` / ``max_steps``, or until ``should_stop``."""
         trainer, state = self.trainer, self.state
+        self._stop_each_step = self.callbacks.stop_each_step
         self.callbacks.call("on_fit_start", trainer)
         while state.epoch < trainer.max_epochs and not self._steps_done():
             if self.loop.run_epoch(state, self._after_step):
@@ -63,7 +66,7 @@ class FitRun:
         self.window.add(result.loss_sum, result.samples)
         logs = self._step_logs(state, result)
         self.callbacks.call("on_train_step_end", trainer, logs)
-        stop = self._agree_stop() if self.callbacks.stop_each_step else False
+        stop = self._agree_stop() if self._stop_each_step else False
         if self.window.due(step):
             self._check_losses()
             loss, any_stop = self.window.gather(stop=trainer.should_stop)
@@ -90,7 +93,10 @@ class FitRun:
         values: dict[str, Any] = {
             "step": state.global_step,
             "epoch": state.epoch,
-            "loss": result.loss_sum / samples if samples else float("nan"),
+            # divided when read (most steps nobody reads it: no tensor op for them)
+            "loss": functools.partial(torch.div, result.loss_sum, samples)
+            if samples
+            else float("nan"),
             "lr": _lr(self.loop.optimizer),
             "skipped": not result.outcome.stepped,
         }

@@ -7,6 +7,7 @@ over ranks once every ``log_every_n_steps`` steps (:class:`LogWindow`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -20,15 +21,22 @@ from distkit.strategies.base import Strategy
 
 
 class StepLogs(Mapping[str, Any]):
-    """One optimizer step's values; a device tensor becomes a float when first read."""
+    """One optimizer step's values; a device tensor becomes a float when first read.
+
+    A value may also be a ``functools.partial`` that computes it (a tensor, then read):
+    called on first read only, so that the steps whose logs nobody reads cost nothing.
+    """
 
     def __init__(self, values: dict[str, Any]) -> None:
         self._values = values
 
     def __getitem__(self, key: str) -> Any:
         value = self._values[key]
+        if isinstance(value, functools.partial):
+            value = value()
         if isinstance(value, torch.Tensor):
-            value = self._values[key] = value.item()
+            value = value.item()
+        self._values[key] = value
         return value
 
     def __iter__(self) -> Iterator[str]:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from distkit.errors import ConfigurationError
+
+#: full precision's autocast: a do-nothing context (reusable, it holds no state)
+_NO_AUTOCAST = contextlib.nullcontext()
 
 PRECISIONS = ("32", "bf16", "fp16")
 _ALIASES = {
@@ -48,14 +50,11 @@ class Precision:
             torch.amp.GradScaler(self.device_type) if self.name == "fp16" else None
         )
 
-    @contextlib.contextmanager
-    def autocast(self) -> Iterator[None]:
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """Run the enclosed forward pass (and loss) in the reduced precision, if any."""
         if self._dtype is None:
-            yield
-            return
-        with torch.autocast(self.device_type, dtype=self._dtype):
-            yield
+            return _NO_AUTOCAST  # every micro-batch enters it: no generator per call
+        return torch.autocast(self.device_type, dtype=self._dtype)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss to call ``backward`` on (scaled for fp16)."""
