@@ -23,6 +23,9 @@ from distkit.strategies.base import Strategy
 from distkit.syncbn import placeholder_batch
 from distkit.timing import EpochTiming, StepTimer
 
+#: the context of a micro-batch that needs none (reusable: it holds no state)
+_NOTHING = contextlib.nullcontext()
+
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 StepFn = Callable[[nn.Module, Any], torch.Tensor]
 
@@ -93,6 +96,7 @@ class TrainLoop:
         Returns True when stopped early.
         """
         strategy, model = self.strategy, self.model
+        device = strategy.device
         model.train()
         # kept on the device: no host sync per step
         loss_sum = torch.tensor(float(state.loss_sum), dtype=torch.float64, device=strategy.device)
@@ -119,12 +123,12 @@ class TrainLoop:
         timer.start()
         with bar:
             for batch, micro in batches:
-                batch = to_device(batch, strategy.device)
+                batch = to_device(batch, device)
                 timer.mark("data")
                 progress.phase = "forward"
-                sync = contextlib.nullcontext() if micro.last_in_step else strategy.no_sync(model)
+                sync = _NOTHING if micro.last_in_step else strategy.no_sync(model)
                 # a placeholder (no real sample here) stays out of sync BatchNorm's statistics
-                empty = placeholder_batch(model) if micro.count == 0 else contextlib.nullcontext()
+                empty = placeholder_batch(model) if micro.count == 0 else _NOTHING
                 with sync:
                     with empty, strategy.autocast():
                         loss = self._loss(batch)
@@ -186,8 +190,7 @@ class TrainLoop:
         self.timing = EpochTiming.from_ranks(
             per_rank[:, 4:],
             timer.samples,
-            # the rank that waited least for the others: the transfer itself
-            comm_ms=float(per_rank[:, 3].min()),
+            comm_ms=float(per_rank[:, 3].mean()),  # like the phases: the mean over ranks
             comm_mb=numel * dtype.itemsize / 1e6,
         )
         return {

@@ -36,7 +36,7 @@ class NonFiniteWatch:
     _noted: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
 
     def note(self, epoch: int, step: int, loss_sum: torch.Tensor) -> None:
-        """Keep ``loss_sum`` (this rank's step ``step``; not read here)."""
+        """Keep ``loss_sum`` (this rank's step ``step``, a float64 scalar; not read here)."""
         if self.enabled:
             self._noted.append((epoch, step, loss_sum))
 
@@ -53,7 +53,7 @@ class NonFiniteWatch:
         size, rank = strategy.world_size, strategy.rank
         slots = torch.zeros(2 * size, dtype=torch.float64, device=strategy.device)
         if noted:
-            sums = torch.stack([loss.detach().double().reshape(()) for _, _, loss in noted])
+            sums = torch.stack([loss for _, _, loss in noted])  # float64 scalars
             values = sums.tolist()  # the host read
             first = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
             if first is not None:
