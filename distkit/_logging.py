@@ -99,34 +99,34 @@ class LogSink:
 
 
 class LogWindow:
-    """The training loss since the last log point, summed on the device; gathered there."""
+    """The samples since the last log point (their losses are the ledger's); gathered there."""
 
     def __init__(self, strategy: Strategy, every: int) -> None:
         self.strategy = strategy
         self.every = every
-        self._loss_sum = torch.zeros((), dtype=torch.float64, device=strategy.device)
         self._samples = 0
 
-    def add(self, loss_sum: torch.Tensor, samples: int) -> None:
-        self._loss_sum += loss_sum
+    def add(self, samples: int) -> None:
         self._samples += samples
 
     def due(self, step: int) -> bool:
         return step % self.every == 0
 
-    def gather(self, *, stop: bool) -> tuple[float, bool]:
+    def gather(self, loss_sum: torch.Tensor, *, stop: bool) -> tuple[float, bool]:
         """(mean training loss over every rank's samples since the last log point, whether
-        any rank wants to stop): one all-reduce and one host synchronisation."""
+        any rank wants to stop): one all-reduce and one host synchronisation.
+
+        ``loss_sum`` is this rank's loss x samples over the window (a device scalar).
+        """
         device = self.strategy.device
         packed = torch.stack([
-            self._loss_sum,
+            loss_sum.to(device, torch.float64),
             torch.tensor(float(self._samples), dtype=torch.float64, device=device),
             torch.tensor(float(stop), dtype=torch.float64, device=device),
         ])  # fmt: skip
-        loss_sum, samples, stops = self.strategy.all_reduce(packed, op="sum").tolist()
-        self._loss_sum.zero_()
+        total, samples, stops = self.strategy.all_reduce(packed, op="sum").tolist()
         self._samples = 0
-        return (loss_sum / samples if samples else float("nan")), stops > 0
+        return (total / samples if samples else float("nan")), stops > 0
 
 
 def checked_loggers(loggers: Iterable[Logger] | None) -> list[Logger]:

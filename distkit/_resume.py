@@ -56,7 +56,7 @@ def _version(package: str) -> str | None:
 def rank_state(state: FitState) -> dict[str, Any]:
     """What each rank adds to a checkpoint: its RNG states and partial loss sums."""
     return {
-        "rng": ckpt.rng_state(), "loss_sum": float(state.loss_sum), "samples": state.samples,
+        "rng": ckpt.rng_state(), "loss_sum": state.settled_loss_sum(), "samples": state.samples,
         "local_position": state.local_position,
     }  # fmt: skip
 

@@ -42,7 +42,7 @@ class RunSnapshot:
             "optimizer": copy.deepcopy(self.optimizer.state_dict()),
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
             "fit": {name: copy.deepcopy(getattr(state, name)) for name in _FIELDS},
-            "local": {"loss_sum": float(state.loss_sum), "samples": state.samples},
+            "local": {"loss_sum": state.settled_loss_sum(), "samples": state.samples},
             "callbacks": self.callbacks.state_dict(),
         }
 

@@ -15,6 +15,11 @@ def to_device(batch: Any, device: torch.device) -> Any:
     """``batch`` with every tensor inside (tuples, lists, dicts) moved to ``device``."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=device.type == "cuda")
+    # tuples and lists before the mappings: most batches are, and those checks are ABCs'
+    if isinstance(batch, (list, tuple)):
+        if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+            return type(batch)(*(to_device(v, device) for v in batch))
+        return type(batch)(to_device(v, device) for v in batch)
     if isinstance(batch, MutableMapping):
         moved = copy.copy(batch)  # keeps the type and its extras (defaultdict's factory, ...)
         for key, value in batch.items():
@@ -22,10 +27,6 @@ def to_device(batch: Any, device: torch.device) -> Any:
         return moved
     if isinstance(batch, Mapping):
         return {k: to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        return type(batch)(*(to_device(v, device) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(v, device) for v in batch)
     return batch
 
 
@@ -44,10 +45,15 @@ def batch_size_of(batch: Any) -> int:
     """Length of the first tensor found in ``batch`` (its leading dimension)."""
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.ndim else 1
-    values = batch.values() if isinstance(batch, Mapping) else batch
-    if isinstance(values, (list, tuple)) or isinstance(batch, Mapping):
-        for value in values:
-            size = batch_size_of(value)
-            if size:
-                return size
+    # tuples and lists first: most batches are, and the Mapping check is an ABC's (slower)
+    if isinstance(batch, (list, tuple)):
+        values: Any = batch
+    elif isinstance(batch, Mapping):
+        values = batch.values()
+    else:
+        return 0
+    for value in values:
+        size = batch_size_of(value)
+        if size:
+            return size
     return 0

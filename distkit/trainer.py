@@ -20,6 +20,7 @@ from distkit._feed import eval_batches, train_feed
 from distkit._fit import FitRun, hyperparams
 from distkit._logging import LogSink, LogWindow, checked_loggers
 from distkit._loop import FitState, LoopSettings, StepFn, TrainLoop
+from distkit._losses import LossLedger
 from distkit._nonfinite import NonFiniteWatch
 from distkit._preparation import FitPlan, batch_plan, prepare_evaluate, prepare_fit, samples_of
 from distkit._progress import Progress
@@ -395,6 +396,7 @@ class Trainer:
                 feed=feed, loss_fn=loss_fn, step_fn=step_fn,
                 scheduler=scheduler, settings=settings, rank_progress=self._rank_progress,
                 forward_model=forward,
+                losses=LossLedger(strategy.device, watch=self.nonfinite == "raise"),
                 watch=NonFiniteWatch(self.nonfinite == "raise", self.log_every_n_steps),
             )  # fmt: skip
             run = FitRun(
