@@ -21,8 +21,9 @@ from torch import nn
 
 #: the largest buffer the probe allocates; a larger model's time is scaled up linearly
 CAP_BYTES = 32 * 2**20
-#: timed all-reduces after one warm-up (the median is kept)
-REPEATS = 3
+#: timed all-reduces after one warm-up (the median is kept: 5 rather than 3, since on shared
+#: cores one descheduled rank delays every rank's all-reduce)
+REPEATS = 5
 
 
 class _AllReduce(Protocol):
@@ -52,7 +53,7 @@ def allreduce_ms(strategy: _AllReduce, numel: int, dtype: torch.dtype) -> float:
     of one.
 
     A collective: call it on every rank at the same point. Its cost is ``REPEATS + 1``
-    all-reduces of at most :data:`CAP_BYTES` (one step's communication, 4 times); on CUDA
+    all-reduces of at most :data:`CAP_BYTES` (one step's communication, 6 times); on CUDA
     it synchronises the device around each (once per epoch, never inside a step).
     """
     if strategy.world_size == 1 or numel == 0:

@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from distkit._checks import step_scheduler
 from distkit._logging import LogSink, LogWindow, StepLogs
 from distkit._loop import FitState, StepResult, TrainLoop, mark_stepped
+from distkit._losses import step_mean
 from distkit.callbacks._list import CallbackList
 
 if TYPE_CHECKING:
@@ -63,13 +64,15 @@ class FitRun:
     def _after_step(self, state: FitState, result: StepResult) -> bool:
         trainer = self.trainer
         step = state.global_step
-        self.window.add(result.loss_sum, result.samples)
+        self.window.add(result.samples)
         logs = self._step_logs(state, result)
         self.callbacks.call("on_train_step_end", trainer, logs)
         stop = self._agree_stop() if self._stop_each_step else False
         if self.window.due(step):
             self._check_losses()
-            loss, any_stop = self.window.gather(stop=trainer.should_stop)
+            loss, any_stop = self.window.gather(
+                self.loop.losses.take_window(), stop=trainer.should_stop
+            )
             row = {"train_loss": loss, "lr": logs["lr"], "epoch": state.epoch}
             if "grad_norm" in logs:
                 row["grad_norm"] = logs["grad_norm"]
@@ -93,8 +96,8 @@ class FitRun:
         values: dict[str, Any] = {
             "step": state.global_step,
             "epoch": state.epoch,
-            # divided when read (most steps nobody reads it: no tensor op for them)
-            "loss": functools.partial(torch.div, result.loss_sum, samples)
+            # computed when read (most steps nobody reads it: no tensor op for them)
+            "loss": functools.partial(step_mean, result.losses, result.counts, samples)
             if samples
             else float("nan"),
             "lr": _lr(self.loop.optimizer),
@@ -172,9 +175,12 @@ class FitRun:
             tqdm.write(loop.timing.table(trainer.strategy.comm_phase, loop.feed.num_workers))
 
     def _check_losses(self) -> None:
-        """``nonfinite="raise"``: raise on every rank if a step since the last check had a
-        non-finite loss on any rank (a collective)."""
-        self.loop.watch.check(self.trainer.strategy, self.state.global_step)
+        """A check point: the noted losses folded into the totals, and (``nonfinite="raise"``)
+        an error on every rank if a step since the last check had a non-finite loss on any
+        rank (a collective then)."""
+        loop = self.loop
+        loop.losses.fold()
+        loop.watch.check(self.trainer.strategy, loop.losses, self.state.global_step)
 
     def _agree_stop(self) -> bool:
         """Whether any rank set ``should_stop``; afterwards every rank's flag says so."""

@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 
 from distkit._checks import check_loss
 from distkit._feed import Feed
+from distkit._losses import LossLedger
 from distkit._nonfinite import NonFiniteWatch
 from distkit._progress import Progress
 from distkit.batch import batch_size_of, split_batch, to_device
@@ -39,10 +40,20 @@ class FitState:
     #: samples of this epoch this rank trained (None: unknown, resumed at another world size)
     local_position: int | None = 0
     global_step: int = 0  # optimizer steps taken (skipped ones included)
-    loss_sum: float | torch.Tensor = 0.0  # this rank's loss x samples so far in the epoch
+    #: this rank's loss x samples so far in the epoch: a float between epochs, the ledger's
+    #: device total during one (current up to its last fold: read it with settled_loss_sum)
+    loss_sum: float | torch.Tensor = 0.0
     samples: int = 0  # this rank's real samples so far in the epoch
     skipped_steps: int = 0  # steps skipped this epoch (non-finite gradients or fp16 overflow)
     history: list[dict[str, float]] = field(default_factory=list)
+    #: the epoch's loss ledger while one runs (not saved: loss_sum holds what it folded)
+    ledger: LossLedger | None = field(default=None, repr=False, compare=False)
+
+    def settled_loss_sum(self) -> float:
+        """``loss_sum`` with every loss noted so far folded in (a host read on a GPU)."""
+        if self.ledger is not None:
+            self.ledger.fold()
+        return float(self.loss_sum)
 
 
 @dataclass(frozen=True)
@@ -61,8 +72,9 @@ class LoopSettings:
 class StepResult:
     """What one optimizer step did, as this rank saw it (device values stay on the device)."""
 
-    loss_sum: torch.Tensor  # this rank's loss x real samples over the step's micro-batches
-    samples: int  # this rank's real samples in the step
+    losses: list[torch.Tensor]  # the batch-mean losses of its counted micro-batches
+    counts: list[int]  # their real samples (this rank's)
+    samples: int  # this rank's real samples in the step (sum of counts)
     outcome: StepOutcome
     grad_norm: torch.Tensor | None  # total norm of the averaged gradients before clipping
 
@@ -84,7 +96,9 @@ class TrainLoop:
     rank_progress: Progress = field(default_factory=Progress)  # read by the watchdog thread
     timer: StepTimer | None = None  # the current epoch's
     timing: EpochTiming | None = None  # the last finished epoch's, over all ranks
-    #: the step losses ``nonfinite="raise"`` reads at the check points (FitRun calls check)
+    #: the training losses, summed at check points (see _losses); FitRun folds and reads them
+    losses: LossLedger
+    #: ``nonfinite="raise"``'s check of the noted losses, at FitRun's check points
     watch: NonFiniteWatch = field(default_factory=lambda: NonFiniteWatch(enabled=False, every=1))
 
     def run_epoch(
@@ -98,10 +112,13 @@ class TrainLoop:
         strategy, model = self.strategy, self.model
         device = strategy.device
         model.train()
-        # kept on the device: no host sync per step
-        loss_sum = torch.tensor(float(state.loss_sum), dtype=torch.float64, device=strategy.device)
-        state.loss_sum = loss_sum
-        step_loss, step_samples = torch.zeros_like(loss_sum), 0
+        # the losses stay on the device, summed at check points: no tensor op per step
+        losses = self.losses
+        state.loss_sum = losses.begin_epoch(float(state.loss_sum))
+        state.ledger = losses
+        step_losses: list[torch.Tensor] = []
+        step_counts: list[int] = []
+        step_samples = 0
         bar = tqdm(
             total=self.feed.remaining(state.epoch, state.position),
             desc=f"epoch {state.epoch + 1}/{self.settings.max_epochs}",
@@ -141,11 +158,12 @@ class TrainLoop:
                 timer.mark("backward")
                 counted = micro.count
                 # "skip" reads the loss here (its step reads the gradients anyway); "raise"
-                # reads the step sums at the next check point (self.watch): no host sync
+                # reads the noted losses at the next check point: no host sync
                 if skip_nonfinite and counted and not torch.isfinite(loss):
                     counted = 0  # its step is skipped: keep it out of the epoch's mean loss
                 if counted:
-                    step_loss.add_(loss.detach(), alpha=counted)
+                    step_losses.append(loss.detach())
+                    step_counts.append(counted)
                     step_samples += counted
                 state.position += micro.samples
                 if state.local_position is not None:
@@ -153,15 +171,15 @@ class TrainLoop:
                 bar.update()
                 if micro.last_in_step:
                     progress.phase = "optimizer"
-                    self.watch.note(state.epoch, state.global_step, step_loss)
+                    losses.add_step(step_losses, step_counts, state.epoch, state.global_step)
                     outcome, norm = self._step(state)
-                    loss_sum += step_loss
                     state.samples += step_samples
                     timer.mark("optimizer")
                     timer.steps += 1
                     progress.step = state.global_step
-                    stopped = after_step(state, StepResult(step_loss, step_samples, outcome, norm))
-                    step_loss, step_samples = torch.zeros_like(loss_sum), 0
+                    result = StepResult(step_losses, step_counts, step_samples, outcome, norm)
+                    stopped = after_step(state, result)
+                    step_losses, step_counts, step_samples = [], [], 0
                     timer.mark("other")  # checkpoints: not part of a step
                     if stopped:
                         break

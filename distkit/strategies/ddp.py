@@ -15,6 +15,9 @@ from distkit.launchers import TORCH_LAUNCHERS
 from distkit.strategies import _torch_dist
 from distkit.strategies.base import Strategy, Topology
 
+#: DDPStrategy's gradient compressions (torch's default DDP communication hooks)
+COMM_HOOKS = (None, "fp16", "bf16")
+
 
 class DDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
     """One process per device, gradients averaged by DDP during ``backward``.
@@ -26,6 +29,11 @@ class DDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         backend: torch.distributed backend; ``None`` picks nccl on CUDA and gloo on CPU.
         timeout: how long a collective may wait for the other ranks (seconds or timedelta);
             ``None``: the Trainer's ``collective_timeout``, else 30 minutes.
+        comm_hook: compress the gradients DDP all-reduces: ``"fp16"`` (torch's
+            ``fp16_compress_hook``: half the bytes, any backend) or ``"bf16"``
+            (``bf16_compress_hook``: NCCL on CUDA only); ``None`` (default): full precision.
+            The averaged gradients are rounded to that precision, so results differ from
+            uncompressed training by about its rounding.
         **ddp_kwargs: passed to ``DistributedDataParallel`` as they are (``static_graph``,
             ``bucket_cap_mb``, ``gradient_as_bucket_view``, ...); ``device_ids`` and
             ``find_unused_parameters`` are set by distkit.
@@ -40,11 +48,19 @@ class DDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         *,
         backend: str | None = None,
         timeout: timedelta | float | None = None,
+        comm_hook: str | None = None,
         **ddp_kwargs: Any,
     ) -> None:
         super().__init__()
         self.backend = backend
         self.timeout = _torch_dist.as_timeout(timeout)
+        if comm_hook not in COMM_HOOKS:
+            raise ConfigurationError(
+                f"DDPStrategy(comm_hook={comm_hook!r}); allowed: "
+                + ", ".join(repr(h) for h in COMM_HOOKS)
+                + " (None: uncompressed gradients)"
+            )
+        self.comm_hook = comm_hook
         reserved = {"device_ids", "find_unused_parameters", "module"} & set(ddp_kwargs)
         if reserved:
             raise ConfigurationError(
@@ -71,7 +87,22 @@ class DDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
             find_unused_parameters=self.options.find_unused_parameters,
             **self._ddp_kwargs,
         )
+        if self.comm_hook is not None:
+            self._register_comm_hook(wrapped)
         return wrapped, optimizer
+
+    def _register_comm_hook(self, wrapped: DistributedDataParallel) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        if self.comm_hook == "bf16" and self.device.type != "cuda":
+            raise ConfigurationError(
+                f"DDPStrategy(comm_hook='bf16') needs NCCL on CUDA (torch's bf16_compress_hook), "
+                f"and this run trains on {self.device}; use comm_hook='fp16' (any backend) or "
+                "no compression"
+            )
+        hook = {"fp16": default_hooks.fp16_compress_hook,
+                "bf16": default_hooks.bf16_compress_hook}[str(self.comm_hook)]  # fmt: skip
+        wrapped.register_comm_hook(None, hook)
 
     def convert_sync_batchnorm(self, model: nn.Module) -> nn.Module:
         return _torch_dist.convert_sync_batchnorm(model, self.device)
