@@ -91,8 +91,10 @@ class DDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
             self._register_comm_hook(wrapped)
         return wrapped, optimizer
 
-    def _register_comm_hook(self, wrapped: DistributedDataParallel) -> None:
+    def _register_comm_hook(self, wrapped: nn.Module) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        assert isinstance(wrapped, DistributedDataParallel)
 
         if self.comm_hook == "bf16" and self.device.type != "cuda":
             raise ConfigurationError(
