@@ -6,7 +6,10 @@ Horovod build links against the exact torch it was built with.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
+from pathlib import Path
 
 import nox
 
@@ -80,23 +83,54 @@ def demo(session: nox.Session) -> None:
     )  # fmt: skip
 
 
+def _bench_device(posargs: list[str]) -> tuple[str, list[str]]:
+    """`nox -s bench -- ARGS`: "cpu" or "cuda", and the arguments for the scripts.
+
+    The parsing lives in benchmarks/gpu.py (imported from its path; it needs only the
+    standard library at import), where the tests reach it.
+    """
+    path = Path(__file__).resolve().parent / "benchmarks" / "gpu.py"
+    spec = importlib.util.spec_from_file_location("benchmarks_gpu", path)
+    assert spec is not None and spec.loader is not None
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # for dataclasses
+    spec.loader.exec_module(module)
+    device, rest = module.split_device(posargs)
+    return device, rest
+
+
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
     """Overhead vs hand-written loops, scaling, memory per rank, peers (Lightning,
-    Accelerate), plots.
+    Accelerate), start-up time, plots. `nox -s bench -- --device cuda`: the GPU benchmarks.
 
     Each prints a table and writes benchmarks/results/*.json; see benchmarks/README.md.
+    With `--device cuda` the session installs the torch named by DISTKIT_BENCH_TORCH (default
+    torch==2.13.0: from PyPI on Linux x86_64 that is the CUDA build, a few GB) and runs
+    benchmarks/gpu.py with the other arguments; without a CUDA device it prints one line and
+    stops (exit 0).
     """
+    try:
+        device, rest = _bench_device(session.posargs)
+    except ValueError as exc:
+        session.error(str(exc))
+    env = _single_threaded_env()
+    if device == "cuda":
+        torch = os.environ.get("DISTKIT_BENCH_TORCH", TORCH)
+        session.install(torch)
+        session.install("-e", ".")
+        session.install(torch, "lightning", "accelerate", "matplotlib")  # torch on the same line
+        session.run("python", "benchmarks/gpu.py", *rest, env=env)
+        return
     _install(session)
     # the peers only in this environment; torch pinned on the same line so none replaces it
     session.install(TORCH, "lightning", "accelerate", "matplotlib")
     session.run("python", "-m", "distkit.horovod_build")  # the Horovod rows
-    env = _single_threaded_env()
-    session.run("python", "benchmarks/overhead.py", *session.posargs, env=env)
+    session.run("python", "benchmarks/overhead.py", *rest, env=env)
     session.run("python", "benchmarks/scaling.py", env=env)
     session.run("python", "benchmarks/memory.py", env=env)
     session.run("python", "benchmarks/streams.py", env=env)
     session.run("python", "benchmarks/peers.py", env=env)
+    session.run("python", "benchmarks/startup.py", env=env)
     session.run("python", "benchmarks/plot.py")
 
 

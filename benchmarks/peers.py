@@ -15,6 +15,7 @@ over the hand-written loop's median. One thread per process.
     python benchmarks/peers.py --only distkit,fabric    # the hand loop always runs too
     python benchmarks/peers.py --nprocs 1 --steps 300 --rounds 6
     python benchmarks/peers.py --model tiny --steps 200   # each framework's fixed cost per step
+    python benchmarks/peers.py --device cuda --model resnet --precision bf16 --nprocs 1,8
 
 Frameworks that are not installed are reported, not fatal:
 ``pip install lightning accelerate torch==2.13.0`` (keep torch pinned).
@@ -46,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from overhead import make_data, make_model  # benchmarks/overhead.py: same model, same data
+from overhead import PRECISIONS, autocast, make_data, make_model  # same models, same data
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -74,13 +75,18 @@ class Context:
     batch_size: int
     device: str  # "cpu" or "cuda"
     data: TensorDataset
-    model: str = "cnn"  # or "tiny"
+    model: str = "cnn"  # or "tiny", "resnet"
+    precision: str = "32"  # or "bf16", "fp16": autocast, each framework its own way
 
     def make_model(self) -> nn.Module:
         if self.model == "tiny":  # a step is then mostly the framework's own per-step work
             torch.manual_seed(0)
             return nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 10))
-        return make_model()
+        return make_model(self.model)
+
+    @property
+    def lightning_precision(self) -> str:
+        return {"32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}[self.precision]
 
     @property
     def cuda(self) -> bool:
@@ -126,19 +132,32 @@ class Hand:
             ctx.data, batch_size=ctx.batch_size, sampler=self.sampler, pin_memory=ctx.cuda
         )
         self.how = "DDP(model) + DistributedSampler" if ctx.world > 1 else "plain loop"
+        self.scaler = torch.amp.GradScaler(device.type) if ctx.precision == "fp16" else None
+        if ctx.precision != "32":
+            self.how += f" + autocast({ctx.precision})"
 
     def epoch(self, epoch: int) -> list[float]:
         stamps: list[Stamp] = []
         self.sampler.set_epoch(epoch)
         self.model.train()
         total = 0.0
+        mixed, scaler = self.ctx.precision != "32", self.scaler
         for x, y in self.loader:
             self.ctx.stamp(stamps)
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             self.optim.zero_grad()
-            loss = loss_of(self.model, x, y)
-            loss.backward()
-            self.optim.step()
+            if mixed:
+                with autocast(self.device, self.ctx.precision):
+                    loss = loss_of(self.model, x, y)
+            else:
+                loss = loss_of(self.model, x, y)
+            if scaler is None:
+                loss.backward()
+                self.optim.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.step(self.optim)
+                scaler.update()
             total += loss.item()
         return stamps
 
@@ -154,7 +173,11 @@ class Distkit:
             self.how = "Trainer(DataParallelStrategy(device_ids=[0])).fit(step_fn=...)"
         self.ctx = ctx
         self.trainer = distkit.Trainer(
-            strategy, batch_size=ctx.batch_size, max_epochs=1, progress=False
+            strategy,
+            batch_size=ctx.batch_size,
+            max_epochs=1,
+            progress=False,
+            precision=ctx.precision,
         )
         self.net = ctx.make_model()
         self.optim = ctx.optimizer(self.net)
@@ -184,6 +207,7 @@ class Fabric:
         self.fabric = LightningFabric(
             accelerator=ctx.device, devices=ctx.local_world,
             num_nodes=ctx.world // ctx.local_world, strategy=strategy,
+            precision=ctx.lightning_precision,
         )  # fmt: skip
         self.fabric.launch()  # under torchrun: joins the existing processes
         net = ctx.make_model()
@@ -243,6 +267,7 @@ class Lightning:
             num_nodes=ctx.world // ctx.local_world, strategy=self.strategy, max_epochs=1,
             logger=False, enable_checkpointing=False, enable_progress_bar=False,
             enable_model_summary=False, num_sanity_val_steps=0,
+            precision=ctx.lightning_precision,
         )  # fmt: skip
         self.module.stamps = []
         trainer.fit(self.module, train_dataloaders=self.loader)
@@ -254,7 +279,8 @@ class Accelerate:
         from accelerate import Accelerator
 
         self.ctx = ctx
-        self.accelerator = Accelerator(cpu=not ctx.cuda)
+        mixed = {"32": "no", "bf16": "bf16", "fp16": "fp16"}[ctx.precision]
+        self.accelerator = Accelerator(cpu=not ctx.cuda, mixed_precision=mixed)
         net = ctx.make_model()
         loader = DataLoader(ctx.data, batch_size=ctx.batch_size, shuffle=True)
         self.model, self.optim, self.loader = self.accelerator.prepare(
@@ -400,8 +426,11 @@ def add_ratios(results: dict[str, dict[str, Any]], world: int, batch_size: int) 
 
 # ---------------------------------------------------------------------------- processes
 def context(world: int, rank: int, local_world: int, args: argparse.Namespace) -> Context:
-    data = make_data(args.steps * args.batch_size * world)
-    return Context(world, rank, local_world, args.batch_size, args.device, data, args.model)
+    shape = "resnet" if args.model == "resnet" else "cnn"  # tiny reads the CNN's 28x28 inputs
+    data = make_data(args.steps * args.batch_size * world, shape)
+    return Context(
+        world, rank, local_world, args.batch_size, args.device, data, args.model, args.precision
+    )
 
 
 def worker(args: argparse.Namespace) -> int:
@@ -432,7 +461,8 @@ def launch(nprocs: int, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
             "--nproc_per_node", str(nprocs), __file__, "--worker",
             "--only", ",".join(args.only), "--steps", str(args.steps),
             "--rounds", str(args.rounds), "--batch-size", str(args.batch_size),
-            "--device", args.device, "--model", args.model, "--out", str(out),
+            "--device", args.device, "--model", args.model, "--precision", args.precision,
+            "--out", str(out),
         ]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         try:
@@ -470,7 +500,9 @@ def machine(device: str) -> str:
 
 def print_table(key: str, block: dict[str, Any]) -> None:
     results = block["frameworks"]
-    print(f"\n{key}: {block['processes']} process(es), {block['model']} model, batch "
+    mixed = block.get("precision", "32")
+    mixed = "" if mixed == "32" else f", {mixed} autocast"
+    print(f"\n{key}: {block['processes']} process(es), {block['model']} model{mixed}, batch "
           f"{block['batch_size_per_process']} per process, one thread each")  # fmt: skip
     print(f"{'framework':<12}{'ms/step':>8}{'vs hand':>9}{'by round':>20}{'cpu vs hand':>12}"
           f"{'samples/s':>11}{'steps':>7}  how")  # fmt: skip
@@ -517,9 +549,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="cpu (default; hides GPUs from every framework) or cuda (one GPU per process)",
     )  # fmt: skip
     parser.add_argument(
-        "--model", choices=["cnn", "tiny"], default="cnn",
+        "--model", choices=["cnn", "tiny", "resnet"], default="cnn",
         help="cnn: overhead.py's CNN (default); tiny: one linear layer, so that a step is "
-        "mostly each framework's fixed per-step cost",
+        "mostly each framework's fixed per-step cost; resnet: a ResNet-18 (3x32x32 inputs)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--precision", choices=PRECISIONS, default="32",
+        help="32 (default), bf16 or fp16 autocast, in every framework (fp16 with loss scaling)",
     )  # fmt: skip
     parser.add_argument(
         "--timeout", type=int, default=900, help="seconds a multi-process run may take"
@@ -570,6 +606,7 @@ def main(argv: list[str] | None = None) -> int:
             "timed_rounds": args.rounds,
             "batch_size_per_process": args.batch_size,
             "model": args.model,
+            "precision": args.precision,
             "versions": versions(),
             "method": "median step (forward to next forward) over interleaved rounds; "
             "ratio = median / hand loop's median",
@@ -588,6 +625,7 @@ def main(argv: list[str] | None = None) -> int:
             "launcher": "python" if nprocs == 1 else "torchrun --standalone",
             "batch_size_per_process": args.batch_size,
             "model": args.model,
+            "precision": args.precision,
             "frameworks": results,
         }
         print_table(key, report[key])

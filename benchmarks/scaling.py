@@ -7,6 +7,10 @@ Efficiency = throughput(N) / (N x throughput(1)). One thread per process.
 
     python benchmarks/scaling.py                  # dp x1, ddp x1/x2, horovod x1/x2
     python benchmarks/scaling.py --procs 1 2 4    # where the cores allow
+    python benchmarks/scaling.py --device cuda --procs 1 2 4 8 --model resnet --precision bf16
+
+On CUDA only ddp runs (one GPU per process, cuda:LOCAL_RANK, NCCL), and the throughput is
+distkit's own per-epoch figure, timed with CUDA events read once per epoch.
 
 Writes benchmarks/results/scaling.json: {strategy: {"N": {"samples_per_s", "efficiency"}}}.
 """
@@ -27,16 +31,18 @@ import torch
 import distkit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import make_data, make_model
-
-RESULTS = Path(__file__).resolve().parent / "results"
+from overhead import add_arguments, make_data, make_model, use_device
 
 
-def worker(strategy: str, steps: int, epochs: int, batch_size: int, out: Path) -> None:
+def worker(strategy: str, steps: int, epochs: int, batch_size: int, out: Path, **how) -> None:
+    """One rank; ``how``: precision and model."""
     torch.set_num_threads(1)
-    trainer = distkit.Trainer(strategy, batch_size=batch_size, max_epochs=epochs, progress=False)
-    data = make_data(steps * batch_size * trainer.world_size)
-    model = make_model()
+    precision, name = how.get("precision", "32"), how.get("model", "cnn")
+    trainer = distkit.Trainer(
+        strategy, batch_size=batch_size, max_epochs=epochs, progress=False, precision=precision
+    )
+    data = make_data(steps * batch_size * trainer.world_size, name)
+    model = make_model(name)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     result = trainer.fit(model, optimizer, data, loss_fn=torch.nn.functional.cross_entropy)
     if trainer.is_main:
@@ -55,10 +61,11 @@ def worker(strategy: str, steps: int, epochs: int, batch_size: int, out: Path) -
 
 
 def launch(strategy: str, procs: int, args: argparse.Namespace) -> dict[str, float]:
-    out = RESULTS / f"scaling_{strategy}_{procs}.json"
+    out = args.results / f"scaling_{strategy}_{procs}.json"
     script = [
         __file__, "--worker", strategy, "--steps", str(args.steps), "--epochs", str(args.epochs),
-        "--batch-size", str(args.batch_size), "--out", str(out),
+        "--batch-size", str(args.batch_size), "--out", str(out), "--device", args.device,
+        "--precision", args.precision, "--model", args.model,
     ]  # fmt: skip
     if strategy == "horovod":
         horovodrun = str(Path(sys.executable).parent / "horovodrun")
@@ -77,22 +84,31 @@ def launch(strategy: str, procs: int, args: argparse.Namespace) -> dict[str, flo
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--procs", type=int, nargs="+", default=[1, 2])
+    parser.add_argument(
+        "--procs", type=int, nargs="+", help="process counts (default 1 2; on CUDA 1..GPUs)"
+    )
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps per epoch")
     parser.add_argument("--epochs", type=int, default=4, help="the first is warm-up")
     parser.add_argument("--batch-size", type=int, default=32, help="per process")
+    add_arguments(parser)  # --device, --precision, --model, --results
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    use_device(args.device)
     if args.worker:
-        worker(args.worker, args.steps, args.epochs, args.batch_size, args.out)
+        how = {"precision": args.precision, "model": args.model}
+        worker(args.worker, args.steps, args.epochs, args.batch_size, args.out, **how)
         return 0
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    plan = {"dp": [1], "ddp": args.procs}
-    if importlib.util.find_spec("horovod") is not None:
-        plan["horovod"] = args.procs
+    args.results.mkdir(parents=True, exist_ok=True)
+    if args.device == "cuda":
+        # ddp alone: one GPU per process (dp x1 would spread over every GPU)
+        plan = {"ddp": args.procs or list(range(1, torch.cuda.device_count() + 1))}
     else:
-        print("horovod: skipped, not installed (python -m distkit.horovod_build)")
+        plan = {"dp": [1], "ddp": args.procs or [1, 2]}
+        if importlib.util.find_spec("horovod") is not None:
+            plan["horovod"] = plan["ddp"]
+        else:
+            print("horovod: skipped, not installed (python -m distkit.horovod_build)")
     results: dict[str, dict[str, dict[str, float]]] = {}
     for strategy, counts in plan.items():
         for procs in counts:
@@ -104,8 +120,10 @@ def main(argv: list[str] | None = None) -> int:
             r["efficiency"] = r["samples_per_s"] / (int(procs) * base) if base else float("nan")
             print(f"{strategy:<10}{procs:>6}{r['samples_per_s']:>12,.0f}{r['step_ms']:>10.2f}"
                   f"{r['efficiency']:>12.2f}")  # fmt: skip
-    (RESULTS / "scaling.json").write_text(json.dumps(results, indent=2))
-    print(f"\nwrote {RESULTS / 'scaling.json'} (machine: {os.cpu_count()} cores)")
+    (args.results / "scaling.json").write_text(json.dumps(results, indent=2))
+    cuda = args.device == "cuda"
+    machine = f"{torch.cuda.device_count()} GPUs" if cuda else f"{os.cpu_count()} cores"
+    print(f"\nwrote {args.results / 'scaling.json'} (machine: {machine})")
     return 0
 
 

@@ -37,7 +37,8 @@ def run_script(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_overhead_single_writes_a_positive_ratio(tmp_path: Path) -> None:
     # run a copy: it writes next to itself (tmp_path/results), never over the real results
-    shutil.copy(BENCH / "overhead.py", tmp_path / "overhead.py")
+    for name in ("overhead.py", "models.py"):
+        shutil.copy(BENCH / name, tmp_path / name)
     run_script(str(tmp_path / "overhead.py"), "--only", "single", "--steps", "20", "--rounds", "1")
     results = json.loads((tmp_path / "results" / "overhead.json").read_text())
     assert results
@@ -163,3 +164,329 @@ def test_streams_benchmark_prints_each_kind_against_map_style(tmp_path: Path) ->
     table = json.loads((tmp_path / "results" / "streams.json").read_text())
     assert set(table) == {"ddp x2", "dp x1"}
     assert all(value > 0 for row in table.values() for value in row.values())
+
+
+# ---------------------------------------------------------------------------- GPU benchmarks
+# `nox -s bench -- --device cuda` runs benchmarks/gpu.py. Here (no GPU) the tests check that it
+# skips cleanly, what it would run, the table it prints, and the CUDA timing by construction.
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def bench_module(monkeypatch: pytest.MonkeyPatch, name: str):  # type: ignore[no-untyped-def]
+    monkeypatch.syspath_prepend(str(BENCH))
+    return __import__(name)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a CUDA machine gpu.py runs instead")
+def test_gpu_script_without_cuda_prints_one_line_and_exits_0() -> None:
+    proc = run_script(str(BENCH / "gpu.py"))
+    assert proc.stdout.strip() == (
+        f"no CUDA device here (torch {torch.__version__}, cuda available: False): the GPU "
+        "benchmarks skip; run this on a machine with NVIDIA GPUs and a CUDA build of torch"
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "device", "rest"),
+    [
+        ([], "cpu", []),
+        (["--only", "single"], "cpu", ["--only", "single"]),
+        (["--device", "cuda"], "cuda", []),
+        (["--device=cuda", "--gpus", "1,2"], "cuda", ["--gpus", "1,2"]),
+        (["--steps", "9", "--device", "cpu"], "cpu", ["--steps", "9"]),
+    ],
+)
+def test_gpu_split_device_reads_the_bench_sessions_arguments(
+    monkeypatch: pytest.MonkeyPatch, argv: list[str], device: str, rest: list[str]
+) -> None:
+    gpu = bench_module(monkeypatch, "gpu")
+    assert gpu.split_device(argv) == (device, rest)
+
+
+@pytest.mark.parametrize("argv", [["--device"], ["--device", "tpu"], ["--device=gpu"]])
+def test_gpu_split_device_rejects_other_devices(
+    monkeypatch: pytest.MonkeyPatch, argv: list[str]
+) -> None:
+    gpu = bench_module(monkeypatch, "gpu")
+    with pytest.raises(ValueError, match=r"cpu .*cuda"):
+        gpu.split_device(argv)
+
+
+class FakeSession:
+    """What the bench session asks nox for: installs, runs, an error."""
+
+    def __init__(self, posargs: list[str]) -> None:
+        self.posargs = posargs
+        self.installs: list[tuple[str, ...]] = []
+        self.runs: list[tuple[str, ...]] = []
+
+    def install(self, *args: str) -> None:
+        self.installs.append(args)
+
+    def run(self, *args: str, **kwargs: object) -> None:
+        self.runs.append(args)
+
+    def error(self, message: str) -> None:
+        raise SystemExit(message)
+
+
+@pytest.fixture
+def noxfile(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """noxfile.py imported with a stand-in for nox (not installed in the test environment)."""
+    import importlib.util
+    import types
+
+    fake = types.ModuleType("nox")
+    fake.options = types.SimpleNamespace()  # type: ignore[attr-defined]
+    fake.session = lambda **_: lambda function: function  # type: ignore[attr-defined]
+    fake.Session = FakeSession  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "nox", fake)
+    spec = importlib.util.spec_from_file_location("noxfile_under_test", ROOT / "noxfile.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_session_with_device_cuda_installs_the_chosen_torch_and_runs_gpu_py(
+    noxfile, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("DISTKIT_BENCH_TORCH", raising=False)
+    session = FakeSession(["--device", "cuda", "--gpus", "1,2"])
+    noxfile.bench(session)
+    assert session.installs[0] == ("torch==2.13.0",)
+    assert all(args[0] == "torch==2.13.0" for args in session.installs if "lightning" in args)
+    assert session.runs == [("python", "benchmarks/gpu.py", "--gpus", "1,2")]
+
+    monkeypatch.setenv("DISTKIT_BENCH_TORCH", "torch==2.13.0+cu126")
+    session = FakeSession(["--device=cuda"])
+    noxfile.bench(session)
+    assert session.installs[0] == ("torch==2.13.0+cu126",)
+    assert session.runs == [("python", "benchmarks/gpu.py")]
+
+
+def test_bench_session_on_cpu_runs_every_cpu_script_with_the_arguments_for_overhead(
+    noxfile,
+) -> None:
+    session = FakeSession(["--only", "single"])
+    noxfile.bench(session)
+    scripts = [args[1] for args in session.runs if args[1].startswith("benchmarks/")]
+    assert scripts == [
+        f"benchmarks/{name}.py"
+        for name in ("overhead", "scaling", "memory", "streams", "peers", "startup", "plot")
+    ]
+    assert session.runs[1] == ("python", "benchmarks/overhead.py", "--only", "single")
+    assert not any("gpu.py" in " ".join(args) for args in session.runs)
+
+
+def test_bench_session_rejects_an_unknown_device(noxfile) -> None:
+    with pytest.raises(SystemExit, match="'tpu'"):
+        noxfile.bench(FakeSession(["--device", "tpu"]))
+
+
+def test_gpu_plan_runs_every_benchmark_on_one_gpu_per_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    gpu = bench_module(monkeypatch, "gpu")
+    args = gpu.parse_args(["--models", "resnet", "--precisions", "fp32,bf16", "--steps", "5"])
+    jobs = gpu.plan(args, [1, 2, 4])
+    by = {(job.benchmark, job.precision, tuple(job.gpus)): job.cmd for job in jobs}
+    assert len(jobs) == 2 * (3 + 1 + 1)  # per precision: overhead x3 counts, scaling, peers
+    for cmd in by.values():
+        assert cmd[cmd.index("--device") + 1] == "cuda"
+        assert cmd[cmd.index("--model") + 1] == "resnet"
+        assert cmd[cmd.index("--batch-size") + 1] == "128"
+    single = by[("overhead", "32", (1,))]
+    assert single[single.index("--only") + 1] == "single"  # one process, cuda:0
+    four = by[("overhead", "bf16", (4,))]
+    assert four[four.index("--only") + 1 :][:3] == ["ddp", "--nprocs", "4"]  # torchrun, NCCL
+    scaling = by[("scaling", "32", (1, 2, 4))]
+    assert scaling[scaling.index("--procs") + 1 :][:3] == ["1", "2", "4"]
+    peers = by[("peers", "bf16", (1, 4))]
+    assert peers[peers.index("--nprocs") + 1] == "1,4"
+
+
+def test_gpu_dry_run_prints_the_commands_without_a_gpu() -> None:
+    proc = run_script(str(BENCH / "gpu.py"), "--dry-run", "--gpus", "1,2", "--models", "cnn")
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 3 * 4  # 3 precisions x (overhead x2, scaling, peers)
+    assert all("--device cuda" in line for line in lines)
+
+
+GPU_REPORT = {
+    "meta": {
+        "machine": "2x NVIDIA H100 80GB HBM3",
+        "date": "2026-01-02T03:04:05+00:00",
+        "torch": "2.13.0+cu126",
+        "cuda": "12.6",
+    },
+    "runs": {
+        "resnet/bf16": {
+            "model": "resnet",
+            "precision": "bf16",
+            "batch_size_per_process": 128,
+            "overhead": {
+                "1": {"world_size": 1, "hand_ms": 20.0, "distkit_ms": 20.2, "ratio": 1.01},
+                "2": {"error": "exited 1: boom"},
+            },
+            "scaling": {
+                "1": {"samples_per_s": 6400.0, "step_ms": 20.0, "efficiency": 1.0},
+                "2": {"samples_per_s": 12160.0, "step_ms": 21.0, "efficiency": 0.95},
+            },
+            "peers": {
+                "1": {
+                    "hand": {"status": "ok", "ratio": 1.0},
+                    "fabric": {"status": "ok", "ratio": 1.034},
+                    "lightning": {"status": "failed", "detail": "boom"},
+                    "accelerate": {"status": "not installed", "detail": "pip install accelerate"},
+                },
+            },
+        },
+        "cnn/32": {
+            "model": "cnn",
+            "precision": "32",
+            "batch_size_per_process": 256,
+            "scaling": {"1": {"error": "did not finish in 10 s"}},
+        },
+    },
+}
+
+
+def test_gpu_markdown_table_has_one_row_per_model_precision_and_gpu_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    gpu = bench_module(monkeypatch, "gpu")
+    lines = gpu.markdown_table(GPU_REPORT).splitlines()
+    assert lines[0].startswith("2x NVIDIA H100 80GB HBM3, 2026-01-02T03:04:05+00:00; torch ")
+    header = "| model | precision | batch/GPU | GPUs | hand ms/step | distkit ms/step | vs hand "
+    assert lines[2] == header + "| samples/s | efficiency | Fabric | Lightning | Accelerate |"
+    assert lines[4:] == [
+        "| resnet | bf16 | 128 | 1 | 20.00 | 20.20 | 1.010 | 6,400 | 1.00 | 1.03 | failed "
+        "| not installed |",
+        "| resnet | bf16 | 128 | 2 | failed | failed | failed | 12,160 | 0.95 | - | - | - |",
+        "| cnn | fp32 | 256 | 1 | - | - | - | failed | failed | - | - | - |",
+    ]
+
+
+def test_gpu_table_flag_prints_the_table_of_a_json_file(tmp_path: Path) -> None:
+    (tmp_path / "gpu.json").write_text(json.dumps(GPU_REPORT))
+    proc = run_script(str(BENCH / "gpu.py"), "--table", str(tmp_path / "gpu.json"))
+    assert "| resnet | bf16 | 128 | 1 | 20.00 | 20.20 | 1.010 |" in proc.stdout
+
+
+def test_resnet_trains_a_step_on_cpu_under_bf16_autocast(monkeypatch: pytest.MonkeyPatch) -> None:
+    models = bench_module(monkeypatch, "models")
+    model = models.make_model("resnet")
+    assert 11.0e6 < sum(p.numel() for p in model.parameters()) < 11.4e6  # ResNet-18's size
+    x, y = models.make_data(4, "resnet").tensors
+    assert x.shape == (4, 3, 32, 32)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(x)
+        loss = torch.nn.functional.cross_entropy(logits, y)
+    assert logits.dtype == torch.bfloat16 and logits.shape == (4, 10)
+    loss.backward()
+    optimizer.step()
+    assert torch.isfinite(loss)
+    changed = sum(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert changed == len(before)  # every parameter got a gradient and moved
+
+
+class FakeEvent:
+    """torch.cuda.Event on a machine without CUDA: records the host time."""
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        assert enable_timing
+        self.at: float | None = None
+
+    def record(self) -> None:
+        import time
+
+        self.at = time.perf_counter()
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        assert self.at is not None and end.at is not None
+        return (end.at - self.at) * 1e3
+
+
+def test_step_clock_on_cuda_waits_for_the_gpu_once_per_epoch_not_per_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    overhead = bench_module(monkeypatch, "overhead")
+    waits = []
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: waits.append(a))
+    clock = overhead.StepClock(torch.device("cuda", 0))
+    for _ in range(6):
+        clock.stamp()
+    assert waits == []  # recording a step's start never waits for the GPU
+    steps = clock.steps_ms()
+    assert len(waits) == 1 and len(steps) == 5 and all(ms >= 0 for ms in steps)
+    assert clock.steps_ms() == []  # the next epoch starts afresh
+
+
+def test_overhead_trains_both_loops_under_bf16_autocast(tmp_path: Path) -> None:
+    proc = run_script(
+        str(BENCH / "overhead.py"), "--only", "single", "--steps", "6", "--rounds", "1",
+        "--precision", "bf16", "--results", str(tmp_path),
+    )  # fmt: skip
+    result = json.loads((tmp_path / "overhead.json").read_text())["single"]
+    assert result["steps_timed"] == 5 and result["ratio"] > 0
+    assert "single" in proc.stdout
+
+
+@needs_cuda
+def test_gpu_script_runs_every_benchmark_on_one_gpu(tmp_path: Path) -> None:
+    out = tmp_path / "gpu.json"
+    proc = run_script(
+        str(BENCH / "gpu.py"), "--gpus", "1", "--models", "cnn", "--precisions", "fp32,bf16",
+        "--steps", "5", "--rounds", "1", "--results", str(tmp_path / "runs"), "--out", str(out),
+    )  # fmt: skip
+    report = json.loads(out.read_text())
+    for run in report["runs"].values():
+        assert run["overhead"]["1"]["ratio"] > 0
+        assert run["scaling"]["1"]["samples_per_s"] > 0
+        assert run["peers"]["1"]["distkit"]["status"] == "ok"
+    assert "| cnn | bf16 | 256 | 1 |" in proc.stdout
+
+
+@needs_cuda
+def test_step_clock_adds_no_host_sync_to_the_steps_it_times() -> None:
+    sys.path.insert(0, str(BENCH))
+    import overhead
+
+    clock = overhead.StepClock(torch.device("cuda", 0))
+    x = torch.randn(256, 256, device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(4):
+            clock.stamp()
+            x = x @ x
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(clock.steps_ms()) == 3
+
+
+# ---------------------------------------------------------------------------- start-up
+def test_startup_launch_reports_rank_0_stages_up_to_the_first_optimizer_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    startup = bench_module(monkeypatch, "startup")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    stages = startup.launch("distkit")
+    order = ["interpreter up", "import torch", "import distkit", "Trainer(...)",
+             "first step starts", "first optimizer step", "torchrun exited"]  # fmt: skip
+    at = [stages[name] for name in order]
+    assert at == sorted(at) and at[0] > 0
+
+
+def test_startup_import_breakdown_lists_what_import_distkit_adds_to_torch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    startup = bench_module(monkeypatch, "startup")
+    rows = startup.import_breakdown()
+    names = [name for name, _, _ in rows]
+    assert names[0] == "distkit"  # the whole tree is distkit's own cumulative time
+    assert "torch" not in names
+    assert all(cumulative >= 5 for _, _, cumulative in rows)
