@@ -15,7 +15,10 @@ from torch.utils.data import DataLoader, TensorDataset
 import distkit
 from tests.workloads import (
     hand_ddp_on_rank,
+    make_dataset,
+    make_mlp,
     max_abs_diff,
+    state_of,
     train_by_hand,
     train_with_distkit,
 )
@@ -267,3 +270,34 @@ def test_trainer_fit_again_reuses_the_set_up_and_accepts_a_new_optimizer(run_on_
     results = run_on_ranks(_fit_twice_then_new_optimizer, world_size=2)
     assert results[0] == results[1]
     assert results[0][2] < results[0][0]
+
+
+def _stale_gradients(stale: bool) -> dict:
+    """A fit after the user left gradients on the parameters (a manual backward, say)."""
+    model = make_mlp()
+    if stale:
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 100.0)
+    seen: list[bool] = []
+
+    class Grads(distkit.Callback):
+        stops_training = False
+
+        def on_train_step_end(self, trainer, logs):  # the step's gradients are still there
+            seen.append(all(p.grad is not None for p in model.parameters()))
+
+    trainer = distkit.Trainer("dp", batch_size=8, max_epochs=2, progress=False,
+                              callbacks=[Grads()])  # fmt: skip
+    trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), make_dataset(32),
+                loss_fn=nn.functional.cross_entropy)  # fmt: skip
+    return {"state": state_of(model), "seen": seen,
+            "after": [p.grad for p in model.parameters()]}  # fmt: skip
+
+
+def test_trainer_gradients_are_cleared_before_each_step_not_after():
+    """Each step starts from zero gradients (a user's stale ones never reach the first step),
+    callbacks after a step see its gradients, and fit ends with none held (set to None)."""
+    clean, stale = _stale_gradients(False), _stale_gradients(True)
+    assert max_abs_diff(clean["state"], stale["state"]) == 0.0
+    assert clean["seen"] == [True] * 8
+    assert stale["after"] == [None] * 4
