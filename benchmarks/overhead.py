@@ -31,6 +31,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -164,36 +165,61 @@ def run(
         x, y = batch
         return nn.functional.cross_entropy(model(x), y)
 
-    hand_steps: list[float] = []
-    kit_steps: list[float] = []
-    round_ratios: list[float] = []
-    for epoch in range(rounds + 1):  # round 0 warms both up and is discarded
-        # alternate which loop goes first, so neither always runs on a warmer machine
-        if epoch % 2:
+    # the control: a second, identical hand-written loop, timed like the others. Its ratio to
+    # the first is what "no difference" measures in this run (the machine's noise floor).
+    # Not for Horovod: two DistributedOptimizers would all-reduce under the same names.
+    control = backend != "horovod"
+    if control:
+        again_model, again_opt = hand_setup(backend, world, device, precision, model)
+        again_sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True)
+        again_loader = DataLoader(
+            data, batch_size=batch_size, sampler=again_sampler, pin_memory=cuda
+        )
+    again_clock = StepClock(device)
+
+    def epoch_of(name: str, epoch: int) -> None:
+        if name == "distkit":
             trainer.fit(kit_net, kit_opt, data, step_fn=step_fn)
+        elif name == "hand":
             hand_epoch(hand_model, loader, sampler, hand_opt, epoch, hand_clock, device, precision)
         else:
-            hand_epoch(hand_model, loader, sampler, hand_opt, epoch, hand_clock, device, precision)
-            trainer.fit(kit_net, kit_opt, data, step_fn=step_fn)
-        hand_epoch_ms, kit_epoch_ms = hand_clock.steps_ms(), kit_clock.steps_ms()
+            hand_epoch(again_model, again_loader, again_sampler, again_opt, epoch, again_clock,
+                       device, precision)  # fmt: skip
+
+    names = ["hand", "distkit", *(["again"] if control else [])]
+    clocks = {"hand": hand_clock, "distkit": kit_clock, "again": again_clock}
+    steps_of: dict[str, list[float]] = {name: [] for name in names}
+    ratios: dict[str, list[float]] = {name: [] for name in names}
+    for epoch in range(rounds + 1):  # round 0 warms every loop up and is discarded
+        # a different loop goes first each round, so none always runs on a warmer machine
+        shift = epoch % len(names)
+        for name in names[shift:] + names[:shift]:
+            epoch_of(name, epoch)
+        epoch_ms = {name: clocks[name].steps_ms() for name in names}
         if epoch:
-            hand_steps += hand_epoch_ms
-            kit_steps += kit_epoch_ms
-            # the round's ratio: both loops' medians in the same round (same machine state)
-            round_ratios.append(statistics.median(kit_epoch_ms) / statistics.median(hand_epoch_ms))
+            hand_median = statistics.median(epoch_ms["hand"])
+            for name in names:
+                steps_of[name] += epoch_ms[name]
+                # the round's ratio: medians in the same round (the same machine state)
+                ratios[name].append(statistics.median(epoch_ms[name]) / hand_median)
     trainer.close()
-    hand_ms = statistics.median(hand_steps)
-    kit_ms = statistics.median(kit_steps)
-    return {
+    hand_ms = statistics.median(steps_of["hand"])
+    kit_ms = statistics.median(steps_of["distkit"])
+    result: dict[str, Any] = {
         "world_size": world,
         "batch_size_per_process": batch_size,
-        "steps_timed": len(kit_steps),
+        "steps_timed": len(steps_of["distkit"]),
         "hand_ms": hand_ms,
         "distkit_ms": kit_ms,
         "ratio": kit_ms / hand_ms,
-        "round_ratios": round_ratios,
-        "round_ratio_median": statistics.median(round_ratios),
+        "round_ratios": ratios["distkit"],
+        "round_ratio_median": statistics.median(ratios["distkit"]),
     }
+    if control:
+        result["control_ratio"] = statistics.median(steps_of["again"]) / hand_ms
+        result["control_round_ratio_median"] = statistics.median(ratios["again"])
+        result["control_round_ratios"] = ratios["again"]
+    return result
 
 
 def launch(backend: str, args: argparse.Namespace) -> dict[str, float]:
@@ -243,6 +269,10 @@ def use_device(device: str) -> None:
         sys.exit(f"--device cuda: torch {torch.__version__} sees no CUDA device here")
 
 
+#: --steady-malloc's thresholds (bytes)
+STEADY_MALLOC = str(2**30)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=150, help="steps per epoch (default 150)")
@@ -253,9 +283,20 @@ def main(argv: list[str] | None = None) -> int:
         "--nprocs", type=int, default=2, help="processes for ddp and horovod (default 2)"
     )
     add_arguments(parser)
+    parser.add_argument(
+        "--steady-malloc", action="store_true",
+        help="run with glibc's heap trimming and mmap threshold raised (MALLOC_TRIM_THRESHOLD_ "
+        "and MALLOC_MMAP_THRESHOLD_ = 1 GB), so that no loop pays for memory given back to the "
+        "OS and page-faulted in again: a quieter comparison of the loops' own work",
+    )  # fmt: skip
     parser.add_argument("--worker", choices=["ddp", "horovod"], help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.steady_malloc and os.environ.get("MALLOC_TRIM_THRESHOLD_") != STEADY_MALLOC:
+        # glibc reads these at start-up: run again with them (torchrun/horovodrun pass them on)
+        env = {**os.environ, "MALLOC_TRIM_THRESHOLD_": STEADY_MALLOC,
+               "MALLOC_MMAP_THRESHOLD_": STEADY_MALLOC}  # fmt: skip
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
     use_device(args.device)
     measure = dict(precision=args.precision, model=args.model)
     if args.worker:
@@ -285,20 +326,28 @@ def main(argv: list[str] | None = None) -> int:
             results[f"horovod x{n}"] = launch("horovod", args)
     print(
         f"\n{'config':<11}{'hand ms/step':>13}{'distkit ms/step':>16}{'ratio':>7}"
-        f"{'by round':>25}{'steps':>7}"
+        f"{'by round':>25}{'control (hand again)':>25}{'steps':>7}"
     )
     for name, r in results.items():
         rounds = r.get("round_ratios") or [r["ratio"]]
         by_round = (
             f"{r.get('round_ratio_median', r['ratio']):.3f} [{min(rounds):.2f}-{max(rounds):.2f}]"
         )
+        control = r.get("control_round_ratios")
+        noise = (
+            f"{r['control_round_ratio_median']:.3f} [{min(control):.2f}-{max(control):.2f}]"
+            if control
+            else "-"
+        )
         print(
             f"{name:<11}{r['hand_ms']:>13.2f}{r['distkit_ms']:>16.2f}"
-            f"{r['ratio']:>7.3f}{by_round:>25}{r['steps_timed']:>7}"
+            f"{r['ratio']:>7.3f}{by_round:>25}{noise:>25}{r['steps_timed']:>7}"
         )
     print(
         "ratio: median distkit step / median hand step over every timed step; by round: the "
-        "median [lowest-highest] of each round's ratio (both loops' medians in that round)"
+        "median [lowest-highest] of each round's ratio (both loops' medians in that round); "
+        "control: the same for a second, identical hand loop (no difference, measured: the "
+        "noise floor of this run)"
     )
     if f"ddp x{n}" in results and f"horovod x{n}" in results:
         ratio = results[f"horovod x{n}"]["hand_ms"] / results[f"ddp x{n}"]["hand_ms"]
