@@ -27,6 +27,10 @@ _DEVICE_PHASES = ("forward", "backward", "optimizer")
 COMM_HINT_SHARE = 0.4
 
 
+#: CUDA: fold the finished events once this many are kept (3 per optimizer step)
+FOLD_EVENTS = 768
+
+
 class StepTimer:
     """Accumulates per-phase time over one epoch on one rank."""
 
@@ -54,11 +58,24 @@ class StepTimer:
             assert self._open is not None
             self._events.append((phase, self._open, end))
             self._open = end
+            if len(self._events) >= FOLD_EVENTS:
+                self._fold_finished()
         else:
             self.totals[phase] = self.totals.get(phase, 0.0) + (now - self._last)
             if self.cuda:
                 self._open = self._record()
         self._last = now
+
+    def _fold_finished(self) -> None:
+        """Add up the oldest events the GPU has passed (``query()`` does not wait), so that
+        a long epoch keeps a bounded number of events without synchronising."""
+        done = 0
+        for phase, start, end in self._events:
+            if not end.query():
+                break
+            self.totals[phase] += start.elapsed_time(end) / 1000.0
+            done += 1
+        del self._events[:done]
 
     def _record(self) -> torch.cuda.Event:
         event = torch.cuda.Event(enable_timing=True)

@@ -66,3 +66,54 @@ def test_timing_table_gives_advice_for_data_and_stragglers():
     assert "backward+allreduce" in text and "53 samples/s" in text
     assert "raise num_workers (now 0)" in text
     assert "rank 0 is 200% slower" in text
+
+
+class _FakeEvent:
+    """Stands in for torch.cuda.Event (no CUDA here): a fake-based test, as the docstring of
+    the test says. ``done`` is whether the GPU has passed it; ``at`` its time in ms."""
+
+    clock = 0.0
+    pending: list[_FakeEvent] = []
+
+    def __init__(self, enable_timing: bool = True) -> None:
+        self.at = 0.0
+        self.done = False
+
+    def record(self) -> None:
+        _FakeEvent.clock += 1.0
+        self.at = _FakeEvent.clock
+        _FakeEvent.pending.append(self)
+
+    def query(self) -> bool:
+        return self.done
+
+    def elapsed_time(self, end: _FakeEvent) -> float:
+        assert self.done and end.done, "elapsed_time on an event the GPU has not passed waits"
+        return end.at - self.at
+
+
+def test_timing_cuda_events_are_folded_as_the_gpu_passes_them(monkeypatch):
+    """Fake CUDA events (there is no GPU here): a long epoch keeps a bounded number of events,
+    folding only those the GPU has passed (query(), which never waits), and the totals are
+    the same as reading them all at the end."""
+    from distkit import timing
+
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(timing, "FOLD_EVENTS", 30)
+    _FakeEvent.clock, _FakeEvent.pending = 0.0, []
+    timer = timing.StepTimer(torch.device("cuda", 0))
+    timer.start()
+    for _ in range(100):
+        for phase in ("data", "forward", "backward", "optimizer"):
+            timer.mark(phase)
+        timer.steps += 1
+        # the GPU runs 5 steps behind the host
+        for event in _FakeEvent.pending[: max(0, len(_FakeEvent.pending) - 20)]:
+            event.done = True
+        assert len(timer._events) <= 30 + 3
+    for event in _FakeEvent.pending:
+        event.done = True  # what synchronize() would have waited for
+    summary = timer.summary()
+    # each device phase spans one clock tick per step: forward, backward, optimizer
+    assert summary[1:4].tolist() == pytest.approx([0.1, 0.1, 0.1])
