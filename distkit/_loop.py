@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from distkit import _comm_probe
 from distkit._checks import check_loss
 from distkit._feed import Feed
 from distkit._losses import LossLedger
@@ -200,15 +201,13 @@ class TrainLoop:
         """The epoch's training summary, reduced over ranks (the same dict on every rank)."""
         timer = self.timer
         assert timer is not None, "epoch_record follows run_epoch"
-        from distkit import _comm_probe
-
         phases = timer.summary()  # before the probe: its time is no part of the epoch's
         # a collective on every rank, here at the same point; a separate buffer (no training
         # state), so the epoch trained exactly as it would without it
         numel, dtype = _comm_probe.gradient_size(self.model)
         comm_ms = _comm_probe.allreduce_ms(self.strategy, numel, dtype)
         mine = torch.tensor(
-            [float(state.loss_sum), float(state.samples), float(state.skipped_steps), comm_ms],
+            [state.settled_loss_sum(), float(state.samples), float(state.skipped_steps), comm_ms],
             dtype=torch.float64,
         )
         # one collective for the loss sums, the probe and every rank's timing

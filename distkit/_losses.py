@@ -72,10 +72,7 @@ class LossLedger:
         """Sum the noted losses into ``epoch_sum`` and ``window_sum`` (no host read)."""
         if not self._losses:
             return
-        device = self.epoch_sum.device
-        values = _stacked(self._losses, device)
-        counts = torch.tensor(self._counts, dtype=torch.float64).to(device, non_blocking=True)
-        total = torch.dot(values, counts)
+        values, total = _weighted_sum(self._losses, self._counts, self.epoch_sum.device)
         self.epoch_sum += total
         self.window_sum += total
         if self.watch:
@@ -100,9 +97,17 @@ class LossLedger:
 
 def step_mean(losses: list[torch.Tensor], counts: list[int], samples: int) -> torch.Tensor:
     """One step's mean loss over its real samples (a device tensor; for the step logs)."""
-    device = losses[0].device
+    return _weighted_sum(losses, counts, losses[0].device)[1] / samples
+
+
+def _weighted_sum(
+    losses: list[torch.Tensor], counts: list[int], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The losses as one float64 vector on ``device``, and their sum weighted by ``counts``
+    (loss x samples): a few tensor operations, no host read."""
+    values = _stacked(losses, device)
     weights = torch.tensor(counts, dtype=torch.float64).to(device, non_blocking=True)
-    return torch.dot(_stacked(losses, device), weights) / samples
+    return values, torch.dot(values, weights)
 
 
 def _stacked(losses: list[torch.Tensor], device: torch.device) -> torch.Tensor:

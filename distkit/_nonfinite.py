@@ -40,7 +40,7 @@ class NonFiniteWatch:
         since the last check.
 
         A collective (call it on every rank at the same point): one host read of this rank's
-        losses (:meth:`LossLedger.first_nonfinite`) and one all-reduce of ``2 x world_size``
+        losses (:meth:`LossLedger.first_nonfinite`) and one all-reduce of ``3 x world_size``
         numbers. ``now`` is the current global step, for the message.
         """
         if not self.enabled:

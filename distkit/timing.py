@@ -25,8 +25,6 @@ _DEVICE_PHASES = ("forward", "backward", "optimizer")
 #: less than 1.2x one, so most of the second is lost. 0.4 rather than the break-even 0.5:
 #: on CPU the probe (idle cores) reads ~2/3 of what the all-reduce costs inside backward
 COMM_HINT_SHARE = 0.4
-
-
 #: CUDA: fold the finished events once this many are kept (3 per optimizer step)
 FOLD_EVENTS = 768
 
