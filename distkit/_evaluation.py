@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from distkit._checks import check_instance
+from distkit._placement import output_device
 from distkit._stream_feed import StreamFeed
 from distkit.batch import batch_size_of, split_batch, to_device
 from distkit.metrics import Metric
@@ -40,12 +41,17 @@ def evaluate_shard(
     batches: Iterable[tuple[Any, bool]],
     loss_fn: LossFn | None,
     metrics: dict[str, Metric],
+    *,
+    input_device: torch.device | None = None,
+    placed: bool = False,
 ) -> dict[str, float]:
     """Loss and metrics over this rank's shard, summed over ranks (one all-reduce).
 
     ``batches``: this rank's batches, each with whether it counts (see :func:`map_rounds`
     and :func:`stream_rounds`: a rank whose shard ran out may run spare forward passes that
-    count for nothing, where a forward pass communicates).
+    count for nothing, where a forward pass communicates). ``input_device``: where the
+    batches go (None: the strategy's device); ``placed``: the user placed the model on
+    devices of their own, so targets go to the output's device.
     """
     for metric in metrics.values():
         metric.reset()
@@ -57,15 +63,17 @@ def evaluate_shard(
     try:
         with torch.no_grad():
             for batch, counted in batches:
-                inputs, target = split_batch(to_device(batch, device))
+                inputs, target = split_batch(to_device(batch, input_device or device))
                 with strategy.autocast():
                     output = module(inputs)
                     if not counted:
                         continue
+                    if placed:
+                        target = to_device(target, output_device(output) or target.device)
                     loss = loss_fn(output, target) if loss_fn is not None else None
                 size = batch_size_of(target)
                 if loss is not None:
-                    loss_sum += strategy.reduce_loss(loss, size).double() * size
+                    loss_sum += strategy.reduce_loss(loss, size).to(device).double() * size
                 count += size
                 for metric in metrics.values():
                     metric.update(output, target)

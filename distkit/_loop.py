@@ -17,6 +17,7 @@ from distkit._checks import check_loss
 from distkit._feed import Feed
 from distkit._losses import LossLedger
 from distkit._nonfinite import NonFiniteWatch
+from distkit._placement import output_device
 from distkit._progress import Progress
 from distkit.batch import batch_size_of, split_batch, to_device
 from distkit.errors import NonFiniteLossError as NonFiniteLossError  # its old home
@@ -94,6 +95,10 @@ class TrainLoop:
     settings: LoopSettings
     #: what forward passes run through: ``model`` compiled (``Trainer(compile=...)``) or None
     forward_model: nn.Module | None = None
+    #: where each batch goes (None: the strategy's device), and whether the user placed the
+    #: model on devices of their own, so that targets follow the output (see _placement)
+    input_device: torch.device | None = None
+    placed: bool = False
     rank_progress: Progress = field(default_factory=Progress)  # read by the watchdog thread
     timer: StepTimer | None = None  # the current epoch's
     timing: EpochTiming | None = None  # the last finished epoch's, over all ranks
@@ -111,7 +116,7 @@ class TrainLoop:
         Returns True when stopped early.
         """
         strategy, model = self.strategy, self.model
-        device = strategy.device
+        device = strategy.device if self.input_device is None else self.input_device
         model.train()
         # the losses stay on the device, summed at check points: no tensor op per step
         losses = self.losses
@@ -233,7 +238,10 @@ class TrainLoop:
             return self.step_fn(model, batch)
         assert self.loss_fn is not None
         inputs, target = split_batch(batch)
-        return self.loss_fn(model(inputs), target)
+        output = model(inputs)
+        if self.placed:  # the model's forward chose the output's device: the loss runs there
+            target = to_device(target, output_device(output) or target.device)
+        return self.loss_fn(output, target)
 
     def _step(self, state: FitState) -> tuple[StepOutcome, torch.Tensor | None]:
         optimizer, settings = self.optimizer, self.settings

@@ -27,6 +27,7 @@ from distkit._checks import (
 from distkit._compile import describe as describe_compile
 from distkit._evaluation import LossFn, Metrics, named_metrics
 from distkit._loop import StepFn
+from distkit._placement import Placement
 from distkit._samplers import BatchSamplerPlan, SamplerPlan
 from distkit._stream_spec import StreamSpec, check_stream
 from distkit.data import GlobalBatchPlan, LoaderSpec
@@ -39,11 +40,12 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class FitPlan:
-    """What a fit found before agreeing: its data, batch plan and checkpoint."""
+    """What a fit found before agreeing: its data, batch plan, checkpoint and placement."""
 
     spec: LoaderSpec | StreamSpec
     plan: GlobalBatchPlan | None  # None for a stream
     found: _resume.Found | None
+    placement: Placement
 
 
 def prepare_fit(
@@ -58,6 +60,7 @@ def prepare_fit(
     step_fn: StepFn | None,
 ) -> _agreement.Prepared[FitPlan]:
     check_fit_args(model, optimizer, loss_fn, step_fn)
+    placement = checked_placement(trainer, model)
     check_scheduler(scheduler, optimizer, per_step=trainer.scheduler_interval == "step")
     check_validation(val_data, loss_fn, metrics)
     named_metrics(metrics)
@@ -106,7 +109,25 @@ def prepare_fit(
         "callbacks": trainer.callbacks.describe(),
     }
     details = {"model": lambda: _agreement.named_shapes(model)}
-    return _agreement.Prepared(agreed, FitPlan(spec, plan, found), details=details)
+    # each rank's devices of a model the user placed: ranks sharing one GPU are refused
+    fit_plan = FitPlan(spec, plan, found, placement)
+    return _agreement.Prepared(agreed, fit_plan, shared=placement.claim(), details=details)
+
+
+def checked_placement(trainer: Trainer, model: nn.Module) -> Placement:
+    """Where ``model`` is against this rank's device; raises where the strategy cannot train
+    it there, or where ``input_device`` is given for a model distkit places itself."""
+    strategy = trainer.strategy
+    placement = Placement.of(model, strategy.device)
+    placement.check(strategy.name, strategy.placement_refusal)
+    if trainer.input_device is not None and not placement.user_placed:
+        raise ConfigurationError(
+            f"input_device={str(trainer.input_device)!r} is for a model you placed on devices "
+            f"of your own; this model is on {placement.describe()}, so distkit moves it and "
+            f"its inputs to this rank's device ({strategy.device}). Leave input_device=None, "
+            "or place the model yourself (e.g. its layers on cuda:0 and cuda:1)"
+        )
+    return placement
 
 
 def samples_of(spec: LoaderSpec | StreamSpec) -> int | None:
@@ -147,14 +168,15 @@ def batch_plan(trainer: Trainer, spec: LoaderSpec | StreamSpec) -> GlobalBatchPl
 
 def prepare_evaluate(
     trainer: Trainer, model: nn.Module, data: Any, loss_fn: LossFn | None, metrics: Metrics | None
-) -> _agreement.Prepared[tuple[dict[str, Metric], LoaderSpec | StreamSpec]]:
+) -> _agreement.Prepared[tuple[dict[str, Metric], LoaderSpec | StreamSpec, Placement]]:
     check_model(model)
+    placement = checked_placement(trainer, model)
     named = named_metrics(metrics)
     if loss_fn is None and not named:
         raise ConfigurationError("evaluate needs a loss_fn, metrics, or both")
     spec = trainer._loader_spec(data, "val_data", shuffle=False)
     agreed = {"data samples": describe_data(spec), "metrics": ", ".join(named) or "none"}
-    return _agreement.Prepared(agreed, (named, spec))
+    return _agreement.Prepared(agreed, (named, spec, placement))
 
 
 def prepare_save(

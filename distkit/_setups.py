@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from distkit._compile import Compiler
+from distkit._placement import place
 from distkit.strategies.base import Strategy
 
 
@@ -66,6 +67,11 @@ class SetupCache:
         self.strategy.teardown()
 
     def wrapped(self, model: nn.Module) -> nn.Module:
-        """The wrapped model if it was set up, else the model moved to the strategy's device."""
+        """The wrapped model if it was set up, else the model moved to the strategy's device
+        (unless the user placed it and the strategy keeps that: see _placement)."""
         wrapped = self._models.get(model)
-        return model.to(self.strategy.device) if wrapped is None else wrapped
+        if wrapped is None:
+            strategy = self.strategy
+            place(model, strategy.device, strategy.name, strategy.placement_refusal)
+            return model
+        return wrapped

@@ -22,6 +22,7 @@ from distkit._logging import LogSink, LogWindow, checked_loggers
 from distkit._loop import FitState, LoopSettings, StepFn, TrainLoop
 from distkit._losses import LossLedger
 from distkit._nonfinite import NonFiniteWatch
+from distkit._placement import check_claims, input_device_override
 from distkit._preparation import FitPlan, batch_plan, prepare_evaluate, prepare_fit, samples_of
 from distkit._progress import Progress
 from distkit._resume import Run
@@ -112,6 +113,10 @@ class Trainer:
             each epoch (None: only at the end of each epoch).
         compile: ``torch.compile`` the model in the order the strategy needs (after DDP's
             wrapper, after fsdp's sharding); True, or a dict of ``torch.compile`` arguments.
+        input_device: where each batch's inputs go for a model you placed on devices of
+            your own (ddp and horovod keep it there; see the DDP page); None: the device of
+            its first parameter. A model distkit places itself (one built on the CPU) takes
+            its inputs on this rank's device and refuses this argument.
     """
 
     def __init__(
@@ -146,11 +151,13 @@ class Trainer:
         log_every_n_steps: int = 50,
         val_every_n_steps: int | None = None,
         compile: bool | dict[str, Any] = False,
+        input_device: str | int | torch.device | None = None,
     ) -> None:
         check_trainer_arguments({k: v for k, v in locals().items() if k != "self"})
         self.callbacks = CallbackList(callbacks)
         self.loggers = checked_loggers(loggers)  # rank 0 writes
         self.compile = check_compile(compile)
+        self.input_device = input_device_override(input_device)
         self.max_epochs = max_epochs
         self.batch_size = batch_size
         self.seed = seed
@@ -333,7 +340,8 @@ class Trainer:
         if strategy.elastic:  # a process joining later could not meet this collective
             prepared = prepare().local
         else:
-            prepared, _ = _agreement.exchange(strategy, "fit", prepare)
+            prepared, claims = _agreement.exchange(strategy, "fit", prepare)
+            check_claims(claims)  # every rank holds every claim: all raise, or none
         self._pending = None
         payload = None if prepared.found is None else prepared.found.payload
         if payload is not None:
@@ -395,7 +403,8 @@ class Trainer:
                 strategy=strategy, model=wrapped, optimizer=dist_optimizer,
                 feed=feed, loss_fn=loss_fn, step_fn=step_fn,
                 scheduler=scheduler, settings=settings, rank_progress=self._rank_progress,
-                forward_model=forward,
+                forward_model=forward, placed=prepared.placement.user_placed,
+                input_device=self.input_device or prepared.placement.input_device,
                 losses=LossLedger(strategy.device, watch=self.nonfinite == "raise"),
                 watch=NonFiniteWatch(self.nonfinite == "raise", self.log_every_n_steps),
             )  # fmt: skip
@@ -473,13 +482,14 @@ class Trainer:
         """
         self._require_open("evaluate")
         strategy = self.strategy
-        (named, spec), _ = _agreement.exchange(
+        (named, spec, placement), _ = _agreement.exchange(
             strategy, "evaluate", lambda: prepare_evaluate(self, model, data, loss_fn, metrics)
         )
         wrapped = self._setups.wrapped(model)
         scores = evaluate_shard(
             strategy, strategy.eval_model(wrapped), eval_batches(strategy, spec, self.seed),
-            loss_fn, named,
+            loss_fn, named, placed=placement.user_placed,
+            input_device=self.input_device or placement.input_device,
         )  # fmt: skip
         return {key: as_score(key, value) for key, value in scores.items()}
 

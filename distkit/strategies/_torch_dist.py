@@ -225,11 +225,26 @@ def _topology(
 def wrap_ddp(
     model: nn.Module, device: torch.device, *, find_unused_parameters: bool, **kwargs: Any
 ) -> nn.Module:
-    """``DistributedDataParallel`` on this rank's device (no device_ids on CPU)."""
-    device_ids = [device.index] if device.type == "cuda" else None
+    """``DistributedDataParallel`` on this rank's device (no device_ids on CPU).
+
+    A model the user placed elsewhere (several GPUs, or one that is not this rank's) is
+    wrapped without ``device_ids``, as torch requires for a multi-device module: its own
+    forward moves the activations between its devices.
+    """
+    device_ids = ddp_device_ids([p.device for p in model.parameters()], device)
     return DistributedDataParallel(
         model, device_ids=device_ids, find_unused_parameters=find_unused_parameters, **kwargs
     )
+
+
+def ddp_device_ids(
+    parameter_devices: list[torch.device], device: torch.device
+) -> list[int | None] | None:
+    """DDP's ``device_ids``: this rank's GPU when every parameter is on it; None on the CPU
+    and for a model the user placed on other or several devices."""
+    if device.type == "cuda" and all(d == device for d in parameter_devices):
+        return [device.index]
+    return None
 
 
 def convert_sync_batchnorm(model: nn.Module, device: torch.device) -> nn.Module:

@@ -26,6 +26,7 @@ from torch import nn
 from distkit import _channel
 from distkit._channel import SideChannel
 from distkit._env import LaunchEnv
+from distkit._placement import place
 from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ConfigurationError, DistkitError
 from distkit.launch import LaunchRequest
@@ -81,6 +82,13 @@ class Strategy(Collectives, ABC):
     auto_select: ClassVar[bool] = False
     #: the distributions it runs on beyond torch; checkpoints record their versions
     libraries: ClassVar[tuple[str, ...]] = ()
+    #: why it cannot train a model the user placed on devices of their own (several GPUs, or
+    #: one that is not this rank's; see :mod:`distkit._placement`); None: it keeps such a
+    #: model where it is (ddp, horovod)
+    placement_refusal: ClassVar[str | None] = (
+        "this strategy does not declare that it keeps a model where the user placed it (a "
+        "Strategy subclass that can sets placement_refusal = None)"
+    )
 
     def __init__(self) -> None:
         self.options = TrainOptions()
@@ -147,9 +155,11 @@ class Strategy(Collectives, ABC):
         """Move the model to this rank's device, convert BatchNorm if asked, and wrap both.
 
         The user's ``model`` keeps its parameter objects, so it holds the trained weights.
+        A model the user placed on devices of their own stays there where the strategy keeps
+        such models (:attr:`placement_refusal` is None) and is refused otherwise.
         """
         self.setup_environment()
-        model.to(self.device)
+        place(model, self.device, self.name, self.placement_refusal)
         if self.options.sync_batchnorm:
             model = self.convert_sync_batchnorm(model)
         return self._setup_model_and_optimizer(model, optimizer)

@@ -42,6 +42,7 @@ class DDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
     name = "ddp"
     launcher = TORCH_LAUNCHERS
     auto_select = True
+    placement_refusal = None  # wrapped without device_ids, as torch documents for such models
 
     def __init__(
         self,

@@ -26,6 +26,10 @@ class DataParallelStrategy(Strategy):
 
     name = "dp"
     comm_phase = "none"  # gradients are gathered inside backward on the first GPU
+    placement_refusal = (
+        "nn.DataParallel copies the whole model from its first GPU onto every GPU in "
+        "device_ids each step, so the model must sit whole on the first one"
+    )
     launcher = SINGLE_PROCESS
     auto_select = True
 

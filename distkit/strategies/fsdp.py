@@ -55,6 +55,10 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
 
     name = "fsdp"
     launcher = TORCH_LAUNCHERS
+    placement_refusal = (
+        "fully_shard splits every parameter over the ranks' devices, one device per rank, so "
+        "the model must sit whole on this rank's device"
+    )
     auto_select = False  # strategy="auto" under torchrun stays ddp
 
     @classmethod

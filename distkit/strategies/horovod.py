@@ -55,6 +55,7 @@ class HorovodStrategy(Strategy):
     launcher = HOROVODRUN
     auto_select = True
     libraries = ("horovod",)
+    placement_refusal = None  # broadcast and all-reduce each tensor where it lives
 
     @classmethod
     def diagnose(cls, machine: MachineFacts) -> StrategyReport:

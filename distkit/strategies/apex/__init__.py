@@ -72,6 +72,10 @@ class ApexStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
     name = "apex"
     launcher = TORCH_LAUNCHERS
     libraries = ("apex",)
+    placement_refusal = (
+        "apex's amp keeps its fp32 master weights and loss scaler on this rank's GPU and its "
+        "DistributedDataParallel expects the whole model there"
+    )
 
     @classmethod
     def diagnose(cls, machine: MachineFacts) -> StrategyReport:

@@ -1,0 +1,194 @@
+"""Where a model's parameters live: distkit's device, or a placement the user chose.
+
+A model built on the CPU (the usual case) is moved to this rank's device. A model whose
+parameters and buffers the user already spread over several devices (seed 003's ``net1`` on
+one GPU and ``net2`` on another), or put on one device that is neither the CPU nor this rank's,
+is *user-placed*: it is not moved, its batches' inputs go to the device of its first
+parameter (or ``Trainer(input_device=...)``), and targets follow the output to the loss.
+Only strategies that can train such a model keep it (``Strategy.placement_refusal is None``:
+ddp and horovod); the others refuse it, naming the devices found.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from distkit.errors import ConfigurationError
+
+CPU = torch.device("cpu")
+#: what a refusing strategy's message ends with
+KEEP_OR_MOVE = (
+    "Use strategy='ddp' or strategy='horovod', which keep a model where you placed it, or "
+    "build the model on the CPU (or move it there with model.cpu()) and let distkit put it "
+    "on this rank's device"
+)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The devices a model's parameters and buffers are on, against this rank's device.
+
+    Attributes:
+        devices: each device holding a parameter or buffer, in the order first met
+            (parameters before buffers, so ``devices[0]`` is the first parameter's).
+        target: the strategy's device for this rank.
+    """
+
+    devices: tuple[torch.device, ...]
+    target: torch.device
+
+    @classmethod
+    def of(cls, model: nn.Module, target: torch.device) -> Placement:
+        found: dict[torch.device, None] = {}
+        for tensor in (*model.parameters(), *model.buffers()):
+            found.setdefault(_plain(tensor.device), None)
+        return cls(tuple(found), _plain(target))
+
+    @property
+    def user_placed(self) -> bool:
+        """True when the user chose the devices: several, or one that is neither the CPU
+        nor this rank's (a model all on the CPU or all on ``target`` is distkit's to move)."""
+        if len(self.devices) > 1:
+            return True
+        return bool(self.devices) and self.devices[0] not in (CPU, self.target)
+
+    @property
+    def input_device(self) -> torch.device:
+        """Where a batch's inputs go: the first parameter's device when user-placed."""
+        return self.devices[0] if self.user_placed else self.target
+
+    def describe(self) -> str:
+        return ", ".join(str(device) for device in self.devices) or "no parameters"
+
+    def check(self, strategy_name: str, refusal: str | None) -> None:
+        """Raise when the model cannot train here: meta tensors (no values), or a
+        user-placed model under a strategy that refuses one (``refusal`` says why)."""
+        if torch.device("meta") in self.devices:
+            raise ConfigurationError(
+                f"the model has parameters or buffers on the meta device (found on: "
+                f"{self.describe()}); meta tensors hold no values to train. Materialise them "
+                "first: model.to_empty(device='cpu'), then initialise the weights (e.g. "
+                "reset_parameters()) or load a state dict"
+            )
+        if self.user_placed and refusal is not None:
+            raise ConfigurationError(
+                f"strategy {strategy_name!r} cannot train a model you placed on "
+                f"{self.describe()} (this rank's device is {self.target}): {refusal}. "
+                + KEEP_OR_MOVE
+            )
+
+    def claim(self) -> Claim | None:
+        """What this rank tells the others (see :func:`check_claims`): the one accelerator
+        its whole model trains on, whoever placed it there; None on the CPU and for a model
+        spread over several devices."""
+        devices = self.devices if self.user_placed else (self.target,)
+        if len(devices) != 1 or devices[0].type in ("cpu", "meta"):
+            return None
+        device = devices[0]
+        return Claim(socket.gethostname(), str(device), physical_id(device), self.user_placed)
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One rank's single accelerator: where it is, its name here, and which chip it is
+    (the same ``cuda:0`` may be different GPUs under per-rank ``CUDA_VISIBLE_DEVICES``)."""
+
+    host: str
+    device: str
+    physical: str
+    user_placed: bool
+
+
+def physical_id(device: torch.device) -> str:
+    """Which chip ``device`` is: a CUDA GPU's UUID where torch reports it, else its name
+    with the visible-device list it was counted in (or just its name, where no CUDA runs)."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+        if uuid is not None:
+            return str(uuid)
+        return f"{device} of CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}"
+    return str(device)
+
+
+def check_claims(claims: Sequence[Claim | None]) -> None:
+    """Raise (on every rank alike) when ranks on one host train on the same single GPU and
+    one of them placed its model there itself: the ``model.cuda()`` before
+    ``distkit.Trainer(...)`` mistake, which puts every rank's whole model on GPU 0.
+
+    Ranks that share devices of a model spread over several devices are left alone (seed
+    003's tutorial does that over gloo); NCCL refuses it with its own error.
+    """
+    owners: dict[tuple[str, str], list[tuple[int, Claim]]] = {}
+    for rank, claim in enumerate(claims):
+        if claim is not None:
+            owners.setdefault((claim.host, claim.physical), []).append((rank, claim))
+    for (host, _), sharing in owners.items():
+        if len(sharing) > 1 and any(claim.user_placed for _, claim in sharing):
+            ranks = ", ".join(str(rank) for rank, _ in sharing)
+            where = sharing[0][1].device
+            raise ConfigurationError(
+                f"ranks {ranks} on host {host!r} each hold their whole model on one GPU "
+                f"({where}), so they would all train on it: a model moved with model.cuda() "
+                "or model.to('cuda') before distkit.Trainer(...) chose each rank's GPU lands "
+                "on GPU 0. Build the model on the CPU and let distkit move it, or move it "
+                "after creating the Trainer: model.to(trainer.device)"
+            )
+
+
+def place(
+    model: nn.Module, target: torch.device, strategy_name: str, refusal: str | None
+) -> Placement:
+    """Move ``model`` to ``target`` unless the user placed it (and the strategy keeps that);
+    the placement found before moving."""
+    placement = Placement.of(model, target)
+    placement.check(strategy_name, refusal)
+    if not placement.user_placed:
+        model.to(target)
+    return placement
+
+
+def output_device(output: Any) -> torch.device | None:
+    """The device of the first tensor in a model's output (a tensor, or a tuple, list or
+    dict of them); None when it holds none."""
+    if isinstance(output, torch.Tensor):
+        return output.device
+    values = output.values() if isinstance(output, dict) else output
+    if isinstance(values, (tuple, list)) or isinstance(output, dict):
+        for value in values:
+            device = output_device(value)
+            if device is not None:
+                return device
+    return None
+
+
+def input_device_override(value: Any) -> torch.device | None:
+    """``Trainer(input_device=...)`` as a device: None, a ``torch.device``, a string such as
+    ``"cuda:1"`` or a CUDA index."""
+    if value is None or isinstance(value, torch.device):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise ConfigurationError(
+            f"input_device={value!r} ({type(value).__name__}); allowed: None, a torch.device, "
+            "a string such as 'cuda:1', or a CUDA device index"
+        )
+    try:
+        return torch.device(value)
+    except (RuntimeError, ValueError) as exc:
+        raise ConfigurationError(
+            f"input_device={value!r} is not a device ({exc}); allowed: None, a torch.device, "
+            "a string such as 'cuda:1', or a CUDA device index"
+        ) from None
+
+
+def _plain(device: torch.device) -> torch.device:
+    """``cuda`` as ``cuda:<current>``, so one GPU is not counted twice."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device

@@ -1,0 +1,350 @@
+"""Models the user places across devices (seed 003): kept by ddp and horovod, refused by dp,
+apex and fsdp, and a model built on the CPU moved as always.
+
+``torch.device("cuda:1")`` can be named without a GPU, so every decision is tested here on
+the devices it would meet; the training itself across two GPUs is the last test, which
+needs them.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import distkit
+from distkit import _placement
+from distkit._placement import (
+    Claim,
+    Placement,
+    check_claims,
+    input_device_override,
+    output_device,
+)
+from distkit.errors import ConfigurationError
+from distkit.strategies import _torch_dist
+from distkit.strategies.apex import ApexStrategy
+from distkit.strategies.ddp import DDPStrategy
+from distkit.strategies.dp import DataParallelStrategy
+from distkit.strategies.fsdp import FSDPStrategy
+from distkit.strategies.horovod import HorovodStrategy
+
+CPU, META = torch.device("cpu"), torch.device("meta")
+GPU0, GPU1, GPU2 = (torch.device("cuda", i) for i in range(3))
+
+
+# ---------------------------------------------------------------- the decision
+@pytest.mark.parametrize(
+    ("devices", "target", "placed", "inputs"),
+    [
+        ((), CPU, False, CPU),  # no parameters: nothing to move, inputs to the rank's device
+        ((CPU,), CPU, False, CPU),  # today's CPU training
+        ((CPU,), GPU1, False, GPU1),  # built on the CPU: distkit moves it to the rank's GPU
+        ((GPU1,), GPU1, False, GPU1),  # already on the rank's GPU (model.to(trainer.device))
+        ((GPU2,), GPU1, True, GPU2),  # one GPU of the user's choice: kept
+        ((GPU0, GPU1), GPU0, True, GPU0),  # seed 003: net1 on one GPU, net2 on another
+        ((GPU1, GPU0), GPU0, True, GPU1),  # inputs go to the first parameter's device
+        ((CPU, GPU0), GPU0, True, CPU),  # an embedding kept on the CPU on purpose: kept
+    ],
+)
+def test_placement_decides_who_moves_the_model(devices, target, placed, inputs):
+    placement = Placement(devices, target)
+    assert placement.user_placed is placed
+    assert placement.input_device == inputs
+
+
+def test_placement_of_a_model_lists_its_devices_parameters_first():
+    model = nn.Sequential(nn.Linear(2, 3, device="meta"), nn.BatchNorm1d(3))
+    model.register_buffer("scale", torch.ones(1, device="meta"))
+    assert Placement.of(model, CPU).devices == (META, CPU)
+    assert Placement.of(nn.Linear(2, 2), CPU).devices == (CPU,)
+    assert Placement.of(nn.ReLU(), GPU0) == Placement((), GPU0)
+    assert not Placement.of(nn.Linear(2, 2), CPU).user_placed
+
+
+@pytest.mark.parametrize("strategy", [DataParallelStrategy, FSDPStrategy, ApexStrategy])
+def test_dp_fsdp_and_apex_refuse_a_placed_model_naming_the_devices(strategy):
+    placement = Placement((GPU0, GPU1), GPU0)
+    with pytest.raises(ConfigurationError) as caught:
+        placement.check(strategy.name, strategy.placement_refusal)
+    message = str(caught.value)
+    assert f"strategy {strategy.name!r} cannot train a model you placed on cuda:0, cuda:1" in (
+        message
+    )
+    assert "this rank's device is cuda:0" in message
+    assert "strategy='ddp' or strategy='horovod'" in message and "model.cpu()" in message
+    # the same model built on the CPU is theirs to place
+    Placement((CPU,), GPU0).check(strategy.name, strategy.placement_refusal)
+
+
+def test_each_refusal_says_why_that_backend_cannot():
+    assert "copies the whole model from its first GPU" in DataParallelStrategy.placement_refusal
+    assert "fully_shard splits every parameter" in FSDPStrategy.placement_refusal
+    assert "master weights" in ApexStrategy.placement_refusal
+
+
+def test_a_strategy_from_a_plugin_refuses_unless_it_declares_it_can():
+    class Plugin(DDPStrategy):
+        placement_refusal = distkit.Strategy.placement_refusal
+
+    with pytest.raises(ConfigurationError, match="sets placement_refusal = None"):
+        Placement((GPU2,), GPU0).check("plugin", Plugin.placement_refusal)
+
+
+@pytest.mark.parametrize("strategy", [DDPStrategy, HorovodStrategy])
+def test_ddp_and_horovod_keep_a_placed_model(strategy):
+    assert strategy.placement_refusal is None
+    Placement((GPU0, GPU1), GPU0).check(strategy.name, strategy.placement_refusal)
+    Placement((GPU2,), GPU0).check(strategy.name, strategy.placement_refusal)
+
+
+def test_meta_parameters_are_refused_with_the_way_to_materialise_them():
+    for strategy in (DDPStrategy, DataParallelStrategy):
+        with pytest.raises(ConfigurationError, match=r"meta device \(found on: meta, cpu\)"):
+            Placement((META, CPU), CPU).check(strategy.name, strategy.placement_refusal)
+    with pytest.raises(ConfigurationError, match="to_empty"):
+        Placement((META,), CPU).check("ddp", None)
+
+
+@pytest.mark.parametrize(
+    ("devices", "target", "expected"),
+    [
+        ([GPU1, GPU1], GPU1, [1]),  # whole on the rank's GPU: DDP's usual single-device wrap
+        ([GPU0, GPU1], GPU0, None),  # several devices: torch requires device_ids=None
+        ([GPU2], GPU0, None),  # one GPU of the user's: DDP finds it from the parameters
+        ([CPU], CPU, None),  # CPU: DDP takes no device_ids
+        ([], GPU0, [0]),
+    ],
+)
+def test_ddp_wraps_a_placed_model_without_device_ids(devices, target, expected):
+    assert _torch_dist.ddp_device_ids(devices, target) == expected
+
+
+# ---------------------------------------------------------------- ranks sharing a GPU
+def _claim(host: str, device: str, placed: bool = True, physical: str | None = None) -> Claim:
+    return Claim(host, device, physical or device, placed)
+
+
+def test_ranks_holding_a_whole_model_on_one_gpu_are_refused():
+    """The model.cuda()-before-Trainer mistake: rank 1's model lands on rank 0's GPU."""
+    claims = [
+        _claim("node1", "cuda:0", placed=False),  # rank 0: cuda:0 is its own, distkit's choice
+        _claim("node1", "cuda:0"),  # rank 1: moved there before the Trainer chose cuda:1
+        _claim("node2", "cuda:0"),
+    ]
+    with pytest.raises(ConfigurationError) as caught:
+        check_claims(claims)
+    message = str(caught.value)
+    assert "ranks 0, 1 on host 'node1' each hold their whole model on one GPU (cuda:0)" in (message)
+    assert "model.to(trainer.device)" in message and "Build the model on the CPU" in message
+
+
+@pytest.mark.parametrize(
+    "claims",
+    [
+        [None, None],  # CPU training, or models spread over several devices
+        [_claim("n", "cuda:0", False), _claim("n", "cuda:1", False)],  # distkit's placement
+        [_claim("n", "cuda:0"), _claim("n", "cuda:1")],  # a GPU of each rank's choosing
+        [_claim("n1", "cuda:0"), _claim("n2", "cuda:0")],  # the same index on two hosts
+        # per-rank CUDA_VISIBLE_DEVICES: both see their own GPU as cuda:0
+        [_claim("n", "cuda:0", physical="GPU-a"), _claim("n", "cuda:0", physical="GPU-b")],
+    ],
+)
+def test_distinct_or_spread_placements_pass(claims):
+    check_claims(claims)
+
+
+def test_a_claim_names_the_one_accelerator_a_model_trains_on():
+    assert Placement((CPU,), CPU).claim() is None  # CPU training claims nothing
+    assert Placement((GPU0, GPU1), GPU0).claim() is None  # spread: left alone
+    host = socket.gethostname()
+    # no CUDA here: a GPU is known by its name (on a GPU machine: its UUID)
+    assert Placement((CPU,), GPU1).claim() == Claim(host, "cuda:1", "cuda:1", False)
+    assert Placement((GPU2,), GPU0).claim() == Claim(host, "cuda:2", "cuda:2", True)
+
+
+# ---------------------------------------------------------------- inputs and outputs
+def test_output_device_finds_the_first_tensor():
+    t = torch.zeros(1)
+    assert output_device(t) == CPU
+    assert output_device((None, {"logits": t})) == CPU
+    assert output_device({"aux": [1, 2], "out": t}) == CPU
+    assert output_device(["no", "tensor"]) is None and output_device(3) is None
+
+
+def test_input_device_accepts_devices_strings_and_indices_and_names_bad_values():
+    assert input_device_override(None) is None
+    assert input_device_override("cuda:1") == GPU1 and input_device_override(GPU2) == GPU2
+    assert input_device_override("cpu") == CPU
+    for bad, says in ((True, "bool"), (1.5, "float"), ("gpu-one", "is not a device")):
+        with pytest.raises(ConfigurationError, match=r"allowed: None, a torch\.device") as caught:
+            input_device_override(bad)
+        assert says in str(caught.value) and repr(bad) in str(caught.value)
+    with pytest.raises(ConfigurationError, match="input_device=True"):
+        distkit.Trainer("dp", input_device=True)
+
+
+# ---------------------------------------------------------------- real fits on the CPU
+def _data() -> TensorDataset:
+    generator = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(16, 4, generator=generator), torch.randn(16, 2))
+
+
+def _fit(strategy: str, model: nn.Module, **trainer_args) -> nn.Module:
+    settings = {"batch_size": 4, "progress": False, **trainer_args}
+    with distkit.Trainer(strategy, **settings) as trainer:
+        trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), _data(),
+                    loss_fn=nn.functional.mse_loss)  # fmt: skip
+    return model
+
+
+def test_input_device_is_refused_for_a_model_distkit_places():
+    with pytest.raises(ConfigurationError) as caught:
+        _fit("dp", nn.Linear(4, 2), input_device="cpu")
+    message = str(caught.value)
+    assert "input_device='cpu' is for a model you placed on devices of your own" in message
+    assert "this model is on cpu" in message and "Leave input_device=None" in message
+
+
+def test_a_model_with_meta_parameters_fails_before_training():
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2, device="meta"))
+    with pytest.raises(ConfigurationError, match="meta tensors hold no values"):
+        _fit("ddp", model)
+    refused = pytest.raises(ConfigurationError, match="meta tensors hold no values")
+    with distkit.Trainer("dp", progress=False) as trainer, refused:
+        trainer.evaluate(model, _data(), loss_fn=nn.functional.mse_loss)
+
+
+def _fit_reporting(strategy: str, devices: tuple[torch.device, ...]) -> str:
+    """Runs on every rank: a fit whose model reports ``devices`` (Placement.of stands in
+    where CUDA cannot exist); the error it raised."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_placement.Placement, "of",
+                      classmethod(lambda cls, model, target: cls(devices, target)))  # fmt: skip
+        try:
+            _fit(strategy, nn.Linear(4, 2))
+        except ConfigurationError as exc:
+            return str(exc)
+    return "trained"
+
+
+def test_fsdp_refuses_a_placed_model_on_every_rank(run_on_ranks):
+    """Fake: Placement.of reports two GPUs (none exist here); the refusal, its agreement over
+    real gloo ranks and its message are real."""
+    for message in run_on_ranks(_fit_reporting, "fsdp", (GPU0, GPU1), world_size=2):
+        assert "strategy 'fsdp' cannot train a model you placed on cuda:0, cuda:1" in message
+
+
+def test_dp_refuses_a_placed_model():
+    """Fake: Placement.of reports two GPUs (none exist here)."""
+    assert "strategy 'dp' cannot train a model you placed on cuda:0, cuda:1" in _fit_reporting(
+        "dp", (GPU0, GPU1)
+    )
+
+
+def test_ddp_ranks_that_put_their_model_on_one_gpu_all_fail_alike(run_on_ranks):
+    """Fake: Placement.of reports each rank's model whole on cuda:0 (none exist here), as
+    model.cuda() before Trainer() would; the claims travel in the fit's real agreement."""
+    messages = run_on_ranks(_fit_reporting, "ddp", (GPU0,), world_size=2)
+    assert messages[0] == messages[1]
+    assert "ranks 0, 1 on host" in messages[0]
+    assert "each hold their whole model on one GPU (cuda:0)" in messages[0]
+
+
+def _cpu_model_trains_as_before(batch_size: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    _fit("ddp", model, batch_size=batch_size)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_a_model_on_the_cpu_trains_as_before(run_on_ranks):
+    """A CPU model under ddp x2 is distkit's to place: the same weights as one process."""
+    two = run_on_ranks(_cpu_model_trains_as_before, 4, world_size=2)
+    one = run_on_ranks(_cpu_model_trains_as_before, 8, world_size=1)[0]
+    for key, value in one.items():
+        assert torch.allclose(two[0][key], value, atol=1e-6), key
+        assert torch.equal(two[0][key], two[1][key]), key
+
+
+# ---------------------------------------------------------------- two GPUs (seed 003)
+class ToyMpModel(nn.Module):
+    """Seed 003's model: ``net1`` on one device, ``net2`` on another; forward moves between."""
+
+    def __init__(self, dev0: torch.device, dev1: torch.device) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.dev0, self.dev1 = dev0, dev1
+        self.net1 = nn.Linear(4, 10).to(dev0)
+        self.relu = nn.ReLU()
+        self.net2 = nn.Linear(10, 2).to(dev1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net2(self.relu(self.net1(x.to(self.dev0))).to(self.dev1))
+
+
+def _seed3_on_two_gpus(backend: str, checkpoint_dir: str) -> dict[str, object]:
+    """Runs on every rank: seed 003's placement (rank r: cuda:2r % n and cuda:2r+1 % n),
+    two epochs, a checkpoint, then a resume into a fresh placed model."""
+    n = torch.cuda.device_count()
+    rank = int(os.environ["RANK"])
+    dev0, dev1 = torch.device("cuda", 2 * rank % n), torch.device("cuda", (2 * rank + 1) % n)
+    model = ToyMpModel(dev0, dev1)
+    strategy = distkit.DDPStrategy(backend=backend)
+    with distkit.Trainer(strategy, batch_size=4, max_epochs=2, progress=False,
+                         checkpoint_dir=checkpoint_dir) as trainer:  # fmt: skip
+        trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), _data(),
+                    loss_fn=nn.functional.mse_loss)  # fmt: skip
+        scores = trainer.evaluate(model, _data(), loss_fn=nn.functional.mse_loss)
+        stored = trainer.full_state_dict()
+    fresh = ToyMpModel(dev0, dev1)
+    with distkit.Trainer(
+        distkit.DDPStrategy(backend=backend),
+        batch_size=4,
+        max_epochs=2,
+        progress=False,
+        checkpoint_dir=checkpoint_dir,
+        resume="auto",
+    ) as again:
+        again.fit(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), _data(),
+                  loss_fn=nn.functional.mse_loss)  # fmt: skip
+    return {
+        "devices": [str(p.device) for p in model.parameters()],
+        "fresh devices": [str(p.device) for p in fresh.parameters()],
+        "state": {k: v.cpu() for k, v in model.state_dict().items()},
+        "fresh": {k: v.cpu() for k, v in fresh.state_dict().items()},
+        "stored on": sorted({str(v.device) for v in stored.values()}),
+        "loss": scores["loss"],
+    }
+
+
+def _reference_on_cpu() -> dict[str, torch.Tensor]:
+    model = ToyMpModel(CPU, CPU)
+    _fit("ddp", model, max_epochs=2)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+    reason="needs 2 CUDA GPUs (seed 003 puts net1 and net2 on different GPUs)",
+)
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_seed3_model_split_over_two_gpus_trains_under_ddp(backend, run_on_ranks, tmp_path):
+    if backend == "nccl" and torch.cuda.device_count() < 4:
+        pytest.skip("needs 4 CUDA GPUs: NCCL refuses two ranks on one GPU (2 ranks x 2 GPUs)")
+    results = run_on_ranks(
+        functools.partial(_seed3_on_two_gpus, backend, str(tmp_path)), world_size=2
+    )
+    reference = run_on_ranks(_reference_on_cpu, world_size=2)[0]
+    for result in results:
+        assert result["devices"][:2] != result["devices"][2:]  # net1 and net2 stayed apart
+        assert result["fresh devices"] == result["devices"]  # restored onto the placement
+        assert result["stored on"] == ["cpu"]
+        for key, value in reference.items():
+            assert torch.allclose(result["state"][key], value, atol=1e-5), key
+            assert torch.equal(result["fresh"][key], result["state"][key]), key
