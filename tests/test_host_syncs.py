@@ -90,10 +90,33 @@ def test_host_syncs_a_callback_that_may_stop_adds_only_a_host_side_sum(monkeypat
         assert all("_fit.py" in r or "_collectives.py" in r for r in spans.spans[k]), spans.spans[k]
 
 
+def _real_apex() -> bool:
+    from distkit.strategies.apex._detect import detect_apex
+
+    try:
+        return torch.cuda.is_available() and detect_apex() is not None
+    except ImportError:
+        return False
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("strategy", ["dp", "ddp", "fsdp"])
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        "dp",
+        "ddp",
+        "fsdp",
+        pytest.param(
+            "apex",
+            marks=pytest.mark.skipif(
+                not _real_apex(), reason="needs a CUDA GPU and NVIDIA apex (not on PyPI)"
+            ),
+        ),
+    ],
+)
 def test_host_syncs_cuda_steady_steps_raise_nothing_in_sync_debug_mode(strategy):
-    """On one GPU: steps between log points under torch.cuda.set_sync_debug_mode("error")."""
+    """On one GPU: steps between log points under torch.cuda.set_sync_debug_mode("error")
+    (ddp, fsdp and apex in a world of one: a plain ``python`` process)."""
 
     class Strict(distkit.Callback):
         stops_training = False
