@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from distkit._checks import check_instance
-from distkit._placement import output_device
+from distkit._placement import follow_output
 from distkit._stream_feed import StreamFeed
 from distkit.batch import batch_size_of, split_batch, to_device
 from distkit.metrics import Metric
@@ -69,7 +69,7 @@ def evaluate_shard(
                     if not counted:
                         continue
                     if placed:
-                        target = to_device(target, output_device(output) or target.device)
+                        target = follow_output(target, output)
                     loss = loss_fn(output, target) if loss_fn is not None else None
                 size = batch_size_of(target)
                 if loss is not None:

@@ -17,7 +17,7 @@ from distkit._checks import check_loss
 from distkit._feed import Feed
 from distkit._losses import LossLedger
 from distkit._nonfinite import NonFiniteWatch
-from distkit._placement import output_device
+from distkit._placement import follow_output
 from distkit._progress import Progress
 from distkit.batch import batch_size_of, split_batch, to_device
 from distkit.errors import NonFiniteLossError as NonFiniteLossError  # its old home
@@ -240,7 +240,7 @@ class TrainLoop:
         inputs, target = split_batch(batch)
         output = model(inputs)
         if self.placed:  # the model's forward chose the output's device: the loss runs there
-            target = to_device(target, output_device(output) or target.device)
+            target = follow_output(target, output)
         return self.loss_fn(output, target)
 
     def _step(self, state: FitState) -> tuple[StepOutcome, torch.Tensor | None]:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from distkit.batch import to_device
 from distkit.errors import ConfigurationError
 
 CPU = torch.device("cpu")
@@ -166,6 +167,13 @@ def output_device(output: Any) -> torch.device | None:
             if device is not None:
                 return device
     return None
+
+
+def follow_output(target: Any, output: Any) -> Any:
+    """``target`` (a tensor or a structure of them) on the device of the model's output, for
+    the loss; as it is when the output holds no tensor."""
+    device = output_device(output)
+    return target if device is None else to_device(target, device)
 
 
 def input_device_override(value: Any) -> torch.device | None:

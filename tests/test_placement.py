@@ -23,6 +23,7 @@ from distkit._placement import (
     Claim,
     Placement,
     check_claims,
+    follow_output,
     input_device_override,
     output_device,
 )
@@ -177,6 +178,15 @@ def test_output_device_finds_the_first_tensor():
     assert output_device(["no", "tensor"]) is None and output_device(3) is None
 
 
+def test_targets_follow_the_output_to_its_device():
+    """No second device here: the meta device stands in for the output's GPU."""
+    output = torch.zeros(2, 3, device="meta")
+    target = {"labels": torch.zeros(2), "weights": [torch.ones(2)]}
+    moved = follow_output(target, (output, "aux"))
+    assert moved["labels"].device == META and moved["weights"][0].device == META
+    assert follow_output(target, "no tensor") is target
+
+
 def test_input_device_accepts_devices_strings_and_indices_and_names_bad_values():
     assert input_device_override(None) is None
     assert input_device_override("cuda:1") == GPU1 and input_device_override(GPU2) == GPU2
@@ -270,6 +280,40 @@ def test_a_model_on_the_cpu_trains_as_before(run_on_ranks):
     for key, value in one.items():
         assert torch.allclose(two[0][key], value, atol=1e-6), key
         assert torch.equal(two[0][key], two[1][key]), key
+
+
+def _train_as_placed(batch_size: int) -> dict[str, object]:
+    """Runs on every rank: the CPU model of the test above, reported as spread over the CPU
+    and a GPU, so that fit and evaluate take the placed path (kept where it is, inputs to
+    the first parameter's device, targets to the output's)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_placement.Placement, "of",
+                      classmethod(lambda cls, model, target: cls((CPU, GPU0), target)))  # fmt: skip
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+        settings = {"batch_size": batch_size, "progress": False}
+        with distkit.Trainer("ddp", **settings) as trainer:
+            trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), _data(),
+                        loss_fn=nn.functional.mse_loss)  # fmt: skip
+            wrapped = trainer._setups.wrapped(model)
+            scores = trainer.evaluate(model, _data(), loss_fn=nn.functional.mse_loss)
+    return {
+        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "device_ids": getattr(wrapped, "device_ids", "not wrapped"),
+        "loss": scores["loss"],
+    }
+
+
+def test_the_placed_path_trains_like_the_moved_one(run_on_ranks):
+    """Fake: Placement.of reports a GPU beside the CPU (none exists here), so the placed
+    path runs for real over 2 gloo ranks; it must give the moved model's weights."""
+    placed = run_on_ranks(_train_as_placed, 4, world_size=2)
+    moved = run_on_ranks(_cpu_model_trains_as_before, 4, world_size=2)[0]
+    for result in placed:
+        assert result["device_ids"] is None  # DDP wrapped it without device_ids
+        for key, value in moved.items():
+            assert torch.equal(result["state"][key], value), key
+    assert placed[0]["loss"] == placed[1]["loss"] > 0.0
 
 
 # ---------------------------------------------------------------- two GPUs (seed 003)
