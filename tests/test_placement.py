@@ -34,6 +34,7 @@ from distkit.strategies.ddp import DDPStrategy
 from distkit.strategies.dp import DataParallelStrategy
 from distkit.strategies.fsdp import FSDPStrategy
 from distkit.strategies.horovod import HorovodStrategy
+from tests.fakes import use_fake_apex
 
 CPU, META = torch.device("cpu"), torch.device("meta")
 GPU0, GPU1, GPU2 = (torch.device("cuda", i) for i in range(3))
@@ -255,6 +256,19 @@ def test_dp_refuses_a_placed_model():
     assert "strategy 'dp' cannot train a model you placed on cuda:0, cuda:1" in _fit_reporting(
         "dp", (GPU0, GPU1)
     )
+
+
+@pytest.mark.filterwarnings("ignore:distkit apex:UserWarning")
+def test_apex_refuses_a_placed_model(monkeypatch):
+    """FAKE legacy apex (tests/fakes), FAKE CUDA (the strategy's CUDA check patched out), and
+    Placement.of reporting two GPUs: none of them exists here."""
+    import distkit.strategies.apex as apex_strategy
+
+    monkeypatch.setattr(apex_strategy, "_require_cuda", lambda: None)
+    with use_fake_apex("legacy"):
+        message = _fit_reporting("apex", (GPU0, GPU1))
+    assert "strategy 'apex' cannot train a model you placed on cuda:0, cuda:1" in message
+    assert "master weights" in message
 
 
 def test_ddp_ranks_that_put_their_model_on_one_gpu_all_fail_alike(run_on_ranks):
