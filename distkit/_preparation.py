@@ -118,7 +118,7 @@ def checked_placement(trainer: Trainer, model: nn.Module) -> Placement:
     """Where ``model`` is against this rank's device; raises where the strategy cannot train
     it there, or where ``input_device`` is given for a model distkit places itself."""
     strategy = trainer.strategy
-    placement = Placement.of(model, strategy.device)
+    placement = trainer._setups.placement(model)
     placement.check(strategy.name, strategy.placement_refusal)
     if trainer.input_device is not None and not placement.user_placed:
         raise ConfigurationError(

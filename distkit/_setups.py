@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from distkit._compile import Compiler
-from distkit._placement import place
+from distkit._placement import Placement, place
 from distkit.strategies.base import Strategy
 
 
@@ -28,6 +28,10 @@ class SetupCache:
         self._optimizers = weakref.WeakKeyDictionary()
         self._compiled: weakref.WeakKeyDictionary[nn.Module, nn.Module]
         self._compiled = weakref.WeakKeyDictionary()
+        # where each model was when it was set up: after set-up a strategy may have moved
+        # parts of it (FSDP's CPU offload keeps parameters on the CPU, buffers on the GPU)
+        self._placements: weakref.WeakKeyDictionary[nn.Module, Placement]
+        self._placements = weakref.WeakKeyDictionary()
 
     def setup(
         self, model: nn.Module, optimizer: torch.optim.Optimizer
@@ -35,12 +39,18 @@ class SetupCache:
         """The wrapped model and the strategy's optimizer, setting them up on first use."""
         wrapped = self._models.get(model)
         if wrapped is None:
+            self._placements[model] = Placement.of(model, self.strategy.device)
             wrapped, strategy_optimizer = self.strategy.setup(model, optimizer)
             self._models[model] = wrapped
             self._optimizers[optimizer] = strategy_optimizer
         elif optimizer not in self._optimizers:
             self._optimizers[optimizer] = self.strategy.setup_optimizer(wrapped, optimizer)
         return wrapped, self._optimizers[optimizer]
+
+    def placement(self, model: nn.Module) -> Placement:
+        """Where ``model`` was when it was set up, or where it is now if it was not."""
+        known = self._placements.get(model)
+        return known if known is not None else Placement.of(model, self.strategy.device)
 
     def compiled(self, model: nn.Module, compiler: Compiler | None) -> nn.Module | None:
         """The set-up model compiled by the strategy (once per model), or None when off."""

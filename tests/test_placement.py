@@ -206,11 +206,17 @@ def _data() -> TensorDataset:
     return TensorDataset(torch.randn(16, 4, generator=generator), torch.randn(16, 2))
 
 
-def _fit(strategy: str, model: nn.Module, **trainer_args) -> nn.Module:
+MSE = nn.functional.mse_loss
+
+
+def _train(trainer: distkit.Trainer, model: nn.Module) -> None:
+    trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), _data(), loss_fn=MSE)
+
+
+def _fit(strategy: str | distkit.Strategy, model: nn.Module, **trainer_args) -> nn.Module:
     settings = {"batch_size": 4, "progress": False, **trainer_args}
     with distkit.Trainer(strategy, **settings) as trainer:
-        trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), _data(),
-                    loss_fn=nn.functional.mse_loss)  # fmt: skip
+        _train(trainer, model)
     return model
 
 
@@ -228,15 +234,20 @@ def test_a_model_with_meta_parameters_fails_before_training():
         _fit("ddp", model)
     refused = pytest.raises(ConfigurationError, match="meta tensors hold no values")
     with distkit.Trainer("dp", progress=False) as trainer, refused:
-        trainer.evaluate(model, _data(), loss_fn=nn.functional.mse_loss)
+        trainer.evaluate(model, _data(), loss_fn=MSE)
+
+
+def _reported_as(*devices: torch.device) -> classmethod:
+    """A stand-in for ``Placement.of`` where CUDA cannot exist: every model "is" on
+    ``devices``."""
+    return classmethod(lambda cls, model, target: cls(devices, target))
 
 
 def _fit_reporting(strategy: str, devices: tuple[torch.device, ...]) -> str:
     """Runs on every rank: a fit whose model reports ``devices`` (Placement.of stands in
     where CUDA cannot exist); the error it raised."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_placement.Placement, "of",
-                      classmethod(lambda cls, model, target: cls(devices, target)))  # fmt: skip
+        patch.setattr(_placement.Placement, "of", _reported_as(*devices))
         try:
             _fit(strategy, nn.Linear(4, 2))
         except ConfigurationError as exc:
@@ -256,6 +267,21 @@ def test_dp_refuses_a_placed_model():
     assert "strategy 'dp' cannot train a model you placed on cuda:0, cuda:1" in _fit_reporting(
         "dp", (GPU0, GPU1)
     )
+
+
+def test_a_set_up_model_keeps_the_placement_it_was_set_up_with(monkeypatch):
+    """After set-up a strategy may move parts of the model (FSDP's CPU offload: parameters on
+    the CPU, buffers on the GPU); later fits and evaluations must not take that for the
+    user's placement. Fake: Placement.of reports a GPU beside the CPU after the first fit."""
+    model = nn.Linear(4, 2)
+    with distkit.Trainer("dp", batch_size=4, progress=False) as trainer:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        trainer.fit(model, optimizer, _data(), loss_fn=MSE)
+        monkeypatch.setattr(_placement.Placement, "of", _reported_as(CPU, GPU0))
+        trainer.fit(model, optimizer, _data(), loss_fn=MSE)  # not refused
+        assert trainer.evaluate(model, _data(), loss_fn=MSE)["loss"] > 0
+        with pytest.raises(ConfigurationError, match="strategy 'dp' cannot train"):
+            trainer.evaluate(nn.Linear(4, 2), _data(), loss_fn=MSE)
 
 
 @pytest.mark.filterwarnings("ignore:distkit apex:UserWarning")
@@ -301,16 +327,14 @@ def _train_as_placed(batch_size: int) -> dict[str, object]:
     and a GPU, so that fit and evaluate take the placed path (kept where it is, inputs to
     the first parameter's device, targets to the output's)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_placement.Placement, "of",
-                      classmethod(lambda cls, model, target: cls((CPU, GPU0), target)))  # fmt: skip
+        patch.setattr(_placement.Placement, "of", _reported_as(CPU, GPU0))
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
         settings = {"batch_size": batch_size, "progress": False}
         with distkit.Trainer("ddp", **settings) as trainer:
-            trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), _data(),
-                        loss_fn=nn.functional.mse_loss)  # fmt: skip
+            _train(trainer, model)
             wrapped = trainer._setups.wrapped(model)
-            scores = trainer.evaluate(model, _data(), loss_fn=nn.functional.mse_loss)
+            scores = trainer.evaluate(model, _data(), loss_fn=MSE)
     return {
         "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "device_ids": getattr(wrapped, "device_ids", "not wrapped"),
@@ -353,24 +377,14 @@ def _seed3_on_two_gpus(backend: str, checkpoint_dir: str) -> dict[str, object]:
     rank = int(os.environ["RANK"])
     dev0, dev1 = torch.device("cuda", 2 * rank % n), torch.device("cuda", (2 * rank + 1) % n)
     model = ToyMpModel(dev0, dev1)
+    settings = {"max_epochs": 2, "checkpoint_dir": checkpoint_dir}
     strategy = distkit.DDPStrategy(backend=backend)
-    with distkit.Trainer(strategy, batch_size=4, max_epochs=2, progress=False,
-                         checkpoint_dir=checkpoint_dir) as trainer:  # fmt: skip
-        trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), _data(),
-                    loss_fn=nn.functional.mse_loss)  # fmt: skip
-        scores = trainer.evaluate(model, _data(), loss_fn=nn.functional.mse_loss)
+    with distkit.Trainer(strategy, batch_size=4, progress=False, **settings) as trainer:
+        _train(trainer, model)
+        scores = trainer.evaluate(model, _data(), loss_fn=MSE)
         stored = trainer.full_state_dict()
-    fresh = ToyMpModel(dev0, dev1)
-    with distkit.Trainer(
-        distkit.DDPStrategy(backend=backend),
-        batch_size=4,
-        max_epochs=2,
-        progress=False,
-        checkpoint_dir=checkpoint_dir,
-        resume="auto",
-    ) as again:
-        again.fit(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), _data(),
-                  loss_fn=nn.functional.mse_loss)  # fmt: skip
+    fresh = ToyMpModel(dev0, dev1)  # the checkpoint goes back onto dev0 and dev1
+    _fit(distkit.DDPStrategy(backend=backend), fresh, **settings, resume="auto")
     return {
         "devices": [str(p.device) for p in model.parameters()],
         "fresh devices": [str(p.device) for p in fresh.parameters()],
