@@ -19,6 +19,7 @@ from torch.utils.data import TensorDataset
 
 import distkit
 from distkit import _placement
+from distkit._imports import is_importable
 from distkit._placement import (
     Claim,
     Placement,
@@ -35,6 +36,7 @@ from distkit.strategies.dp import DataParallelStrategy
 from distkit.strategies.fsdp import FSDPStrategy
 from distkit.strategies.horovod import HorovodStrategy
 from tests.fakes import use_fake_apex
+from tests.horovod_runner import RankError, horovodrun_path, run_with_horovodrun
 
 CPU, META = torch.device("cpu"), torch.device("meta")
 GPU0, GPU1, GPU2 = (torch.device("cuda", i) for i in range(3))
@@ -306,10 +308,10 @@ def test_ddp_ranks_that_put_their_model_on_one_gpu_all_fail_alike(run_on_ranks):
     assert "each hold their whole model on one GPU (cuda:0)" in messages[0]
 
 
-def _cpu_model_trains_as_before(batch_size: int) -> dict[str, torch.Tensor]:
+def _cpu_model_trains_as_before(batch_size: int, strategy: str = "ddp") -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
-    _fit("ddp", model, batch_size=batch_size)
+    _fit(strategy, model, batch_size=batch_size)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -322,7 +324,7 @@ def test_a_model_on_the_cpu_trains_as_before(run_on_ranks):
         assert torch.equal(two[0][key], two[1][key]), key
 
 
-def _train_as_placed(batch_size: int) -> dict[str, object]:
+def _train_as_placed(batch_size: int, strategy: str = "ddp") -> dict[str, object]:
     """Runs on every rank: the CPU model of the test above, reported as spread over the CPU
     and a GPU, so that fit and evaluate take the placed path (kept where it is, inputs to
     the first parameter's device, targets to the output's)."""
@@ -331,7 +333,7 @@ def _train_as_placed(batch_size: int) -> dict[str, object]:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
         settings = {"batch_size": batch_size, "progress": False}
-        with distkit.Trainer("ddp", **settings) as trainer:
+        with distkit.Trainer(strategy, **settings) as trainer:
             _train(trainer, model)
             wrapped = trainer._setups.wrapped(model)
             scores = trainer.evaluate(model, _data(), loss_fn=MSE)
@@ -352,6 +354,26 @@ def test_the_placed_path_trains_like_the_moved_one(run_on_ranks):
         for key, value in moved.items():
             assert torch.equal(result["state"][key], value), key
     assert placed[0]["loss"] == placed[1]["loss"] > 0.0
+
+
+@pytest.mark.skipif(
+    not (is_importable("horovod.torch") and horovodrun_path()),
+    reason="Horovod is not installed: `python -m distkit.horovod_build` builds it",
+)
+def test_horovod_keeps_a_placed_model_and_trains_like_the_moved_one(tmp_path):
+    """Fake: Placement.of reports a GPU beside the CPU (none exists here); horovodrun -np 2
+    over Gloo, Horovod's broadcast and all-reduce are real."""
+    calls = [
+        ("tests.test_placement", "_train_as_placed", (4, "horovod"), {}),
+        ("tests.test_placement", "_cpu_model_trains_as_before", (4, "horovod"), {}),
+    ]
+    results = run_with_horovodrun(calls, tmp_path, np=2, timeout=170)
+    for placed, moved in results:
+        assert not isinstance(placed, RankError), placed
+        assert not isinstance(moved, RankError), moved
+        for key, value in moved.items():
+            assert torch.equal(placed["state"][key], value), key
+    assert results[0][0]["loss"] == results[1][0]["loss"] > 0.0
 
 
 # ---------------------------------------------------------------- two GPUs (seed 003)
