@@ -282,3 +282,26 @@ def test_streams_a_stream_that_fails_on_one_rank_stops_every_rank():
     errors = run_on_ranks(functools.partial(fit_failing_stream, "ddp"), world_size=2, timeout=90)
     assert errors[1] == "OSError: shard-0003.tar: unexpected end of data"
     assert errors[0].startswith("PeerFailureError") and "rank 1" in errors[0]
+
+
+def _sums_kept_after_their_use() -> dict[str, object]:
+    """Runs on every rank: 12 host-side sums whose results are dropped at once."""
+    from distkit.strategies._torch_dist import KEEP_PENDING
+
+    with distkit.Trainer("ddp", progress=False) as trainer:
+        strategy = trainer.strategy
+        results = [strategy.all_reduce_async(torch.ones(3), name="t").wait() for _ in range(12)]
+        kept = strategy._recent_sums
+        last_alive = kept[-1].wait() is not None and len(kept) == KEEP_PENDING
+    cleared = strategy._recent_sums == ()
+    return {"sums": [r.tolist() for r in results], "kept": last_alive, "cleared": cleared}
+
+
+def test_streams_host_side_sums_are_freed_here_not_in_gloo_s_thread():
+    """The last host-side sums stay referenced after their caller drops them, so their
+    tensors are freed on the training thread, many sums later (a gloo thread freeing them
+    takes the GIL, and on CPython <= 3.11.7 that can deadlock a DataLoader worker forked at
+    that moment: python/cpython#112275; CI once hung at a stream's validation start)."""
+    for result in run_on_ranks(_sums_kept_after_their_use, world_size=2):
+        assert result["sums"] == [[2.0, 2.0, 2.0]] * 12
+        assert result["kept"] and result["cleared"]

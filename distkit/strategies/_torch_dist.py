@@ -257,6 +257,15 @@ def convert_sync_batchnorm(model: nn.Module, device: torch.device) -> nn.Module:
     return convert_to_global_batchnorm(model, differentiable_all_reduce_sum)
 
 
+#: host-side sums whose tensor and work objects are kept alive after their caller drops them.
+#: A sum's last reference then goes on this thread, many sums later, never on gloo's. A gloo
+#: thread freeing a Python-owned tensor must take the GIL (the likely cause, not proven), and
+#: on CPython <= 3.11.7 a thread registering itself while DataLoader workers fork can leave a
+#: worker deadlocked at start (python/cpython#112275). The stream feeds drop their last sum of
+#: an epoch just before the validation loader forks; a rank hung there once in CI (faults.md).
+KEEP_PENDING = 8
+
+
 class TorchDistributedCollectives:
     """The process group and collectives of a strategy built on torch.distributed.
 
@@ -274,6 +283,8 @@ class TorchDistributedCollectives:
     device: torch.device
     _owns_group: bool = False  # distkit created the default group (and destroys it)
     _host_group: Any = None  # a gloo group for host-side sums beside an nccl default group
+    #: the last host-side sums, kept past their use (see :data:`KEEP_PENDING`)
+    _recent_sums: tuple[_TorchPending, ...] = ()
 
     def _join_group(self) -> Topology:
         """Join (or create) the default group, with the resolved collective timeout."""
@@ -290,6 +301,7 @@ class TorchDistributedCollectives:
         if self._host_group is not None and dist.is_initialized():
             dist.destroy_process_group(self._host_group)
         self._host_group = None
+        self._recent_sums = ()
         if self._owns_group:
             destroy_process_group()
             self._owns_group = False
@@ -302,7 +314,9 @@ class TorchDistributedCollectives:
             return super().all_reduce_async(tensor, name=name)  # type: ignore[misc]
         work = tensor.detach().clone()
         handle = dist.all_reduce(work, op=dist.ReduceOp.SUM, group=self._cpu_group(), async_op=True)
-        return _TorchPending(handle, work)
+        pending = _TorchPending(handle, work)
+        self._recent_sums = (*self._recent_sums[1 - KEEP_PENDING :], pending)
+        return pending
 
     def _cpu_group(self) -> Any:
         """The default group where it is gloo; else a gloo group, made on first use (every
