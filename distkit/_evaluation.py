@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from distkit._checks import check_instance
-from distkit._placement import follow_output
+from distkit._placement import Placement, follow_output
 from distkit._stream_feed import StreamFeed
 from distkit.batch import batch_size_of, split_batch, to_device
 from distkit.metrics import Metric
@@ -41,21 +41,20 @@ def evaluate_shard(
     batches: Iterable[tuple[Any, bool]],
     loss_fn: LossFn | None,
     metrics: dict[str, Metric],
-    *,
-    input_device: torch.device | None = None,
-    placed: bool = False,
+    placement: Placement,
 ) -> dict[str, float]:
     """Loss and metrics over this rank's shard, summed over ranks (one all-reduce).
 
     ``batches``: this rank's batches, each with whether it counts (see :func:`map_rounds`
     and :func:`stream_rounds`: a rank whose shard ran out may run spare forward passes that
-    count for nothing, where a forward pass communicates). ``input_device``: where the
-    batches go (None: the strategy's device); ``placed``: the user placed the model on
-    devices of their own, so targets go to the output's device.
+    count for nothing, where a forward pass communicates). ``placement``: the batches go to
+    its input device, and where the user placed the model on devices of their own, targets
+    go to the output's device.
     """
     for metric in metrics.values():
         metric.reset()
     device = strategy.device
+    inputs_to, placed = placement.input_device, placement.user_placed
     loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
     count = torch.zeros(1, dtype=torch.float64, device=device)
     was_training = module.training
@@ -63,7 +62,7 @@ def evaluate_shard(
     try:
         with torch.no_grad():
             for batch, counted in batches:
-                inputs, target = split_batch(to_device(batch, input_device or device))
+                inputs, target = split_batch(to_device(batch, inputs_to))
                 with strategy.autocast():
                     output = module(inputs)
                     if not counted:

@@ -17,7 +17,7 @@ from distkit._checks import check_loss
 from distkit._feed import Feed
 from distkit._losses import LossLedger
 from distkit._nonfinite import NonFiniteWatch
-from distkit._placement import follow_output
+from distkit._placement import Placement, follow_output
 from distkit._progress import Progress
 from distkit.batch import batch_size_of, split_batch, to_device
 from distkit.errors import NonFiniteLossError as NonFiniteLossError  # its old home
@@ -95,10 +95,9 @@ class TrainLoop:
     settings: LoopSettings
     #: what forward passes run through: ``model`` compiled (``Trainer(compile=...)``) or None
     forward_model: nn.Module | None = None
-    #: where each batch goes (None: the strategy's device), and whether the user placed the
-    #: model on devices of their own, so that targets follow the output (see _placement)
-    input_device: torch.device | None = None
-    placed: bool = False
+    #: where the model is: each batch goes to its input device, and where the user placed
+    #: the model on devices of their own, targets follow the output (see _placement)
+    placement: Placement
     rank_progress: Progress = field(default_factory=Progress)  # read by the watchdog thread
     timer: StepTimer | None = None  # the current epoch's
     timing: EpochTiming | None = None  # the last finished epoch's, over all ranks
@@ -116,7 +115,7 @@ class TrainLoop:
         Returns True when stopped early.
         """
         strategy, model = self.strategy, self.model
-        device = strategy.device if self.input_device is None else self.input_device
+        device = self.placement.input_device
         model.train()
         # the losses stay on the device, summed at check points: no tensor op per step
         losses = self.losses
@@ -239,8 +238,8 @@ class TrainLoop:
         assert self.loss_fn is not None
         inputs, target = split_batch(batch)
         output = model(inputs)
-        if self.placed:  # the model's forward chose the output's device: the loss runs there
-            target = follow_output(target, output)
+        if self.placement.user_placed:
+            target = follow_output(target, output)  # the loss runs on the output's device
         return self.loss_fn(output, target)
 
     def _step(self, state: FitState) -> tuple[StepOutcome, torch.Tensor | None]:

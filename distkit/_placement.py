@@ -5,12 +5,13 @@ parameters and buffers the user already spread over several devices (seed 003's 
 one GPU and ``net2`` on another), or put on one device that is neither the CPU nor this rank's,
 is *user-placed*: it is not moved, its batches' inputs go to the device of its first
 parameter (or ``Trainer(input_device=...)``), and targets follow the output to the loss.
-Only strategies that can train such a model keep it (``Strategy.placement_refusal is None``:
-ddp and horovod); the others refuse it, naming the devices found.
+Only strategies that can train such a model keep it (their ``placement_refusal`` is None);
+the others refuse it, naming the devices found and the strategies that keep it.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 from collections.abc import Sequence
@@ -24,12 +25,6 @@ from distkit.batch import to_device
 from distkit.errors import ConfigurationError
 
 CPU = torch.device("cpu")
-#: what a refusing strategy's message ends with
-KEEP_OR_MOVE = (
-    "Use strategy='ddp' or strategy='horovod', which keep a model where you placed it, or "
-    "build the model on the CPU (or move it there with model.cpu()) and let distkit put it "
-    "on this rank's device"
-)
 
 
 @dataclass(frozen=True)
@@ -44,6 +39,8 @@ class Placement:
 
     devices: tuple[torch.device, ...]
     target: torch.device
+    #: ``Trainer(input_device=...)``: where inputs go instead of the first parameter's device
+    override: torch.device | None = None
 
     @classmethod
     def of(cls, model: nn.Module, target: torch.device) -> Placement:
@@ -52,17 +49,21 @@ class Placement:
             found.setdefault(_plain(tensor.device), None)
         return cls(tuple(found), _plain(target))
 
-    @property
+    @functools.cached_property
     def user_placed(self) -> bool:
         """True when the user chose the devices: several, or one that is neither the CPU
-        nor this rank's (a model all on the CPU or all on ``target`` is distkit's to move)."""
+        nor this rank's (a model all on the CPU or all on ``target`` is distkit's to move).
+        Computed once: the training loop reads it every micro-batch."""
         if len(self.devices) > 1:
             return True
         return bool(self.devices) and self.devices[0] not in (CPU, self.target)
 
     @property
     def input_device(self) -> torch.device:
-        """Where a batch's inputs go: the first parameter's device when user-placed."""
+        """Where a batch's inputs go: ``override``, else the first parameter's device when
+        user-placed, else this rank's."""
+        if self.override is not None:
+            return self.override
         return self.devices[0] if self.user_placed else self.target
 
     def describe(self) -> str:
@@ -79,10 +80,19 @@ class Placement:
                 "reset_parameters()) or load a state dict"
             )
         if self.user_placed and refusal is not None:
+            from distkit.registry import DEFAULT_REGISTRY
+
+            keepers = " or ".join(
+                f"strategy={name!r}"  # those that keep such a model, plugins included
+                for name, cls in DEFAULT_REGISTRY.load_all().items()
+                if cls.placement_refusal is None
+            )
             raise ConfigurationError(
                 f"strategy {strategy_name!r} cannot train a model you placed on "
-                f"{self.describe()} (this rank's device is {self.target}): {refusal}. "
-                + KEEP_OR_MOVE
+                f"{self.describe()} (this rank's device is {self.target}): {refusal}. Use "
+                f"{keepers}, which keep a model where you placed it, or build the model on "
+                "the CPU (or move it there with model.cpu()) and let distkit put it on this "
+                "rank's device"
             )
 
     def claim(self) -> Claim | None:
@@ -143,29 +153,29 @@ def check_claims(claims: Sequence[Claim | None]) -> None:
             )
 
 
-def place(
-    model: nn.Module, target: torch.device, strategy_name: str, refusal: str | None
-) -> Placement:
-    """Move ``model`` to ``target`` unless the user placed it (and the strategy keeps that);
-    the placement found before moving."""
+def place(model: nn.Module, target: torch.device, strategy_name: str, refusal: str | None) -> None:
+    """Move ``model`` to ``target`` unless the user placed it (and the strategy keeps that)."""
     placement = Placement.of(model, target)
     placement.check(strategy_name, refusal)
     if not placement.user_placed:
         model.to(target)
-    return placement
 
 
 def output_device(output: Any) -> torch.device | None:
-    """The device of the first tensor in a model's output (a tensor, or a tuple, list or
-    dict of them); None when it holds none."""
+    """The device of the first tensor in a model's output (a tensor, or tuples, lists and
+    mappings of them); None when it holds none."""
     if isinstance(output, torch.Tensor):
         return output.device
-    values = output.values() if isinstance(output, dict) else output
-    if isinstance(values, (tuple, list)) or isinstance(output, dict):
-        for value in values:
-            device = output_device(value)
-            if device is not None:
-                return device
+    if isinstance(output, (tuple, list)):
+        values: Any = output
+    elif isinstance(output, dict):
+        values = output.values()
+    else:
+        return None
+    for value in values:
+        device = output_device(value)
+        if device is not None:
+            return device
     return None
 
 

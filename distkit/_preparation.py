@@ -7,6 +7,7 @@ the call needs, and says which values every rank must agree on (see :mod:`distki
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,8 +116,9 @@ def prepare_fit(
 
 
 def checked_placement(trainer: Trainer, model: nn.Module) -> Placement:
-    """Where ``model`` is against this rank's device; raises where the strategy cannot train
-    it there, or where ``input_device`` is given for a model distkit places itself."""
+    """Where ``model`` is against this rank's device, with ``Trainer(input_device=...)``;
+    raises where the strategy cannot train it there, or where ``input_device`` is given for
+    a model distkit places itself."""
     strategy = trainer.strategy
     placement = trainer._setups.placement(model)
     placement.check(strategy.name, strategy.placement_refusal)
@@ -127,7 +129,7 @@ def checked_placement(trainer: Trainer, model: nn.Module) -> Placement:
             f"its inputs to this rank's device ({strategy.device}). Leave input_device=None, "
             "or place the model yourself (e.g. its layers on cuda:0 and cuda:1)"
         )
-    return placement
+    return dataclasses.replace(placement, override=trainer.input_device)
 
 
 def samples_of(spec: LoaderSpec | StreamSpec) -> int | None:

@@ -34,12 +34,13 @@ class SetupCache:
         self._placements = weakref.WeakKeyDictionary()
 
     def setup(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, placement: Placement
     ) -> tuple[nn.Module, torch.optim.Optimizer]:
-        """The wrapped model and the strategy's optimizer, setting them up on first use."""
+        """The wrapped model and the strategy's optimizer, setting them up on first use;
+        ``placement``: where the model is before (the fit found it while preparing)."""
         wrapped = self._models.get(model)
         if wrapped is None:
-            self._placements[model] = Placement.of(model, self.strategy.device)
+            self._placements[model] = placement
             wrapped, strategy_optimizer = self.strategy.setup(model, optimizer)
             self._models[model] = wrapped
             self._optimizers[optimizer] = strategy_optimizer

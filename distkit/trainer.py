@@ -372,7 +372,7 @@ class Trainer:
     ) -> FitRun:  # fmt: skip
         strategy = self.strategy
         spec = prepared.spec
-        wrapped, dist_optimizer = self._setups.setup(model, optimizer)
+        wrapped, dist_optimizer = self._setups.setup(model, optimizer, prepared.placement)
         forward = self._setups.compiled(model, compiler)
         if payload is not None:
             state = _resume.restore_run(payload, strategy, scheduler, self.seed)
@@ -403,8 +403,7 @@ class Trainer:
                 strategy=strategy, model=wrapped, optimizer=dist_optimizer,
                 feed=feed, loss_fn=loss_fn, step_fn=step_fn,
                 scheduler=scheduler, settings=settings, rank_progress=self._rank_progress,
-                forward_model=forward, placed=prepared.placement.user_placed,
-                input_device=self.input_device or prepared.placement.input_device,
+                forward_model=forward, placement=prepared.placement,
                 losses=LossLedger(strategy.device, watch=self.nonfinite == "raise"),
                 watch=NonFiniteWatch(self.nonfinite == "raise", self.log_every_n_steps),
             )  # fmt: skip
@@ -488,8 +487,7 @@ class Trainer:
         wrapped = self._setups.wrapped(model)
         scores = evaluate_shard(
             strategy, strategy.eval_model(wrapped), eval_batches(strategy, spec, self.seed),
-            loss_fn, named, placed=placement.user_placed,
-            input_device=self.input_device or placement.input_device,
+            loss_fn, named, placement,
         )  # fmt: skip
         return {key: as_score(key, value) for key, value in scores.items()}
 
