@@ -209,6 +209,39 @@ def test_csv_logger_rejects_a_filename_with_folders(tmp_path, filename):
         CSVLogger(tmp_path, filename=filename)
 
 
+@pytest.mark.parametrize("below", ["", "logs", "logs/exp1"])
+def test_csv_logger_under_a_regular_file_is_refused_at_construction_creating_nothing(
+    tmp_path, below
+):
+    (tmp_path / "notes.txt").write_text("mine")
+    save_dir = tmp_path / "notes.txt" / below if below else tmp_path / "notes.txt"
+
+    with pytest.raises(ConfigurationError) as info:
+        CSVLogger(save_dir)
+
+    message = str(info.value)
+    assert f"{str(tmp_path / 'notes.txt')!r} is a file, not a folder" in message
+    assert "pass a save_dir whose existing parts are folders, or move the file away" in message
+    assert os.listdir(tmp_path) == ["notes.txt"]
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_csv_logger_filename_that_is_a_folder_is_refused_at_construction(tmp_path):
+    (tmp_path / "metrics.csv").mkdir()
+
+    with pytest.raises(ConfigurationError, match=r"is a folder, not a file; pass another filename"):
+        CSVLogger(tmp_path)
+
+
+def test_csv_logger_missing_folders_are_created_at_the_first_write_only(tmp_path):
+    logger = CSVLogger(tmp_path / "a" / "b")  # nothing in the way: accepted, nothing created
+    assert os.listdir(tmp_path) == []
+
+    logger.log_metrics({"train_loss": 1.0}, step=1)
+    logger.finalize("success")
+    assert _rows(tmp_path / "a" / "b" / "metrics.csv") == [["step", "train_loss"], ["1", "1.0"]]
+
+
 def test_csv_logger_finalize_twice_then_log_again_appends(tmp_path):
     logger = CSVLogger(tmp_path)
     logger.log_metrics({"train_loss": 1.0}, step=1)
@@ -277,6 +310,23 @@ def test_tensorboard_logger_hyperparams_are_one_markdown_table(tmp_path):
 def test_tensorboard_logger_rejects_a_value_that_is_not_a_number(tmp_path):
     with pytest.raises(ConfigurationError, match="metric 'lr' is a str"):
         TensorBoardLogger(tmp_path).log_metrics({"lr": "0.1"}, step=1)
+
+
+@pytest.mark.parametrize(
+    ("save_dir", "name"), [("notes.txt", None), (".", "notes.txt"), ("notes.txt/runs", "exp1")]
+)
+def test_tensorboard_logger_under_a_regular_file_is_refused_at_construction(
+    tmp_path, save_dir, name
+):
+    (tmp_path / "notes.txt").write_text("mine")
+
+    with pytest.raises(ConfigurationError) as info:
+        TensorBoardLogger(tmp_path / save_dir, name=name)
+
+    assert f"{str(tmp_path / 'notes.txt')!r} is a file, not a folder; pass a save_dir" in str(
+        info.value
+    )
+    assert os.listdir(tmp_path) == ["notes.txt"]
 
 
 def test_tensorboard_logger_without_tensorboard_says_which_extra_to_install(tmp_path, monkeypatch):
@@ -367,6 +417,59 @@ def test_logger_without_log_metrics_cannot_be_created():
 
     with pytest.raises(TypeError, match="log_metrics"):
         Forgetful()
+
+
+def test_logger_is_not_strict_even_when_a_subclass_skips_the_base_init():
+    class NoInit(Logger):
+        def __init__(self, url):  # no super().__init__(): the class attribute answers
+            self.url = url
+
+        def log_metrics(self, metrics, step):
+            pass
+
+    class StrictByClass(NoInit):
+        strict = True
+
+    class StrictWithTheBaseInit(Logger):  # Logger.__init__ runs: it keeps the class's choice
+        strict = True
+
+        def log_metrics(self, metrics, step):
+            pass
+
+    class StrictCSV(CSVLogger):
+        strict = True
+
+    assert NoInit("http://tracker").strict is False
+    assert StrictByClass("http://tracker").strict is True
+    assert StrictWithTheBaseInit().strict is True
+    assert StrictCSV("runs").strict is True and StrictCSV("runs", strict=False).strict is False
+    loose = NoInit("http://tracker")
+    loose.strict = True  # per instance
+    assert loose.strict is True and NoInit("x").strict is False
+
+
+def test_logger_strict_is_a_keyword_of_the_base_and_the_built_ins(tmp_path):
+    class Forwarding(Logger):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+
+        def log_metrics(self, metrics, step):
+            pass
+
+    assert Forwarding(strict=True).strict is True and Forwarding().strict is False
+    assert CSVLogger(tmp_path, strict=True).strict is True
+    assert CSVLogger(tmp_path).strict is False
+    assert TensorBoardLogger(tmp_path, strict=True).strict is True
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("strict", [1, "yes", "False"])
+def test_logger_strict_that_is_not_a_bool_is_refused(tmp_path, strict):
+    with pytest.raises(ConfigurationError) as info:
+        CSVLogger(tmp_path, strict=strict)
+    message = str(info.value)
+    assert f"CSVLogger(strict=...) must be True or False, got {type(strict).__name__}" in message
+    assert repr(strict) in message and "pass strict=True" in message
 
 
 def test_loggers_public_names_are_pinned():

@@ -7,6 +7,7 @@ import contextlib
 import numbers
 import operator
 import os
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, SupportsIndex
@@ -22,7 +23,26 @@ class Logger(abc.ABC):
     The trainer calls these methods on rank 0 only, so a logger may be created on every rank;
     creating one must not touch files or the network (do that on first use). Only
     ``log_metrics`` must be written; the other methods default to doing nothing.
+
+    Loggers are best-effort: when one raises during ``fit``, the trainer warns (once per kind
+    of error, naming the logger and the error), goes on training, calls it again at the next
+    log point, and stops calling it after 10 failures in a row (it still gets ``finalize``).
+    A ``strict`` logger's errors end the fit instead, as any error in the training loop does;
+    while a fit is already failing, no logger's error replaces the fit's own.
+
+    Args:
+        strict: True: an exception from this logger ends the fit; False: it is reported and
+            training goes on; None (default): the class attribute ``strict`` decides (False
+            unless a subclass sets ``strict = True``). A subclass that does not call
+            ``super().__init__()`` gets the class attribute too; ``logger.strict = True``
+            changes one instance.
     """
+
+    strict: bool = False
+
+    def __init__(self, *, strict: bool | None = None) -> None:
+        if strict is not None:  # None keeps the class attribute, which a subclass may set
+            self.strict = check_strict(type(self).__name__, strict)
 
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:  # noqa: B027
         """Record the run's settings, once, before the first step.
@@ -48,6 +68,17 @@ class Logger(abc.ABC):
         """
 
 
+def check_strict(logger: str, strict: object) -> bool:
+    """``strict`` as a bool; anything else (1, "yes") is a mistake, not a truth value."""
+    if not isinstance(strict, bool):
+        raise ConfigurationError(
+            f"{logger}(strict=...) must be True or False, got {type(strict).__name__}: "
+            f"{strict!r}; pass strict=True to end the fit on this logger's errors, or False (or "
+            "leave it out) to have them reported while training goes on"
+        )
+    return strict
+
+
 def check_save_dir(logger: str, save_dir: object) -> Path:
     """``save_dir`` as a Path; a str or os.PathLike (an int or None is a mistake)."""
     if isinstance(save_dir, (str, os.PathLike)):
@@ -58,6 +89,33 @@ def check_save_dir(logger: str, save_dir: object) -> Path:
         f"{logger}(save_dir=...) must be a folder path (a non-empty str or os.PathLike), "
         f"got {type(save_dir).__name__}: {save_dir!r}"
     )
+
+
+def check_no_file_in_the_way(call: str, folder: Path, arguments: str) -> None:
+    """Refuse a ``folder`` that can never be created because a part of it is a file.
+
+    Only looks (``stat`` on the folder and its existing parents): creating a logger creates
+    nothing. A part that cannot be looked at (no permission) is left to the first write.
+
+    Args:
+        call: the constructor call as the user wrote it, e.g. ``CSVLogger(save_dir='x')``.
+        folder: the folder the logger will write into.
+        arguments: the arguments that choose the folder, for the fix (``save_dir``).
+    """
+    for part in (folder, *folder.parents):
+        try:
+            mode = part.stat().st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # not there yet: the first write creates it
+        except OSError:
+            return
+        if stat.S_ISDIR(mode):
+            return
+        below = "" if part == folder else f" (the folder {str(folder)!r} can never be created)"
+        raise ConfigurationError(
+            f"{call}: {str(part)!r} is a file, not a folder; pass a {arguments} whose existing "
+            f"parts are folders, or move the file away{below}"
+        )
 
 
 def check_step(step: object) -> int:

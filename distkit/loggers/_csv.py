@@ -11,7 +11,13 @@ from typing import IO, BinaryIO
 
 from distkit._files import TempFile
 from distkit.errors import ConfigurationError
-from distkit.loggers._base import Logger, as_numbers, check_save_dir, check_step
+from distkit.loggers._base import (
+    Logger,
+    as_numbers,
+    check_no_file_in_the_way,
+    check_save_dir,
+    check_step,
+)
 
 
 class CSVLogger(Logger):
@@ -29,15 +35,25 @@ class CSVLogger(Logger):
     Nothing is created until the first ``log_metrics``, so the logger can be built on every rank.
 
     Args:
-        save_dir: the folder; created (with its parents) on the first write.
+        save_dir: the folder; created (with its parents) on the first write. A path with a
+            regular file in the way (``"notes.txt/logs"``) is refused here, by looking only.
         filename: the file's name inside ``save_dir``.
+        strict: True: an error writing the file ends the fit (see :class:`Logger`); False: it
+            is reported and training goes on; None (default): the class attribute decides.
 
     Example:
         >>> logger = CSVLogger("runs/exp1")  # doctest: +SKIP
         >>> logger.log_metrics({"train_loss": 0.41, "lr": 0.1}, step=1)  # doctest: +SKIP
     """
 
-    def __init__(self, save_dir: str | os.PathLike[str], filename: str = "metrics.csv") -> None:
+    def __init__(
+        self,
+        save_dir: str | os.PathLike[str],
+        filename: str = "metrics.csv",
+        *,
+        strict: bool | None = None,
+    ) -> None:
+        super().__init__(strict=strict)
         self.save_dir = check_save_dir("CSVLogger", save_dir)
         if not isinstance(filename, str) or not filename or Path(filename).name != filename:
             raise ConfigurationError(
@@ -45,6 +61,12 @@ class CSVLogger(Logger):
                 f"'metrics.csv', got {filename!r}; put folders in save_dir"
             )
         self.path = self.save_dir / filename
+        check_no_file_in_the_way(f"CSVLogger(save_dir={save_dir!r})", self.save_dir, "save_dir")
+        if self.path.is_dir():
+            raise ConfigurationError(
+                f"CSVLogger(filename={filename!r}): {str(self.path)!r} is a folder, not a file; "
+                "pass another filename or save_dir, or move the folder away"
+            )
         self._columns: list[str] | None = None  # known once the file is opened
         self._file: IO[str] | None = None
 

@@ -14,7 +14,13 @@ from typing import Any
 
 from distkit._imports import require
 from distkit.errors import ConfigurationError, MissingDependencyError
-from distkit.loggers._base import Logger, as_numbers, check_save_dir, check_step
+from distkit.loggers._base import (
+    Logger,
+    as_numbers,
+    check_no_file_in_the_way,
+    check_save_dir,
+    check_step,
+)
 
 INSTALL_HINT = "Install it with: pip install 'distkit[tensorboard]' (or pip install tensorboard)."
 
@@ -30,12 +36,23 @@ class TensorBoardLogger(Logger):
     Args:
         save_dir: the folder TensorBoard is pointed at (``tensorboard --logdir save_dir``).
         name: a sub-folder for this run, so several runs can share ``save_dir``.
+        strict: True: an error writing the events ends the fit (see :class:`Logger`); False: it
+            is reported and training goes on; None (default): the class attribute decides.
 
     Raises:
         MissingDependencyError: the ``tensorboard`` package is not installed.
+        ConfigurationError: a bad argument, or a regular file where the folder must go (found
+            by looking only: nothing is created here).
     """
 
-    def __init__(self, save_dir: str | os.PathLike[str], name: str | None = None) -> None:
+    def __init__(
+        self,
+        save_dir: str | os.PathLike[str],
+        name: str | None = None,
+        *,
+        strict: bool | None = None,
+    ) -> None:
+        super().__init__(strict=strict)
         self.save_dir = check_save_dir("TensorBoardLogger", save_dir)
         if name is not None and (not isinstance(name, str) or not name):
             raise ConfigurationError(
@@ -47,6 +64,8 @@ class TensorBoardLogger(Logger):
                 f"{INSTALL_HINT} Or log to CSV with distkit.loggers.CSVLogger, which needs nothing."
             )
         self.log_dir: Path = self.save_dir / name if name else self.save_dir
+        call = f"TensorBoardLogger(save_dir={save_dir!r}" + (f", name={name!r})" if name else ")")
+        check_no_file_in_the_way(call, self.log_dir, "save_dir and name" if name else "save_dir")
         self._writer: Any = None
 
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
