@@ -6,9 +6,13 @@ promises every backend keeps (clipping, stop_together) are in tests/test_strateg
 
 from __future__ import annotations
 
+import collections
+import enum
 import math
+import re
 from functools import partial
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -280,3 +284,84 @@ def test_callbacks_and_loggers_bad_arguments_say_the_fix(kwargs, words):
 def test_callbacks_builtin_bad_arguments_say_the_fix(factory, words):
     with pytest.raises(distkit.ConfigurationError, match=__import__("re").escape(words)):
         factory()
+
+
+# ---------------------------------------------------------------- state that loads weights-only
+class _Colour(enum.IntEnum):
+    RED = 1
+
+
+_Span = collections.namedtuple("_Span", "low high")
+
+
+@pytest.mark.parametrize(
+    ("value", "fix"),
+    [
+        # np.float64 subclasses float: it once passed the check and failed the save, blaming
+        # extra=; np.int64 (no int subclass) got the callback error. Now every one does.
+        pytest.param(np.float64(0.5), "store float(value) instead", id="np.float64"),
+        pytest.param(np.float32(0.5), "store float(value) instead", id="np.float32"),
+        pytest.param(np.int64(3), "store int(value) instead", id="np.int64"),
+        pytest.param(np.bool_(True), "store bool(value) instead", id="np.bool_"),
+        pytest.param(
+            np.arange(3),
+            "store value.tolist() (or torch.from_numpy(value)) instead",
+            id="np.ndarray",
+        ),
+        pytest.param(_Colour.RED, "store value.value instead", id="IntEnum"),
+        pytest.param(
+            _Span(0, 1), "store value._asdict() (or tuple(value)) instead", id="namedtuple"
+        ),
+        pytest.param(collections.defaultdict(list), "store dict(value) instead", id="defaultdict"),
+        pytest.param({1, 2}, "store list(value) instead", id="set"),
+        pytest.param(object(), "store its plain values", id="object"),
+    ],
+)
+def test_callbacks_state_that_would_not_load_weights_only_names_the_entry_and_the_fix(
+    value, fix, tmp_path
+):
+    trainer = distkit.Trainer(
+        "dp", batch_size=4, progress=False, callbacks=[Counter(state={"scores": [1.0, value]})]
+    )
+    _fit(trainer)
+    kind = f"{type(value).__module__}.{type(value).__qualname__}"
+    with pytest.raises(distkit.ConfigurationError) as info:
+        trainer.save_checkpoint(tmp_path / "c.pt")
+    message = str(info.value)
+    assert message.startswith("callback Counter.state_dict()['thing']['scores'][1] holds ")
+    assert f", a {kind}, which a checkpoint cannot load weights-only" in message
+    assert fix in message
+    assert not (tmp_path / "c.pt").exists()
+
+
+def test_callbacks_state_refuses_a_numpy_key_by_name(tmp_path):
+    trainer = distkit.Trainer(
+        "dp", batch_size=4, progress=False, callbacks=[Counter(state={np.int64(7): 1.0})]
+    )
+    _fit(trainer)
+    with pytest.raises(
+        distkit.ConfigurationError,
+        match=re.escape("a key of callback Counter.state_dict()['thing'] holds np.int64(7)"),
+    ):
+        trainer.save_checkpoint(tmp_path / "c.pt")
+
+
+def test_callbacks_state_of_plain_values_saves_and_loads_back(tmp_path):
+    state = {
+        "ordered": collections.OrderedDict(a=1),
+        "row": (1, 2.5, "x", None, True),
+        "shape": torch.Size([2, 3]),
+        "weight": nn.Parameter(torch.ones(2)),
+        "n": [-1],
+    }
+    trainer = distkit.Trainer("dp", batch_size=4, progress=False, callbacks=[Counter(state)])
+    _fit(trainer)
+    trainer.save_checkpoint(tmp_path / "c.pt")
+    loaded = distkit.checkpoint.load(tmp_path / "c.pt")["callbacks"]["Counter"]["thing"]
+    assert torch.equal(loaded.pop("weight"), torch.ones(2))
+    assert loaded == {
+        "ordered": {"a": 1},
+        "row": (1, 2.5, "x", None, True),
+        "shape": torch.Size([2, 3]),
+        "n": [-1],
+    }

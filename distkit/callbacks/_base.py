@@ -19,8 +19,9 @@ class Callback:
 
     ``trainer.should_stop = True`` (from any rank's callback) stops every rank after the
     same step. ``state_dict`` / ``load_state_dict`` carry a callback's own state through
-    checkpoints (plain tensors, numbers, strings, lists and dicts: checkpoints load
-    weights-only).
+    checkpoints (plain tensors, ``int``, ``float``, ``bool``, ``str``, ``None``, lists, tuples
+    and dicts, of exactly these types: checkpoints load weights-only, so ``np.float64`` or
+    an ``IntEnum`` is refused at save time with the conversion to store instead).
     """
 
     #: whether ``on_train_step_end`` may set ``trainer.should_stop``. When a callback that

@@ -6,13 +6,10 @@ import sys
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-import torch
-
 from distkit._checks import check_instance
 from distkit.callbacks._base import Callback
+from distkit.callbacks._state import check_state
 from distkit.errors import ConfigurationError
-
-_PLAIN = (str, int, float, bool, type(None), torch.Tensor)
 
 
 class CallbackList:
@@ -93,8 +90,8 @@ class CallbackList:
                     f"callback {key}.state_dict() returned a {type(state).__name__}; return a "
                     "dict (of tensors, numbers, strings, lists and dicts)"
                 )
-            _check_plain(state, f"callback {key}.state_dict()")
             states[key] = dict(state)
+            check_state(states[key], f"callback {key}.state_dict()")
         return states
 
     def load_state_dict(self, states: Mapping[str, Any]) -> None:
@@ -112,18 +109,3 @@ def _unique_keys(callbacks: list[Callback]) -> list[str]:
             key = f"{key}#{sum(1 for k in keys if k.split('#')[0] == key)}"
         keys.append(key)
     return keys
-
-
-def _check_plain(value: Any, where: str) -> None:
-    if isinstance(value, Mapping):
-        for key, item in value.items():
-            _check_plain(key, where)
-            _check_plain(item, f"{where}[{key!r}]")
-    elif isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            _check_plain(item, f"{where}[{i}]")
-    elif not isinstance(value, _PLAIN):
-        raise ConfigurationError(
-            f"{where} holds a {type(value).__name__}; checkpoints load weights-only, so a "
-            "callback's state may hold tensors, numbers, strings, None, lists and dicts only"
-        )
