@@ -10,7 +10,9 @@ import collections
 import enum
 import math
 import re
+import warnings
 from functools import partial
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,8 +20,9 @@ import torch
 from torch import nn
 
 import distkit
-from distkit.callbacks import Callback, EarlyStopping
+from distkit.callbacks import BestCheckpoint, Callback, EarlyStopping
 from distkit.errors import PeerFailureError, RankDisagreementError
+from tests.stream_workloads import SampleStream
 from tests.workloads import make_dataset, make_mlp
 
 pytestmark = pytest.mark.timeout(300)
@@ -52,9 +55,9 @@ class Recorder(Callback):
         self.calls.append(("exception", exc))
 
 
-def _fit(trainer: distkit.Trainer, n: int = 24, lr: float = 0.1, **fit_kwargs):
+def _fit(trainer: distkit.Trainer, n: int = 24, lr: float = 0.1, train_data=None, **fit_kwargs):
     model = make_mlp()
-    data = make_dataset(n)
+    data = make_dataset(n) if train_data is None else train_data
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     return trainer.fit(model, optimizer, data, loss_fn=nn.functional.cross_entropy, **fit_kwargs)
 
@@ -365,3 +368,101 @@ def test_callbacks_state_of_plain_values_saves_and_loads_back(tmp_path):
         "shape": torch.Size([2, 3]),
         "n": [-1],
     }
+
+
+# ---------------------------------------------------------------- a monitor nothing reports
+@pytest.mark.parametrize(
+    "make",
+    [partial(BestCheckpoint, "val_los"), partial(EarlyStopping, "val_los")],
+    ids=["BestCheckpoint", "EarlyStopping"],
+)
+def test_callbacks_misspelled_monitor_fails_at_the_first_validation_of_a_stream(make, tmp_path):
+    # a stream with max_steps never ends an epoch: the epoch-end check never comes
+    callback = make()
+    trainer = distkit.Trainer(
+        "dp",
+        batch_size=4,
+        max_steps=6,
+        progress=False,
+        val_every_n_steps=2,
+        checkpoint_dir=tmp_path,
+        callbacks=[callback],
+    )
+    with pytest.raises(distkit.ConfigurationError) as info:
+        _fit(
+            trainer,
+            train_data=SampleStream(400),
+            val_data=make_dataset(8),
+            metrics={"acc": distkit.Accuracy()},
+        )
+    assert str(info.value).startswith(
+        f"{type(callback).__name__} monitors 'val_los', which the validation at step 2 did not "
+        "report; it reported: val_acc, val_loss. Monitor one of these"
+    )
+    assert trainer.global_step == 2 and not list(tmp_path.glob("best-*.pt"))
+
+
+def _misspelled_on_ranks() -> tuple[str, str, int]:
+    trainer = distkit.Trainer(
+        "ddp",
+        batch_size=4,
+        max_epochs=1,
+        progress=False,
+        val_every_n_steps=2,
+        callbacks=[EarlyStopping("val_accuracy")],
+    )
+    try:
+        _fit(trainer, val_data=make_dataset(8), metrics={"acc": distkit.Accuracy()})
+    except Exception as exc:
+        return type(exc).__name__, str(exc), trainer.global_step
+    return "no error", "", trainer.global_step
+
+
+def test_callbacks_misspelled_monitor_fails_on_every_rank_alike(run_on_ranks):
+    ranks = run_on_ranks(_misspelled_on_ranks, world_size=2)  # 3 steps an epoch: 2 < 3
+    assert ranks[0] == ranks[1]
+    assert ranks[0][0] == "ConfigurationError" and ranks[0][2] == 2
+    assert "'val_accuracy'" in ranks[0][1] and "reported: val_acc, val_loss" in ranks[0][1]
+
+
+def _fit_stream(callback: Callback, folder: Path, **fit_kwargs) -> distkit.FitResult:
+    trainer = distkit.Trainer(
+        "dp",
+        batch_size=4,
+        max_steps=4,
+        progress=False,
+        val_every_n_steps=2,
+        checkpoint_dir=folder,
+        callbacks=[callback],
+    )
+    return _fit(trainer, train_data=SampleStream(400), **fit_kwargs)
+
+
+def test_callbacks_monitor_never_reported_warns_at_fit_end(tmp_path):
+    # without val_data nothing is ever reported: the name may be right, so no error
+    with pytest.warns(
+        UserWarning,
+        match=re.escape(
+            "BestCheckpoint monitors 'val_loss', which was never reported: fit ended at step 4 "
+            "without BestCheckpoint acting once. Reported: nothing"
+        ),
+    ):
+        result = _fit_stream(BestCheckpoint(), tmp_path)
+    assert result.history == [] and not list(tmp_path.glob("best-*.pt"))
+    # an epoch-record name under a stream: the validations' names are listed
+    with pytest.warns(
+        UserWarning,
+        match=r"'train_loss', which was never reported.*"
+        r"Reported: val_loss \(an epoch record's names",
+    ):
+        _fit_stream(EarlyStopping("train_loss"), tmp_path, val_data=make_dataset(8))
+
+
+def test_callbacks_monitor_is_quiet_when_the_fit_trains_nothing(tmp_path):
+    trainer = distkit.Trainer(
+        "dp", batch_size=4, max_epochs=0, progress=False, callbacks=[EarlyStopping()]
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fit(trainer)
+    assert not [w for w in caught if "never reported" in str(w.message)]

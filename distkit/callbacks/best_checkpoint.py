@@ -14,7 +14,7 @@ from distkit.callbacks._monitor import Monitor
 from distkit.errors import ConfigurationError
 
 if TYPE_CHECKING:
-    from distkit.trainer import Trainer
+    from distkit.trainer import FitResult, Trainer
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 
@@ -65,6 +65,9 @@ class BestCheckpoint(Callback):
                 "none: pass Trainer(checkpoint_dir=...)"
             )
 
+    def on_fit_start(self, trainer: Trainer) -> None:
+        self._monitor.start(trainer)
+
     def on_validation_end(self, trainer: Trainer, metrics: Mapping[str, float]) -> None:
         value = self._monitor.at_validation(trainer, metrics)
         if value is not None:
@@ -74,6 +77,9 @@ class BestCheckpoint(Callback):
         value = self._monitor.at_epoch_end(trainer, record)
         if value is not None:
             self._consider(trainer, value)
+
+    def on_fit_end(self, trainer: Trainer, result: FitResult) -> None:
+        self._monitor.at_fit_end(trainer)
 
     def _consider(self, trainer: Trainer, value: float) -> None:
         worst = self.kept[-1][0] if len(self.kept) >= self.keep else None

@@ -11,7 +11,7 @@ from distkit.callbacks._monitor import Monitor
 from distkit.errors import ConfigurationError
 
 if TYPE_CHECKING:
-    from distkit.trainer import Trainer
+    from distkit.trainer import FitResult, Trainer
 
 
 class EarlyStopping(Callback):
@@ -22,7 +22,9 @@ class EarlyStopping(Callback):
     epoch's end for an epoch-record key such as ``train_loss``. Validation results are the
     same on every rank, so every rank decides alike; the trainer stops them all after the
     same step. The counter and best value go into checkpoints: a resumed run goes on
-    counting.
+    counting. A ``monitor`` that is never reported raises at the first validation (a
+    ``val_...`` name) or epoch end that lacks it; a fit that trained and ended before
+    either warns (see :class:`~distkit.callbacks._monitor.Monitor`).
 
     Args:
         monitor: the metric's name.
@@ -56,6 +58,9 @@ class EarlyStopping(Callback):
     def state_key(self) -> str:
         return self._monitor.key
 
+    def on_fit_start(self, trainer: Trainer) -> None:
+        self._monitor.start(trainer)
+
     def on_validation_end(self, trainer: Trainer, metrics: Mapping[str, float]) -> None:
         value = self._monitor.at_validation(trainer, metrics)
         if value is not None:
@@ -65,6 +70,9 @@ class EarlyStopping(Callback):
         value = self._monitor.at_epoch_end(trainer, record)
         if value is not None:
             self._check(trainer, value)
+
+    def on_fit_end(self, trainer: Trainer, result: FitResult) -> None:
+        self._monitor.at_fit_end(trainer)
 
     def _check(self, trainer: Trainer, value: float) -> None:
         if self._monitor.better(value, self.best, self.min_delta):
