@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import enum
 import math
+import os
 import re
 import warnings
 from functools import partial
@@ -368,6 +369,114 @@ def test_callbacks_state_of_plain_values_saves_and_loads_back(tmp_path):
         "shape": torch.Size([2, 3]),
         "n": [-1],
     }
+
+
+# ---------------------------------------------------------------- BestCheckpoint's folder
+class Scripted(distkit.Metric):
+    """A metric whose value at each validation is the next of ``values``."""
+
+    def __init__(self, *values: float) -> None:
+        self.values = list(values)
+
+    def batch_state(self, output, target):
+        return torch.zeros(1)
+
+    def state_shape(self):
+        return (1,)
+
+    def compute(self, state):
+        return self.values.pop(0)
+
+
+def _best_run(folder: Path, *scores: float, keep: int = 1) -> tuple[BestCheckpoint, Path | None]:
+    """A fresh run into ``folder`` (no resume): one validation per epoch, 2 steps each,
+    reporting ``scores`` in turn as val_score (lower is better)."""
+    best = BestCheckpoint("val_score", keep=keep)
+    trainer = distkit.Trainer(
+        "dp",
+        batch_size=4,
+        max_epochs=len(scores),
+        progress=False,
+        checkpoint_dir=folder,
+        callbacks=[best],
+    )
+    _fit(trainer, n=8, val_data=make_dataset(8), metrics={"score": Scripted(*scores)})
+    return best, best.best_path(trainer)
+
+
+def _best_files(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.glob("best-*.pt"))
+
+
+def test_best_checkpoint_keep_holds_across_runs_sharing_the_folder(tmp_path):
+    _best_run(tmp_path, 0.5, 0.3)
+    assert _best_files(tmp_path) == ["best-val_score=0.3-step-000000004.pt"]
+    # a second run that never beats the folder's best saves nothing, and names that file
+    best, path = _best_run(tmp_path, 0.4)
+    assert _best_files(tmp_path) == ["best-val_score=0.3-step-000000004.pt"]
+    assert best.best_score == 0.3 and path == tmp_path / "best-val_score=0.3-step-000000004.pt"
+    # one that beats it replaces it: keep=1 leaves one file, whichever run wrote it
+    best, path = _best_run(tmp_path, 0.4, 0.2)
+    assert _best_files(tmp_path) == ["best-val_score=0.2-step-000000004.pt"]
+    assert best.best_score == 0.2 and path is not None and path.exists()
+    assert distkit.checkpoint.load(path)["extra"]["val_score"] == 0.2
+
+
+def test_best_checkpoint_ranks_the_folder_by_the_values_in_the_names(tmp_path):
+    _best_run(tmp_path, 0.5, 0.3, keep=2)
+    assert _best_files(tmp_path) == [
+        "best-val_score=0.3-step-000000004.pt",
+        "best-val_score=0.5-step-000000002.pt",
+    ]
+    best, _ = _best_run(tmp_path, 0.4, keep=2)  # beats 0.5, the folder's second best
+    assert _best_files(tmp_path) == [
+        "best-val_score=0.3-step-000000004.pt",
+        "best-val_score=0.4-step-000000002.pt",
+    ]
+    assert [name for _, name in best.kept] == _best_files(tmp_path)
+
+
+def test_best_checkpoint_never_touches_files_whose_score_it_cannot_read(tmp_path):
+    untouchable = [
+        "best-val_score=final-step-000000001.pt",  # renamed by hand: no value
+        "best-val_score_ema=0.01-step-000000001.pt",  # another monitor
+        "best-val_score=nan-step-000000001.pt",  # never ranked (a NaN is never the best)
+        "best-val_score=0.3.pt",  # not the pattern
+    ]
+    for name in [*untouchable, "best-val_score=0.9-step-000000001.pt"]:
+        (tmp_path / name).write_bytes(b"never loaded")
+    _best_run(tmp_path, 0.5)  # beats the 0.9 file of an earlier run: that one goes
+    assert _best_files(tmp_path) == sorted([*untouchable, "best-val_score=0.5-step-000000002.pt"])
+
+
+def test_best_checkpoint_an_equal_value_in_the_name_is_no_improvement(tmp_path):
+    (tmp_path / "best-val_score=0.3-step-000000009.pt").write_bytes(b"never loaded")
+    best, path = _best_run(tmp_path, 0.3000001)  # 0.3 to the name's 6 digits
+    assert _best_files(tmp_path) == ["best-val_score=0.3-step-000000009.pt"]
+    assert best.best_score == 0.3 and path == tmp_path / "best-val_score=0.3-step-000000009.pt"
+
+
+def _best_with_folders_of_their_own(root: str) -> dict:
+    rank = int(os.environ["RANK"])
+    folder = Path(root) / f"rank{rank}"
+    folder.mkdir()
+    if rank == 0:  # only rank 0's folder holds an earlier run's better file
+        (folder / "best-val_score=0.1-step-000000009.pt").write_bytes(b"never loaded")
+    best = BestCheckpoint("val_score")
+    trainer = distkit.Trainer(
+        "ddp", batch_size=2, max_epochs=2, progress=False, checkpoint_dir=folder, callbacks=[best]
+    )
+    _fit(trainer, n=8, val_data=make_dataset(8), metrics={"score": Scripted(0.5, 0.3)})
+    return {"best": best.best_score, "files": _best_files(folder)}
+
+
+def test_best_checkpoint_ranks_decide_on_rank_zeros_folder(run_on_ranks, tmp_path):
+    # were each rank to read its own folder, rank 1 alone would save (a collective): a hang
+    ranks = run_on_ranks(_best_with_folders_of_their_own, str(tmp_path), world_size=2)
+    assert ranks == [
+        {"best": 0.1, "files": ["best-val_score=0.1-step-000000009.pt"]},
+        {"best": 0.1, "files": []},
+    ]
 
 
 # ---------------------------------------------------------------- a monitor nothing reports

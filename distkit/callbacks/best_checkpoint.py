@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from distkit._checks import check_ints
 from distkit.callbacks._base import Callback
+from distkit.callbacks._best_files import BestFiles
 from distkit.callbacks._monitor import Monitor
 from distkit.errors import ConfigurationError
 
 if TYPE_CHECKING:
     from distkit.trainer import FitResult, Trainer
-
-_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
 class BestCheckpoint(Callback):
@@ -25,9 +22,16 @@ class BestCheckpoint(Callback):
     Files go into the trainer's ``checkpoint_dir`` as
     ``best-<monitor>=<value>-step-<step>.pt``, in the trainer's checkpoint format (weights
     only, written atomically by rank 0), with ``{"monitor", "value", <monitor>}`` in the
-    file's ``extra``; the worse ones beyond ``keep`` are deleted. They never count as the
-    folder's regular ``step-*.pt`` checkpoints (``keep_last`` and ``resume="auto"`` ignore
-    them). Load one with ``trainer.load_checkpoint(path)`` or
+    file's ``extra``. ``keep`` holds for the folder, across runs that share it: at each
+    check rank 0 lists the folder's files of this monitor and every rank ranks them alike by
+    the value in their names (6 significant digits; of equal values the earlier step
+    ranks first), whichever run wrote them. A value is saved only when it beats the
+    ``keep``-th of them; the folder then keeps the ``keep`` best and rank 0 deletes the
+    others. So a file is deleted only when a better one was just saved, and a file whose
+    name holds no value (renamed by hand) is never counted or deleted. The names do not
+    record ``mode``: runs that share a folder must monitor a metric with the same ``mode``.
+    The files never count as the folder's regular ``step-*.pt`` checkpoints (``keep_last``
+    and ``resume="auto"`` ignore them). Load one with ``trainer.load_checkpoint(path)`` or
     ``distkit.checkpoint.load(path)["model"]``.
 
     Args:
@@ -49,11 +53,13 @@ class BestCheckpoint(Callback):
 
     @property
     def best_score(self) -> float | None:
-        """The best value seen so far (None before the first check)."""
+        """The best value in the folder at the last check (None before one); this run's own
+        values exactly, another run's as its file name holds it."""
         return self.kept[0][0] if self.kept else None
 
     def best_path(self, trainer: Trainer) -> Path | None:
-        """The best checkpoint file in ``trainer``'s ``checkpoint_dir`` (None before one)."""
+        """The best checkpoint file in ``trainer``'s ``checkpoint_dir`` at the last check
+        (None before one); another run may have written it."""
         if not self.kept or trainer.checkpoints is None:
             return None
         return trainer.checkpoints.folder / self.kept[0][1]
@@ -82,23 +88,32 @@ class BestCheckpoint(Callback):
         self._monitor.at_fit_end(trainer)
 
     def _consider(self, trainer: Trainer, value: float) -> None:
-        worst = self.kept[-1][0] if len(self.kept) >= self.keep else None
-        if not self._monitor.better(value, worst):  # NaN is never better
-            return  # every rank sees the same value: all skip, or all save below
         self._validate_trainer(trainer)
         assert trainer.checkpoints is not None
-        metric = _UNSAFE.sub("_", self.monitor)
-        name = f"best-{metric}={value:.6g}-step-{trainer.global_step:09d}.pt"
-        kept = sorted([*self.kept, (value, name)], key=lambda item: item[0],
-                      reverse=self.mode == "max")  # fmt: skip
-        self.kept, dropped = kept[: self.keep], kept[self.keep :]
-        folder = trainer.checkpoints.folder
+        files = BestFiles.of(trainer.checkpoints.folder, self.monitor, self.mode)
+        name = files.name(value, trainer.global_step)
+        # rank 0's listing on every rank: the ranks decide alike whether to save (a
+        # collective), even where each rank's checkpoint_dir is a folder of its own
+        listed = trainer.strategy.broadcast(files.on_disk() if trainer.is_main else None)
+        ranked = files.ranked(n for n in listed if n != name)  # a save replaces its namesake
+        worst = ranked[self.keep - 1][0] if len(ranked) >= self.keep else None
+        # compared as the names hold the values, as every run sharing the folder compares
+        written = files.score(name)
+        if written is None or not self._monitor.better(written, worst):  # NaN never is
+            self.kept = self._exact(ranked[: self.keep])
+            return  # every rank sees the same value and listing: all skip, or all save
         extra = {"monitor": self.monitor, "value": value, self.monitor: value}
-        trainer.save_checkpoint(folder / name, extra=extra)  # a collective: every rank
+        trainer.save_checkpoint(files.folder / name, extra=extra)  # a collective: every rank
+        self.kept.append((value, name))  # its exact value, for _exact
+        ranked = files.ranked([name, *(old for _, old in ranked)])
+        self.kept = self._exact(ranked[: self.keep])
         if trainer.is_main:
-            for _, old in dropped:
-                with contextlib.suppress(FileNotFoundError):
-                    (folder / old).unlink()
+            files.delete(old for _, old in ranked[self.keep :])
+
+    def _exact(self, ranked: list[tuple[float, str]]) -> list[tuple[float, str]]:
+        """``ranked`` with the values this callback saved exact (a name holds 6 digits)."""
+        own = {name: value for value, name in self.kept}
+        return [(own.get(name, value), name) for value, name in ranked]
 
     def state_dict(self) -> dict[str, Any]:
         return {"kept": [[value, name] for value, name in self.kept]}
