@@ -47,9 +47,20 @@ class FitRun:
     _validated_at: int | None = None  # the global step of the latest validation
     _last_validation: dict[str, float] = field(default_factory=dict)
     _stop_each_step: bool = False  # callbacks.stop_each_step, read once (run)
+    _saved_at: int | None = None  # the global step of the newest checkpoint in the folder
 
     def run(self) -> None:
-        """Train up to ``max_epochs`` / ``max_steps``, or until ``should_stop``."""
+        """Train up to ``max_epochs`` / ``max_steps``, or until ``should_stop``; then, with a
+        ``checkpoint_dir``, make sure the trained state is on disk."""
+        # the state a fit starts from is on disk already (resumed) or holds nothing trained
+        self._saved_at = self.state.global_step
+        self._train()
+        if self.trainer.checkpoints is not None and self._saved_at != self.state.global_step:
+            self._check_losses()  # never a checkpoint of parameters trained on a NaN
+            self.trainer._save_to_folder()
+            self._saved_at = self.state.global_step
+
+    def _train(self) -> None:
         trainer, state = self.trainer, self.state
         self._stop_each_step = self.callbacks.stop_each_step
         self.callbacks.call("on_fit_start", trainer)
@@ -157,6 +168,7 @@ class FitRun:
         self._check_losses()  # never a checkpoint of parameters trained on a NaN
         if self.trainer.checkpoints is not None:
             self.trainer._save_to_folder()
+            self._saved_at = self.state.global_step
         self.trainer.strategy.commit()
 
     def _report(self, record: dict[str, float]) -> None:

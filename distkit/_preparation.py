@@ -85,7 +85,7 @@ def prepare_fit(
     if trainer.checkpoints is not None and strategy.is_main:
         trainer.checkpoints.check_writable()  # now, not after the first epoch trained
     found = trainer._pending or _resume.find_resume(
-        trainer.resume, trainer.checkpoints, strategy.device
+        trainer.resume, trainer.checkpoints, strategy.device, announce=strategy.is_main
     )
     if found is not None:
         epoch_samples = None if plan is None else plan.samples_per_epoch

@@ -148,13 +148,17 @@ def find_resume(
     resume: str | os.PathLike[str] | None,
     folder: ckpt.CheckpointFolder | None,
     device: torch.device,
+    *,
+    announce: bool = True,
 ) -> Found | None:
-    """The checkpoint to resume from: a path, the newest readable one in ``folder`` ("auto"),
-    or none.
+    """The checkpoint to resume from: a path, the newest one in ``folder`` that loads and
+    verifies ("auto"), or none.
 
     "auto" goes by the step numbers in the file names, the highest first, falling back to the
-    one before when a file is unreadable; the ``latest`` pointer is only a hint, checked
-    against the choice (it can lag behind after a crash between the file and the pointer).
+    one before when a file is unreadable, corrupt or damaged (saying so when ``announce``: on
+    rank 0; every rank takes the same decision, as each reads the same files, and the fit's
+    agreement compares the choices); the ``latest`` pointer is only a hint, checked against
+    the choice (it can lag behind after a crash between the file and the pointer).
     """
     if resume is None:
         return None
@@ -162,14 +166,29 @@ def find_resume(
         return Found.of(resume, ckpt.load(resume, map_location=device))
     if folder is None:
         return None
+    skipped: list[str] = []
     for path in reversed(folder.checkpoints()):
         try:
             found = Found.of(path, ckpt.load(path, map_location=device))
         except ckpt.CheckpointError as exc:  # fall back to the previous complete one
-            warnings.warn(f"skipping unreadable checkpoint: {exc}", stacklevel=2)
+            skipped.append(str(exc))
             continue
-        _compare_with_pointer(folder, path)
+        if announce and skipped:
+            warnings.warn(
+                f"resume='auto': resuming from {found.label}, the newest checkpoint in "
+                f"{folder.folder} that loads and verifies; skipped {len(skipped)} newer "
+                f"one(s): {'; '.join(skipped)}",
+                stacklevel=2,
+            )
+        if announce and not skipped:  # after a fall-back the pointer names a skipped file
+            _compare_with_pointer(folder, path)
         return found
+    if skipped:
+        raise ckpt.CheckpointError(
+            f"resume='auto' found {len(skipped)} checkpoint(s) in {folder.folder} and none "
+            f"loads: {'; '.join(skipped)}. Move the folder aside to start afresh, or pass "
+            "resume=<a file that loads>"
+        )
     return None
 
 

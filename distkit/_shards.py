@@ -17,14 +17,19 @@ import contextlib
 import re
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from distkit import _digest
+
 #: the payload key naming the shards folder (relative in the file, absolute once loaded)
 KEY = "shards"
+#: the payload key of ``{shard file name: digest}`` (checked by distkit.checkpoint.load)
+DIGESTS = "shard_digests"
 _FOLDER = re.compile(r"(?P<file>.+)\.(?P<token>[0-9a-f]{12})\.shards")
 
 
@@ -37,10 +42,18 @@ def is_sharded(payload: dict[str, Any]) -> bool:
     return isinstance(payload.get(KEY), str)
 
 
-def save(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def save(
+    folder: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    gather: Callable[[Any], list[Any]],
+    rank: int,
+) -> dict[str, Any]:
     """Write this rank's shards (a collective: every rank calls it with the same folder).
 
-    Returns the checkpoint's ``model``, ``optimizer`` and ``shards`` entries.
+    Each rank hashes the files it wrote; ``gather`` (the strategy's ``all_gather_object``)
+    brings every rank's digests together. Returns the checkpoint's ``model``, ``optimizer``,
+    ``shards`` and ``shard_digests`` entries.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -54,7 +67,13 @@ def save(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> di
         },
     }
     dcp.save(tensors, checkpoint_id=folder)
+    hashed: dict[str, str] = {}
+    for part in gather(_digest.file_digests(folder, _written_by(folder, rank))):
+        hashed.update(part)
+    # a file no rank claimed (a torch that names its files otherwise): hashed here
+    hashed.update(_digest.file_digests(folder, _files(folder) - hashed.keys()))
     return {
+        DIGESTS: hashed,
         "model": {key: _meta(value) for key, value in model_state.items()},
         "optimizer": {
             "state": {
@@ -65,6 +84,18 @@ def save(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> di
         },
         KEY: folder.name,
     }
+
+
+def _files(folder: Path) -> set[str]:
+    return {entry.name for entry in folder.iterdir() if entry.is_file()}
+
+
+def _written_by(folder: Path, rank: int) -> set[str]:
+    """The files of ``folder`` that ``rank`` wrote: torch.distributed.checkpoint names a
+    rank's data files ``__<rank>_<n>.distcp``, and rank 0 (its coordinator) writes
+    ``.metadata``."""
+    mine = {name for name in _files(folder) if name.startswith(f"__{rank}_")}
+    return mine | ({".metadata"} & _files(folder) if rank == 0 else set())
 
 
 def _meta(value: Any) -> Any:
@@ -129,7 +160,7 @@ def sweep(folder: Path, keep: str | None = None) -> None:
         owner = folder / match["file"]
         if owner.is_file():
             try:
-                if ckpt.load(owner).get(KEY) == str(entry):
+                if ckpt.load(owner, verify=False).get(KEY) == str(entry):
                     continue
             except ckpt.CheckpointError:
                 continue  # unreadable: leave both alone

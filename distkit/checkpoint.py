@@ -19,19 +19,24 @@ import os
 import pickle
 import random
 import re
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, BinaryIO, cast
 
 import numpy as np
 import torch
 
+from distkit import _checkpoint_fields as _fields
+from distkit import _digest, _shards
 from distkit._files import TempFile, mtime_ns, write_text
 from distkit.errors import CheckpointError
 
 FORMAT = "distkit-checkpoint"
 VERSION = 1
 LATEST = "latest"
+#: the payload key saying the file carries a digest (so one that lost it is refused)
+INTEGRITY = "integrity"
 _PREFIX = "step-"
 
 
@@ -124,7 +129,13 @@ def _writing(path: Path) -> Iterator[None]:
 
 
 def _save_new(tmp: TempFile, path: Path, payload: Mapping[str, Any]) -> None:
-    tmp.publish(path, lambda handle: torch.save(dict(payload), handle), _require_weights_only)
+    def write(handle: BinaryIO) -> None:
+        writer = _digest.HashingWriter(handle)
+        # a raw binary stream: torch.save writes to it as to a file (typeshed: not IO[bytes])
+        torch.save({**payload, INTEGRITY: _digest.ALGORITHM}, cast(IO[bytes], writer))
+        writer.seal()
+
+    tmp.publish(path, write, _require_weights_only)
 
 
 def _require_weights_only(path: Path) -> None:
@@ -139,17 +150,118 @@ def _require_weights_only(path: Path) -> None:
         ) from None
 
 
-def load(path: str | os.PathLike[str], map_location: torch.device | str = "cpu") -> dict[str, Any]:
+def load(
+    path: str | os.PathLike[str],
+    map_location: torch.device | str = "cpu",
+    *,
+    verify: bool = True,
+) -> dict[str, Any]:
     """Read a distkit checkpoint onto ``map_location``, never running pickled code.
 
+    The file's digest is checked before anything is read (and a sharded checkpoint's shard
+    files against theirs), then every field a resume reads. A checkpoint from a distkit that
+    wrote no digest loads unverified, with a warning (once per file).
+
+    Args:
+        path: the checkpoint file.
+        map_location: where its tensors go.
+        verify: check the digests (``False`` skips them: only for tools that read a file's
+            bookkeeping and not its weights).
+
     Raises:
-        CheckpointError: missing, truncated or corrupt file; a file that needs arbitrary
-            pickled objects (refused for safety); or not a distkit checkpoint.
+        CheckpointError: missing, truncated, corrupt or changed file (its digest differs); a
+            file that needs arbitrary pickled objects (refused for safety); not a distkit
+            checkpoint; or a field a resume reads is damaged (the error names it).
     """
     path = Path(path)
     _require_torch_file(path)
+    verified = _verify_digest(path) if verify else False
+    payload = _read(path, map_location)
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise CheckpointError(
+            f"{path} is not a distkit checkpoint (no format={FORMAT!r} marker). To start from "
+            "plain weights, load them into the model yourself: "
+            "model.load_state_dict(torch.load(path, weights_only=True))"
+        )
+    version = payload.get("version", 0)
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise CheckpointError(
+            f"{path} is damaged: its field 'version' is {type(version).__name__} {version!r}, "
+            "not an int. Resume from another checkpoint"
+        )
+    if version > VERSION:
+        raise CheckpointError(
+            f"{path} has checkpoint format version {payload['version']}, newer than this "
+            f"distkit reads ({VERSION}); upgrade distkit"
+        )
+    if verify and not verified:
+        _unverified(path, payload)
+    if isinstance(payload.get("shards"), str):  # a sharded checkpoint: its folder sits beside it
+        payload["shards"] = str(path.parent / payload["shards"])
+        if verify:
+            _verify_shards(path, payload)
+    _fields.check(path, payload)
+    return payload
+
+
+def _verify_digest(path: Path) -> bool:
     try:
-        payload = torch.load(path, map_location=map_location, weights_only=True)
+        return _digest.verify(path)
+    except _digest.DigestMismatch as exc:
+        raise CheckpointError(
+            f"{path} is corrupt: its bytes differ from those distkit wrote ({exc}): a flipped "
+            "bit, a copy that went wrong, or an edit. Resume from another checkpoint "
+            "(resume='auto' falls back to the newest one that verifies)"
+        ) from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc}") from None
+
+
+#: files loaded without a digest to check, warned about once each
+_UNVERIFIED: set[Path] = set()
+
+
+def _unverified(path: Path, payload: dict[str, Any]) -> None:
+    if payload.get(INTEGRITY):  # written with a digest, which is gone: the tail was damaged
+        raise CheckpointError(
+            f"{path} is damaged: it was written with a {payload[INTEGRITY]} digest at its end, "
+            "and that digest is missing or unreadable, so its contents cannot be trusted. "
+            "Resume from another checkpoint"
+        )
+    if path.resolve() not in _UNVERIFIED:
+        _UNVERIFIED.add(path.resolve())
+        warnings.warn(
+            f"{path} carries no digest (written before distkit kept digests, or re-saved by "
+            "another tool): it is loaded without checking its bytes. Save it again to add one",
+            stacklevel=3,
+        )
+
+
+def _verify_shards(path: Path, payload: dict[str, Any]) -> None:
+    folder = Path(payload["shards"])
+    if not folder.is_dir():
+        raise CheckpointError(
+            f"{path} is a sharded checkpoint and its shards folder {folder.name} is not beside "
+            "it: copy the checkpoint file together with that folder (or resume from another "
+            "checkpoint)"
+        )
+    digests = payload.get(_shards.DIGESTS)
+    if digests is None:
+        if payload.get(INTEGRITY):
+            raise CheckpointError(f"{path} is damaged: its shards have no digests recorded")
+        return
+    try:
+        _digest.check_files(folder, digests)
+    except _digest.DigestMismatch as exc:
+        raise CheckpointError(
+            f"{path} has damaged shards in {folder.name}: {exc}. Resume from another "
+            "checkpoint (resume='auto' falls back to the newest one that verifies)"
+        ) from None
+
+
+def _read(path: Path, map_location: torch.device | str) -> Any:
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
         # torch words every weights-only failure alike; a refused class names a GLOBAL, while
         # random bytes after a pickle header give "Unsupported operand" and the like
@@ -168,20 +280,6 @@ def load(path: str | os.PathLike[str], map_location: torch.device | str = "cpu")
         raise CheckpointError(
             f"{path} is not a readable checkpoint (truncated or corrupt?): {exc}"
         ) from None
-    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        raise CheckpointError(
-            f"{path} is not a distkit checkpoint (no format={FORMAT!r} marker). To start from "
-            "plain weights, load them into the model yourself: "
-            "model.load_state_dict(torch.load(path, weights_only=True))"
-        )
-    if payload.get("version", 0) > VERSION:
-        raise CheckpointError(
-            f"{path} has checkpoint format version {payload['version']}, newer than this "
-            f"distkit reads ({VERSION}); upgrade distkit"
-        )
-    if isinstance(payload.get("shards"), str):  # a sharded checkpoint: its folder sits beside it
-        payload["shards"] = str(path.parent / payload["shards"])
-    return payload
 
 
 # torch.save writes a zip archive; before torch 1.6 (or with _use_new_zipfile_serialization=False)

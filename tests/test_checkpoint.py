@@ -179,7 +179,7 @@ def test_checkpoint_resume_skips_a_corrupt_latest_file(tmp_path, run_on_ranks):
         found = distkit._resume.find_resume("auto", ckpt.CheckpointFolder(folder), "cpu")
     assert found is not None and found.payload["progress"]["global_step"] == 3
     assert found.label == "step-000000003.pt (step 3)"
-    assert any("skipping unreadable checkpoint" in str(w.message) for w in caught)
+    assert any("skipped 1 newer one(s): " in str(w.message) for w in caught)
 
 
 def test_checkpoint_save_and_load_by_hand(tmp_path):
@@ -238,7 +238,8 @@ def test_checkpoint_portability_matrix(tmp_path, run_on_ranks):
 
 # ---------------------------------------------------------------- disk hygiene, pointer truth
 def _payload(step: int) -> dict:
-    return {"format": ckpt.FORMAT, "version": 1, "progress": {"global_step": step}}
+    progress = {"epoch": 0, "position": 0, "global_step": step}
+    return {"format": ckpt.FORMAT, "version": 1, "progress": progress}
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])

@@ -210,7 +210,7 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         folder = _shards.folder_for(Path(where), token)
         if self.is_main:
             _shards.sweep(folder.parent, keep=folder.name)
-        entries = _shards.save(folder, model, optimizer)
+        entries = _shards.save(folder, model, optimizer, self.all_gather_object, self.rank)
         return entries if self.is_main else {}
 
 
