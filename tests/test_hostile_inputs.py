@@ -591,9 +591,348 @@ CASES: list[tuple[str, Callable[[Path], Any], type[BaseException], str]] = [
         "src=1 is not a rank; allowed 0..0",
     ),
     # checkpoints: digests and hand-damaged fields (issue 23)
+    (
+        "checkpoint-flipped-bit",
+        lambda t: ckpt.load(_flipped(t)),
+        ckpt.CheckpointError,
+        "flipped.pt is corrupt: its bytes differ from those distkit wrote",
+    ),
+    (
+        "resume-flipped-bit-file",
+        lambda t: _fit_untrained(trainer=_trainer(resume=_flipped(t))),
+        ckpt.CheckpointError,
+        "resume='auto' falls back to the newest one that verifies",
+    ),
+    (
+        "checkpoint-digest-cut-off",
+        lambda t: ckpt.load(_digest_cut_off(t)),
+        ckpt.CheckpointError,
+        "digest at its end, and that digest is missing or unreadable",
+    ),
+    (
+        "checkpoint-version-a-string",
+        lambda t: ckpt.load(_damaged(t, version="1")),
+        ckpt.CheckpointError,
+        "its field 'version' is str '1', not an int",
+    ),
+    (
+        "checkpoint-version-a-float",
+        lambda t: ckpt.load(_damaged(t, version=1.0)),
+        ckpt.CheckpointError,
+        "its field 'version' is float 1.0, not an int",
+    ),
+    (
+        "checkpoint-progress-without-epoch",
+        lambda t: ckpt.load(_damaged(t, progress=_without("epoch"))),
+        ckpt.CheckpointError,
+        "field 'progress.epoch' is missing; it should be an int >= 0. Resume from another",
+    ),
+    (
+        "checkpoint-progress-step-negative",
+        lambda t: ckpt.load(_damaged(t, progress=_progress(global_step=-2))),
+        ckpt.CheckpointError,
+        "field 'progress.global_step' is int -2; it should be an int >= 0",
+    ),
+    (
+        "checkpoint-progress-a-list",
+        lambda t: ckpt.load(_damaged(t, progress=[0, 0, 2])),
+        ckpt.CheckpointError,
+        "field 'progress' is a list; it should be a dict",
+    ),
+    (
+        "checkpoint-history-not-a-list",
+        lambda t: ckpt.load(_damaged(t, history={"loss": 1.0})),
+        ckpt.CheckpointError,
+        "field 'history' is a dict; it should be a list of per-epoch dicts",
+    ),
+    (
+        "checkpoint-history-text-value",
+        lambda t: ckpt.load(_damaged(t, history=[{"train_loss": "low"}])),
+        ckpt.CheckpointError,
+        "field 'history[0].train_loss' is str 'low'; it should be a number",
+    ),
+    (
+        "checkpoint-rng-wrong-size",
+        lambda t: ckpt.load(_damaged(t, rng_torch=torch.zeros(10, dtype=torch.uint8))),
+        ckpt.CheckpointError,
+        "'ranks[0].rng.torch' is a torch.uint8 tensor of 10 elements; it should be a torch.uint8",
+    ),
+    (
+        "checkpoint-rng-python-short",
+        lambda t: ckpt.load(_damaged(t, rng_python=[1, 2, 3])),
+        ckpt.CheckpointError,
+        "field 'ranks[0].rng.python.internal' is a list; it should be a list of 625 ints",
+    ),
+    (
+        "checkpoint-ranks-not-a-list",
+        lambda t: ckpt.load(_damaged(t, ranks={"0": {}})),
+        ckpt.CheckpointError,
+        "field 'ranks' is a dict; it should be a list with one dict per rank",
+    ),
+    (
+        "checkpoint-rank-samples-text",
+        lambda t: ckpt.load(_damaged(t, rank_samples="8")),
+        ckpt.CheckpointError,
+        "field 'ranks[0].samples' is str '8'; it should be an int >= 0",
+    ),
+    (
+        "checkpoint-scaler-without-keys",
+        lambda t: ckpt.load(_damaged(t, scaler={"scale": 1024.0})),
+        ckpt.CheckpointError,
+        "field 'scaler.growth_factor' is missing; it should be a number",
+    ),
+    (
+        "checkpoint-model-a-list",
+        lambda t: ckpt.load(_damaged(t, model=[torch.ones(2)])),
+        ckpt.CheckpointError,
+        "field 'model' is a list; it should be a dict",
+    ),
+    (
+        "checkpoint-model-value-text",
+        lambda t: ckpt.load(_damaged(t, model={"weight": "w"})),
+        ckpt.CheckpointError,
+        "field 'model.weight' is str 'w'; it should be a tensor",
+    ),
+    (
+        "checkpoint-optimizer-groups-dict",
+        lambda t: ckpt.load(_damaged(t, optimizer={"state": {}, "param_groups": {}})),
+        ckpt.CheckpointError,
+        "field 'optimizer.param_groups' is a dict; it should be a list of dicts",
+    ),
+    (
+        "checkpoint-extra-a-list",
+        lambda t: ckpt.load(_damaged(t, extra=[1, 2])),
+        ckpt.CheckpointError,
+        "field 'extra' is a list; it should be a dict",
+    ),
+    (
+        "checkpoint-callbacks-text",
+        lambda t: ckpt.load(_damaged(t, callbacks="none")),
+        ckpt.CheckpointError,
+        "field 'callbacks' is str 'none'; it should be a dict",
+    ),
+    (
+        "resume-damaged-field",
+        lambda t: _fit_untrained(trainer=_trainer(resume=_damaged(t, history=5))),
+        ckpt.CheckpointError,
+        "damaged.pt is damaged: its field 'history' is int 5",
+    ),
+    (
+        "sharded-checkpoint-without-its-folder",
+        lambda t: ckpt.load(_shards_gone(t)),
+        ckpt.CheckpointError,
+        "shards folder gone.pt.0123456789ab.shards is not beside it: copy the checkpoint file",
+    ),
     # loggers (issue 23)
+    (
+        "csv-logger-save-dir-under-a-file",
+        lambda t: distkit.loggers.CSVLogger(_write(t / "notes.txt", b"mine") / "logs"),
+        ConfigurationError,
+        "notes.txt' is a file, not a folder; pass a save_dir whose existing parts are folders",
+    ),
+    (
+        "csv-logger-save-dir-is-a-file",
+        lambda t: distkit.loggers.CSVLogger(_write(t / "notes.txt", b"mine")),
+        ConfigurationError,
+        "notes.txt' is a file, not a folder; pass a save_dir whose existing parts are folders",
+    ),
+    (
+        "csv-logger-filename-is-a-folder",
+        lambda t: distkit.loggers.CSVLogger(t, filename=(t / "sub").mkdir() or "sub"),
+        ConfigurationError,
+        "sub' is a folder, not a file; pass another filename or save_dir",
+    ),
+    (
+        "tensorboard-logger-name-is-a-file",
+        lambda t: distkit.loggers.TensorBoardLogger(t, name=_write(t / "exp1", b"mine").name),
+        ConfigurationError,
+        "exp1' is a file, not a folder; pass a save_dir and name whose existing parts are",
+    ),
+    (
+        "logger-strict-not-bool",
+        lambda t: distkit.loggers.CSVLogger(t, strict="yes"),
+        ConfigurationError,
+        "CSVLogger(strict=...) must be True or False, got str: 'yes'; pass strict=True",
+    ),
+    (
+        "logger-strict-attribute-not-bool",
+        lambda t: _trainer(
+            loggers=[
+                type(
+                    "Tracker",
+                    (distkit.loggers.Logger,),
+                    {"strict": 1, "log_metrics": lambda self, metrics, step: None},
+                )()
+            ]
+        ),
+        ConfigurationError,
+        "(Tracker) has strict=1 (int); it must be True (its errors end the fit) or False (they "
+        "are reported and training goes on): set logger.strict = True or False",
+    ),
+    (
+        "logger-strict-made-not-bool-before-fit",
+        lambda t: (
+            logger := distkit.loggers.CSVLogger(t),
+            trainer := _trainer(loggers=[logger]),
+            setattr(logger, "strict", "no"),
+            _fit(trainer),
+        ),
+        ConfigurationError,
+        "(CSVLogger) has strict='no' (str); it must be True (its errors end the fit) or False "
+        "(they are reported and training goes on): set logger.strict = True or False",
+    ),
     # callbacks (issue 23)
+    (
+        "callback-state-numpy-float64",
+        lambda t: _fitted(
+            t,
+            callbacks=[
+                type("S", (distkit.Callback,), {"state_dict": lambda s: {"x": np.float64(0.5)}})()
+            ],
+        ).save_checkpoint(t / "c.pt"),
+        ConfigurationError,
+        "callback S.state_dict()['x'] holds np.float64(0.5), a numpy.float64, which a "
+        "checkpoint cannot load weights-only: store float(value) instead",
+    ),
+    (
+        "callback-state-numpy-float32",
+        lambda t: _fitted(
+            t,
+            callbacks=[
+                type("S", (distkit.Callback,), {"state_dict": lambda s: {"x": np.float32(2)}})()
+            ],
+        ).save_checkpoint(t / "c.pt"),
+        ConfigurationError,
+        "callback S.state_dict()['x'] holds np.float32(2.0), a numpy.float32, which a "
+        "checkpoint cannot load weights-only: store float(value) instead",
+    ),
+    (
+        "callback-state-numpy-bool",
+        lambda t: _fitted(
+            t,
+            callbacks=[
+                type("S", (distkit.Callback,), {"state_dict": lambda s: {"x": np.bool_(1)}})()
+            ],
+        ).save_checkpoint(t / "c.pt"),
+        ConfigurationError,
+        "callback S.state_dict()['x'] holds np.True_, a numpy.bool, which a checkpoint cannot "
+        "load weights-only: store bool(value) instead",
+    ),
+    (
+        "callback-state-numpy-array-in-a-list",
+        lambda t: _fitted(
+            t,
+            callbacks=[
+                type("S", (distkit.Callback,), {"state_dict": lambda s: {"x": [np.zeros(2)]}})()
+            ],
+        ).save_checkpoint(t / "c.pt"),
+        ConfigurationError,
+        "callback S.state_dict()['x'][0] holds array([0., 0.]), a numpy.ndarray, which a "
+        "checkpoint cannot load weights-only: store value.tolist() (or torch.from_numpy(value))",
+    ),
+    (
+        "callback-state-set",
+        lambda t: _fitted(
+            t,
+            callbacks=[type("S", (distkit.Callback,), {"state_dict": lambda s: {"x": {1, 2}}})()],
+        ).save_checkpoint(t / "c.pt"),
+        ConfigurationError,
+        "callback S.state_dict()['x'] holds {1, 2}, a builtins.set, which a checkpoint cannot "
+        "load weights-only: store list(value) instead",
+    ),
+    (
+        "best-checkpoint-misspelled-monitor-on-a-stream",
+        lambda t: _fit(
+            _trainer(
+                checkpoint_dir=t,
+                max_steps=4,
+                val_every_n_steps=2,
+                callbacks=[distkit.callbacks.BestCheckpoint("val_los")],
+            ),
+            train_data=_Stream(),
+            val_data=_data(),
+        ),
+        ConfigurationError,
+        "BestCheckpoint monitors 'val_los', which the validation at step 2 did not report; it "
+        "reported: val_loss. Monitor one of these",
+    ),
+    (
+        "early-stopping-misspelled-monitor-on-a-stream",
+        lambda t: _fit(
+            _trainer(
+                max_steps=4,
+                val_every_n_steps=2,
+                callbacks=[distkit.callbacks.EarlyStopping("val_acc")],
+            ),
+            train_data=_Stream(),
+            val_data=_data(),
+        ),
+        ConfigurationError,
+        "EarlyStopping monitors 'val_acc', which the validation at step 2 did not report; it "
+        "reported: val_loss. Monitor one of these",
+    ),
 ]
+
+
+# ---------------------------------------------------------------- damaged checkpoints (issue 23)
+def _flipped(tmp: Path) -> Path:
+    """A checkpoint with one bit flipped inside its first tensor record."""
+    path = tmp / "flipped.pt"
+    _fitted(tmp).save_checkpoint(path)
+    with zipfile.ZipFile(path) as archive:
+        record = next(i for i in archive.infolist() if "/data/" in i.filename)
+    data = bytearray(path.read_bytes())
+    data[record.header_offset + 30 + len(record.filename) + len(record.extra) + 2] ^= 0x08
+    path.write_bytes(bytes(data))
+    return path
+
+
+def _digest_cut_off(tmp: Path) -> Path:
+    path = tmp / "cut.pt"
+    _fitted(tmp).save_checkpoint(path)
+    data = path.read_bytes()
+    comment = int.from_bytes(data[-2 - 79 : -79], "little")  # the comment's length field
+    path.write_bytes(data[: -comment - 2] + b"\x00\x00")
+    return path
+
+
+def _progress(**changes: Any) -> dict[str, Any]:
+    return {"epoch": 1, "position": 0, "global_step": 2, "skipped_steps": 0,
+            "train_samples": 8, **changes}  # fmt: skip
+
+
+def _without(key: str) -> dict[str, Any]:
+    progress = _progress()
+    del progress[key]
+    return progress
+
+
+def _damaged(tmp: Path, **changes: Any) -> Path:
+    """A real checkpoint with fields changed by hand, saved again (with a fresh digest, so
+    only the field checks can catch it)."""
+    path = tmp / "damaged.pt"
+    _fitted(tmp).save_checkpoint(path)
+    payload = ckpt.load(path)
+    rank = payload["ranks"][0]
+    for key, value in changes.items():
+        if key == "rng_torch":
+            rank["rng"]["torch"] = value
+        elif key == "rng_python":
+            rank["rng"]["python"]["internal"] = value
+        elif key == "rank_samples":
+            rank["samples"] = value
+        else:
+            payload[key] = value
+    ckpt.atomic_save(payload, path)
+    return path
+
+
+def _shards_gone(tmp: Path) -> Path:
+    """A sharded checkpoint's file copied without its shards folder."""
+    path = tmp / "gone.pt"
+    payload = ckpt.load(_saved(tmp))
+    ckpt.atomic_save({**payload, "shards": "gone.pt.0123456789ab.shards"}, path)
+    return path
 
 
 def _zip(tmp: Path) -> Path:
@@ -615,7 +954,8 @@ def _needs_code(tmp: Path) -> Path:
 
 def _no_model(tmp: Path) -> Path:
     path = tmp / "no_model.pt"
-    torch.save({"format": ckpt.FORMAT, "version": 1, "progress": {"global_step": 1}}, path)
+    progress = {"epoch": 0, "position": 0, "global_step": 1}
+    torch.save({"format": ckpt.FORMAT, "version": 1, "progress": progress}, path)
     return path
 
 
