@@ -305,6 +305,12 @@ class Trainer:
             step_fn: ``step_fn(model, batch)`` -> loss, for batches of any other layout.
         """
         self._require_open("fit")
+        if self._sink is not None:  # only a fit's own callbacks run while it does
+            raise ConfigurationError(
+                "fit() called while this trainer's fit is running (from a callback?): a fit "
+                "cannot start inside another. Train a second model with a Trainer of its "
+                "own after this fit returns, or call trainer.evaluate(...) from the callback"
+            )
         self.should_stop = False
         sink = self._sink = LogSink(self.loggers, is_main=self.is_main)
         # a model the user compiled: train its module, compiled in the backend's order

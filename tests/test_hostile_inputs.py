@@ -592,6 +592,55 @@ CASES: list[tuple[str, Callable[[Path], Any], type[BaseException], str]] = [
     ),
     # checkpoints: digests and hand-damaged fields (issue 23)
     (
+        "fit-inside-a-callback",
+        lambda t: _fit(_trainer(callbacks=[_Refit()])),
+        ConfigurationError,
+        "fit() called while this trainer's fit is running (from a callback?): a fit cannot "
+        "start inside another. Train a second model",
+    ),
+    (
+        "resume-auto-no-checkpoint-loads",
+        lambda t: _fit_untrained(trainer=_trainer(checkpoint_dir=_all_flipped(t), resume="auto")),
+        ckpt.CheckpointError,
+        "resume='auto' found 1 checkpoint(s) in",
+    ),
+    (
+        "resume-auto-no-checkpoint-loads-fix",
+        lambda t: _fit_untrained(trainer=_trainer(checkpoint_dir=_all_flipped(t), resume="auto")),
+        ckpt.CheckpointError,
+        "Move the folder aside to start afresh, or pass resume=<a file that loads>",
+    ),
+    (
+        "load_checkpoint-flipped-bit",
+        lambda t: _fitted(t).load_checkpoint(_flipped(t)),
+        ckpt.CheckpointError,
+        "flipped.pt is corrupt: its bytes differ",
+    ),
+    (
+        "checkpoint-claims-a-digest-it-lacks",
+        lambda t: ckpt.load(_claims_digest(t)),
+        ckpt.CheckpointError,
+        "claims.pt is damaged: it was written with a sha256 digest at its end",
+    ),
+    (
+        "checkpoint-optimizer-state-a-list",
+        lambda t: ckpt.load(_damaged(t, optimizer={"state": [], "param_groups": []})),
+        ckpt.CheckpointError,
+        "field 'optimizer.state' is a list; it should be a dict",
+    ),
+    (
+        "checkpoint-scheduler-a-list",
+        lambda t: ckpt.load(_damaged(t, scheduler=[0.1])),
+        ckpt.CheckpointError,
+        "field 'scheduler' is a list; it should be a dict",
+    ),
+    (
+        "checkpoint-rng-numpy-keys-float",
+        lambda t: ckpt.load(_damaged(t, rng_numpy_keys=torch.zeros(624))),
+        ckpt.CheckpointError,
+        "'ranks[0].rng.numpy.keys' is a torch.float32 tensor of 624 elements",
+    ),
+    (
         "checkpoint-flipped-bit",
         lambda t: ckpt.load(_flipped(t)),
         ckpt.CheckpointError,
@@ -874,6 +923,30 @@ CASES: list[tuple[str, Callable[[Path], Any], type[BaseException], str]] = [
 ]
 
 
+class _Refit(distkit.Callback):
+    """Calls fit again from inside the fit (it recursed into a RecursionError before)."""
+
+    def on_train_step_end(self, trainer, logs):
+        _fit(trainer)
+
+
+def _all_flipped(tmp: Path) -> Path:
+    folder = tmp / "ckpt"
+    _fit(_trainer(checkpoint_dir=folder))
+    for path in ckpt.CheckpointFolder(folder).checkpoints():
+        data = bytearray(path.read_bytes())
+        data[len(data) // 3] ^= 0x01
+        path.write_bytes(bytes(data))
+    return folder
+
+
+def _claims_digest(tmp: Path) -> Path:
+    """A checkpoint saved by plain torch.save from a payload that says it has a digest."""
+    path = tmp / "claims.pt"
+    torch.save(ckpt.load(_saved(tmp)), path)
+    return path
+
+
 # ---------------------------------------------------------------- damaged checkpoints (issue 23)
 def _flipped(tmp: Path) -> Path:
     """A checkpoint with one bit flipped inside its first tensor record."""
@@ -919,6 +992,8 @@ def _damaged(tmp: Path, **changes: Any) -> Path:
             rank["rng"]["torch"] = value
         elif key == "rng_python":
             rank["rng"]["python"]["internal"] = value
+        elif key == "rng_numpy_keys":
+            rank["rng"]["numpy"]["keys"] = value
         elif key == "rank_samples":
             rank["samples"] = value
         else:
