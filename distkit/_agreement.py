@@ -20,16 +20,13 @@ from typing import Any, Generic, TypeVar
 
 from torch import nn
 
+from distkit import _call_tags
 from distkit.errors import RankDisagreementError
 from distkit.strategies.base import Strategy
 
 T = TypeVar("T")
 
-COLLECTIVE = (
-    "fit, evaluate and save_checkpoint are collective: call them on every rank, in the same "
-    "order (distkit writes checkpoints from rank 0: do not guard save_checkpoint with "
-    "`if trainer.is_main:`)"
-)
+COLLECTIVE = _call_tags.COLLECTIVE
 FIXES = {
     "fit": "Give every rank the same checkpoint (a checkpoint_dir every rank can read, or the "
     "same resume= file), the same data and model, and the same Trainer settings.",
@@ -90,7 +87,12 @@ def _gather(strategy: Strategy, mine: Message, error: Exception | None = None) -
     """Every rank's message; raises when this rank failed to prepare (``error``) and others
     did not."""
     try:
+        # first a sum that every collective between fit's steps also is: a rank that is in
+        # one of those instead (it did not make this call) fails here, as this one does
+        _call_tags.tagged_sum(strategy, mine.call)
         messages: list[Message] = strategy.all_gather_object(mine)
+    except RankDisagreementError:
+        raise
     except Exception as exc:
         if not strategy.is_peer_loss(exc):
             raise

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from distkit._call_tags import tagged_sum
 from distkit._checks import step_scheduler
 from distkit._logging import LogSink, LogWindow, StepLogs
 from distkit._loop import FitState, StepResult, TrainLoop, mark_stepped
@@ -42,12 +43,16 @@ class FitRun:
     window: LogWindow
     #: evaluates the validation data: ``{"loss": ..., <metric>: ...}`` (None: no val_data)
     validate: Callable[[], dict[str, float]] | None
-    validations: list[dict[str, float]] = field(default_factory=list)
     stopped_early: bool = False
     _validated_at: int | None = None  # the global step of the latest validation
     _last_validation: dict[str, float] = field(default_factory=dict)
     _stop_each_step: bool = False  # callbacks.stop_each_step, read once (run)
     _saved_at: int | None = None  # the global step of the newest checkpoint in the folder
+
+    @property
+    def validations(self) -> list[dict[str, float]]:
+        """Every validation of the run so far (a resumed run's earlier ones included)."""
+        return self.state.validations
 
     def run(self) -> None:
         """Train up to ``max_epochs`` / ``max_steps``, or until ``should_stop``; then, with a
@@ -157,7 +162,7 @@ class FitRun:
         trainer._rank_progress.phase = "validation"
         metrics = {f"val_{key}": value for key, value in self.validate().items()}
         self._validated_at, self._last_validation = state.global_step, metrics
-        self.validations.append({"step": state.global_step, "epoch": state.epoch, **metrics})
+        state.validations.append({"step": state.global_step, "epoch": state.epoch, **metrics})
         self.sink.log(metrics, state.global_step)
         self.callbacks.call("on_validation_end", trainer, metrics)
         return metrics
@@ -198,9 +203,10 @@ class FitRun:
         """Whether any rank set ``should_stop``; afterwards every rank's flag says so."""
         trainer = self.trainer
         # a host-side sum (a gloo group beside nccl, Horovod's allreduce_async): a callback
-        # that may stop after every step costs the device no synchronisation
-        flag = torch.tensor([float(trainer.should_stop)])
-        stop = bool(trainer.strategy.all_reduce_async(flag, name="distkit.stop").wait()[0] > 0)
+        # that may stop after every step costs the device no synchronisation; tagged, so a
+        # rank that went into a collective of its own from a callback fails every rank
+        (flags,) = tagged_sum(trainer.strategy, "stop", [float(trainer.should_stop)])
+        stop = flags > 0
         trainer.should_stop = stop
         return stop
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from distkit._call_tags import tagged_sum
 from distkit._checks import check_instance
 from distkit.errors import ConfigurationError
 from distkit.loggers import Logger
@@ -221,13 +222,9 @@ class LogWindow:
 
         ``loss_sum`` is this rank's loss x samples over the window (a device scalar).
         """
-        device = self.strategy.device
-        packed = torch.stack([
-            loss_sum.to(device, torch.float64),
-            torch.tensor(float(self._samples), dtype=torch.float64, device=device),
-            torch.tensor(float(stop), dtype=torch.float64, device=device),
-        ])  # fmt: skip
-        total, samples, stops = self.strategy.all_reduce(packed, op="sum").tolist()
+        # the one host read of the window; then a host-side sum, tagged (see _call_tags)
+        mine = [float(loss_sum.to(torch.float64)), float(self._samples), float(stop)]
+        total, samples, stops = tagged_sum(self.strategy, "log", mine)
         self._samples = 0
         return (total / samples if samples else float("nan")), stops > 0
 

@@ -48,6 +48,8 @@ class FitState:
     samples: int = 0  # this rank's real samples so far in the epoch
     skipped_steps: int = 0  # steps skipped this epoch (non-finite gradients or fp16 overflow)
     history: list[dict[str, float]] = field(default_factory=list)
+    #: every validation so far (``{"step", "epoch", "val_...": ...}``), the resumed ones too
+    validations: list[dict[str, float]] = field(default_factory=list)
     #: the epoch's loss ledger while one runs (not saved: loss_sum holds what it folded)
     ledger: LossLedger | None = field(default=None, repr=False, compare=False)
 

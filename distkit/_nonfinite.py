@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from distkit._call_tags import tagged_sum
 from distkit._losses import LossLedger
 from distkit.errors import NonFiniteLossError
 from distkit.strategies.base import Strategy
@@ -56,9 +57,8 @@ class NonFiniteWatch:
         mine = [0.0, 0.0, 0.0] if found is None else [found[1] + 1, _CODES[found[2]], found[0]]
         slots = torch.zeros(3, size, dtype=torch.float64)
         slots[:, rank] = torch.tensor(mine, dtype=torch.float64)
-        steps_plus_one, codes, epochs = strategy.all_reduce(
-            slots.to(strategy.device), op="sum"
-        ).tolist()
+        summed = torch.tensor(tagged_sum(strategy, "nonfinite", slots.flatten().tolist()))
+        steps_plus_one, codes, epochs = summed.view(3, size).tolist()
         steps = [int(s) - 1 for s in steps_plus_one]
         if max(steps) < 0:
             return
@@ -71,7 +71,9 @@ class NonFiniteWatch:
 
 def _message(value: str, ranks: list[int], epoch: int, step: int, now: int, every: int) -> str:
     where = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
-    when = f"epoch {epoch}, step {step}"
+    # ``step``: the optimizer steps done before the bad one; named 1-based, as the logs and
+    # the checkpoint files count steps
+    when = f"epoch {epoch}, step {step + 1}"
     later = now - step - 1
     delay = (
         ""

@@ -125,7 +125,7 @@ def test_faults_nonfinite_raise_names_step_and_rank():
     def step_fn(m, batch):
         return nn.functional.mse_loss(m(batch[0]), batch[1]) * float("inf")
 
-    with pytest.raises(NonFiniteLossError, match=r"rank 0 in epoch 0, step 0.*nonfinite='skip'"):
+    with pytest.raises(NonFiniteLossError, match=r"rank 0 in epoch 0, step 1.*nonfinite='skip'"):
         trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), _data(), step_fn=step_fn)
 
 
@@ -150,20 +150,20 @@ def _nan_raise(rank: int, at_call: int, folder: str | None, settings: dict) -> d
 
 
 def test_faults_nonfinite_raise_is_found_at_the_next_log_point_on_every_rank(run_on_ranks):
-    """No host sync per step: rank 1's NaN at step 2 is read at the log point of step 5;
+    """No host sync per step: rank 1's NaN at step 3 is read at the log point of step 5;
     both ranks raise the same error there (none hangs), naming rank, step and the delay."""
     results = run_on_ranks(_nan_raise, 1, 3, None, {"log_every_n_steps": 5}, world_size=2)
     assert results[0] == results[1], results
     assert results[0]["step"] == 5
-    assert "(nan) on rank 1 in epoch 0, step 2 (found 2 step(s) later" in results[0]["error"]
+    assert "(nan) on rank 1 in epoch 0, step 3 (found 2 step(s) later" in results[0]["error"]
     assert "log_every_n_steps=5" in results[0]["error"]
 
 
 def test_faults_nonfinite_raise_writes_no_checkpoint_after_the_bad_step(run_on_ranks, tmp_path):
-    """A checkpoint point reads the losses first: the NaN of step 1 stops fit at step 3's
+    """A checkpoint point reads the losses first: the NaN of step 2 stops fit at step 3's
     checkpoint point, before step-000000003.pt (the first checkpoint) is written."""
     results = run_on_ranks(_nan_raise, 0, 2, str(tmp_path), {"checkpoint_every": 3}, world_size=2)
-    assert results[0]["step"] == 3 and "on rank 0 in epoch 0, step 1" in results[0]["error"]
+    assert results[0]["step"] == 3 and "on rank 0 in epoch 0, step 2" in results[0]["error"]
     assert not any(tmp_path.rglob("*.pt")), sorted(tmp_path.rglob("*"))
 
 
@@ -171,7 +171,7 @@ def test_faults_nonfinite_raise_is_read_before_fit_stops_at_max_steps(run_on_ran
     """A fit that ends early (max_steps) between log points still reads its last steps."""
     results = run_on_ranks(_nan_raise, 1, 4, None, {"max_steps": 4}, world_size=2)
     assert results[0] == results[1]
-    assert "on rank 1 in epoch 0, step 3." in results[0]["error"]
+    assert "on rank 1 in epoch 0, step 4." in results[0]["error"]
 
 
 def test_faults_fp16_scaler_skips_are_reported():

@@ -46,8 +46,11 @@ class CallbackList:
         )
 
     def describe(self) -> str:
-        """What every rank must agree on: the callbacks' kinds, in order."""
-        return ", ".join(self.keys) or "none"
+        """What every rank must agree on: the callbacks' kinds, in order, and whether one may
+        stop after each step (then every step ends in a stop check, a collective: ranks that
+        differ would pair it with another collective)."""
+        each_step = "; stop check after each step" if self.stop_each_step else ""
+        return (", ".join(self.keys) or "none") + each_step
 
     def call(self, hook: str, *args: Any) -> None:
         """``callback.<hook>(*args)`` for each callback, in order.
