@@ -93,7 +93,7 @@ def _progress(field: _Field, value: Any) -> None:
 
 def _history(field: _Field, value: Any) -> None:
     if not isinstance(value, list):
-        raise field.fail(value, "a list of per-epoch dicts")
+        raise field.fail(value, "a list of dicts of numbers (one per epoch or validation)")
     for i, record in enumerate(value):
         for key, number in _dict(field / i, record).items():
             if not isinstance(key, str):
@@ -174,6 +174,7 @@ def _plain_dict(field: _Field, value: Any) -> None:
 _CHECKS: dict[str, Callable[[_Field, Any], None]] = {
     "progress": _progress,
     "history": _history,
+    "validations": _history,
     "ranks": _ranks,
     "scaler": _scaler,
     "model": _model,

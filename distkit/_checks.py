@@ -117,8 +117,16 @@ def check_scheduler(scheduler: object, optimizer: torch.optim.Optimizer, *, per_
         )
 
 
-def check_validation(val_data: object, loss_fn: object, metrics: object) -> None:
+def check_validation(
+    val_data: object, loss_fn: object, metrics: object, val_every_n_steps: int | None = None
+) -> None:
     """What fit evaluates after each epoch is computable (checked before the first epoch)."""
+    if val_data is None and val_every_n_steps is not None:
+        raise ConfigurationError(
+            f"Trainer(val_every_n_steps={val_every_n_steps}) validates val_data every "
+            f"{val_every_n_steps} steps, and this fit has no val_data: pass val_data=... to "
+            "fit, or leave val_every_n_steps=None on a Trainer that fits without validation"
+        )
     if val_data is None and metrics:
         raise ConfigurationError(
             "metrics are computed on val_data, and no val_data was given: pass "

@@ -44,6 +44,8 @@ class HashingWriter(io.RawIOBase):
         self.hash = hashlib.new(ALGORITHM)
         self.size = 0
         self._tail = b""  # the last bytes written: the archive's end record, when complete
+        #: the error a write met (torch.save reports it only as "unexpected pos")
+        self.failure: OSError | None = None
 
     def writable(self) -> bool:
         return True
@@ -53,7 +55,11 @@ class HashingWriter(io.RawIOBase):
         self.hash.update(view)
         self.size += len(view)
         self._tail = (self._tail + bytes(view[-_EOCD_SIZE:]))[-_EOCD_SIZE:]
-        return self.handle.write(view)
+        try:
+            return self.handle.write(view)
+        except OSError as exc:
+            self.failure = exc
+            raise
 
     def flush(self) -> None:
         self.handle.flush()

@@ -63,7 +63,7 @@ def prepare_fit(
     check_fit_args(model, optimizer, loss_fn, step_fn)
     placement = checked_placement(trainer, model)
     check_scheduler(scheduler, optimizer, per_step=trainer.scheduler_interval == "step")
-    check_validation(val_data, loss_fn, metrics)
+    check_validation(val_data, loss_fn, metrics, trainer.val_every_n_steps)
     named_metrics(metrics)
     strategy = trainer.strategy
     spec = trainer._loader_spec(train_data, "train_data", shuffle=trainer.shuffle)

@@ -97,6 +97,7 @@ def build_payload(
         },
         "ranks": ranks,
         "history": [dict(record) for record in state.history],
+        "validations": [dict(record) for record in state.validations],
         "extra": extra or {},
     }
 
@@ -125,6 +126,7 @@ def restore_run(payload: dict[str, Any], strategy: Strategy, scheduler: Any, see
         global_step=int(progress["global_step"]),
         skipped_steps=int(progress.get("skipped_steps", 0)),
         history=[dict(record) for record in payload.get("history", [])],
+        validations=[dict(record) for record in payload.get("validations", [])],
     )
     ranks = payload.get("ranks") or []
     if len(ranks) == strategy.world_size:

@@ -18,7 +18,7 @@ from distkit._loop import FitState
 from distkit.callbacks._list import CallbackList
 from distkit.strategies.base import Strategy
 
-_FIELDS = ("epoch", "position", "global_step", "skipped_steps", "history")
+_FIELDS = ("epoch", "position", "global_step", "skipped_steps", "history", "validations")
 
 
 class RunSnapshot:

@@ -19,6 +19,7 @@ import os
 import pickle
 import random
 import re
+import shutil
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -122,17 +123,30 @@ def _writing(path: Path) -> Iterator[None]:
         yield
     except OSError as exc:
         raise CheckpointError(
-            f"cannot write the checkpoint {path} ({type(exc).__name__}: {exc.strerror or exc}); "
-            "the previous file, if any, is unchanged. Check that the folder is writable and the "
-            "disk has room"
+            f"cannot write the checkpoint {path} ({type(exc).__name__}: {exc.strerror or exc}"
+            f"{_free_space(path.parent)}); the previous file, if any, is unchanged. Check that "
+            "the folder is writable and the disk has room"
         ) from exc
+
+
+def _free_space(folder: Path) -> str:
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return ""
+    return f"; {free / 1e9:.2f} GB free there"
 
 
 def _save_new(tmp: TempFile, path: Path, payload: Mapping[str, Any]) -> None:
     def write(handle: BinaryIO) -> None:
         writer = _digest.HashingWriter(handle)
-        # a raw binary stream: torch.save writes to it as to a file (typeshed: not IO[bytes])
-        torch.save({**payload, INTEGRITY: _digest.ALGORITHM}, cast(IO[bytes], writer))
+        try:
+            # a raw binary stream: torch.save writes to it as to a file (typeshed: no IO[bytes])
+            torch.save({**payload, INTEGRITY: _digest.ALGORITHM}, cast(IO[bytes], writer))
+        except RuntimeError:
+            if writer.failure is not None:  # a full disk: torch says "unexpected pos"
+                raise writer.failure from None
+            raise
         writer.seal()
 
     tmp.publish(path, write, _require_weights_only)

@@ -11,6 +11,7 @@ import enum
 import math
 import os
 import re
+import time
 import warnings
 from functools import partial
 from pathlib import Path
@@ -575,3 +576,24 @@ def test_callbacks_monitor_is_quiet_when_the_fit_trains_nothing(tmp_path):
         warnings.simplefilter("always")
         _fit(trainer)
     assert not [w for w in caught if "never reported" in str(w.message)]
+
+
+def test_best_checkpoint_removes_the_temp_file_a_killed_save_left(tmp_path):
+    """A save killed mid-write leaves ``.best-...pt.<hex>.tmp``, as big as the model; the
+    next best save removes it once it is stale (no live writer touched it for 10 minutes),
+    and leaves a fresh one (maybe another run's save in progress) alone."""
+    tmp_path.mkdir(exist_ok=True)
+    killed = tmp_path / ".best-val_loss=0.9-step-000000002.pt.0123456789ab.tmp"
+    live = tmp_path / ".best-val_loss=0.8-step-000000004.pt.ba9876543210.tmp"
+    other = tmp_path / ".notes.txt.0123456789ab.tmp"  # not a BestCheckpoint's
+    for path in (killed, live, other):
+        path.write_bytes(b"x" * 1000)
+    old = time.time() - 3600
+    for path in (killed, other):
+        os.utime(path, (old, old))
+    trainer = distkit.Trainer("dp", batch_size=4, max_epochs=1, progress=False,
+                              checkpoint_dir=tmp_path, callbacks=[BestCheckpoint()])  # fmt: skip
+    _fit(trainer, val_data=make_dataset(8))
+    assert not killed.exists()
+    assert live.exists() and other.exists()
+    assert any(p.name.startswith("best-val_loss=") for p in tmp_path.iterdir())

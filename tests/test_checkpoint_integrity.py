@@ -245,3 +245,70 @@ class _StopAt(distkit.Callback):
 def test_fit_stopped_by_a_callback_mid_epoch_leaves_its_final_checkpoint(tmp_path):
     _fit("dp", 4, str(tmp_path), max_epochs=3, callbacks=[_StopAt(14)])
     assert _steps_in(tmp_path) == [10, 14]
+
+
+# ---------------------------------------------------------------- a write that fails
+_FULL_DISK = """
+import resource, signal, sys
+import torch
+from torch import nn
+import distkit
+from distkit import checkpoint as ckpt
+from tests.workloads import make_dataset, make_mlp
+
+folder = sys.argv[1]
+net = make_mlp()
+trainer = distkit.Trainer("dp", batch_size=4, max_epochs=1, progress=False, checkpoint_dir=folder)
+trainer.fit(net, torch.optim.SGD(net.parameters(), lr=0.1), make_dataset(40),
+            loss_fn=nn.functional.cross_entropy)
+size = ckpt.CheckpointFolder(folder).checkpoints()[-1].stat().st_size
+# from here on no file may grow past half a checkpoint: the next save runs out of room
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (size // 2, size // 2))
+trainer = distkit.Trainer("dp", batch_size=4, max_epochs=2, progress=False, checkpoint_dir=folder,
+                          resume="auto")
+try:
+    trainer.fit(net, torch.optim.SGD(net.parameters(), lr=0.1), make_dataset(40),
+                loss_fn=nn.functional.cross_entropy)
+except ckpt.CheckpointError as exc:
+    print("ERROR", exc)
+"""
+
+
+def test_checkpoint_write_that_runs_out_of_room_names_the_file_and_keeps_the_old(tmp_path):
+    import subprocess
+    import sys
+
+    folder = tmp_path / "ckpt"
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", _FULL_DISK, str(folder)], cwd=root,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("ERROR"))
+    assert f"cannot write the checkpoint {folder}/step-000000020.pt" in line, line
+    assert "(OSError: File too large; " in line and "GB free there" in line, line
+    assert "the previous file, if any, is unchanged" in line
+    assert _steps_in(folder) == [10]  # the old checkpoint is intact and verifies
+    assert sorted(p.name for p in folder.iterdir()) == ["latest", "step-000000010.pt"]
+
+
+# ---------------------------------------------------------------- records across a resume
+def _with_validations(folder: str | None, epochs: int, resume: str | None = None) -> list:
+    trainer = distkit.Trainer("dp", batch_size=4, max_epochs=epochs, progress=False, seed=5,
+                              checkpoint_dir=folder, resume=resume,
+                              val_every_n_steps=4)  # fmt: skip
+    net = make_mlp()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    result = trainer.fit(net, optimizer, make_dataset(40), loss_fn=nn.functional.cross_entropy,
+                         val_data=make_dataset(12))  # fmt: skip
+    trainer.close()
+    return result.validations
+
+
+def test_resumed_fit_result_holds_the_earlier_validations(tmp_path):
+    whole = _with_validations(None, 3)
+    _with_validations(str(tmp_path), 2)
+    resumed = _with_validations(str(tmp_path), 3, resume="auto")
+    assert [v["step"] for v in resumed] == [v["step"] for v in whole] == [4, 8, 10, 12, 16, 20,
+                                                                          24, 28, 30]  # fmt: skip
+    assert all(r == pytest.approx(w) for r, w in zip(resumed, whole, strict=True))

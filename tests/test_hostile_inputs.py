@@ -592,6 +592,19 @@ CASES: list[tuple[str, Callable[[Path], Any], type[BaseException], str]] = [
     ),
     # checkpoints: digests and hand-damaged fields (issue 23)
     (
+        "val_every_n_steps-without-val_data",
+        lambda t: _fit_untrained(trainer=_trainer(val_every_n_steps=2)),
+        ConfigurationError,
+        "Trainer(val_every_n_steps=2) validates val_data every 2 steps, and this fit has no "
+        "val_data: pass val_data=... to fit",
+    ),
+    (
+        "checkpoint-validations-not-a-list",
+        lambda t: ckpt.load(_damaged(t, validations=3)),
+        ckpt.CheckpointError,
+        "field 'validations' is int 3; it should be a list of dicts of numbers",
+    ),
+    (
         "fit-inside-a-callback",
         lambda t: _fit(_trainer(callbacks=[_Refit()])),
         ConfigurationError,
@@ -692,7 +705,7 @@ CASES: list[tuple[str, Callable[[Path], Any], type[BaseException], str]] = [
         "checkpoint-history-not-a-list",
         lambda t: ckpt.load(_damaged(t, history={"loss": 1.0})),
         ckpt.CheckpointError,
-        "field 'history' is a dict; it should be a list of per-epoch dicts",
+        "field 'history' is a dict; it should be a list of dicts of numbers",
     ),
     (
         "checkpoint-history-text-value",

@@ -10,11 +10,14 @@ from __future__ import annotations
 import contextlib
 import math
 import re
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
+#: a temp file untouched this long is no live write's (writers touch theirs continuously)
+STALE_SECONDS = 600.0
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,24 @@ class BestFiles:
         scored = {(value, name) for name in names if (value := self.score(name)) is not None}
         sign = 1.0 if self.mode == "min" else -1.0
         return sorted(scored, key=lambda item: (sign * item[0], item[1]))
+
+    def delete_stale_temp_files(self) -> None:
+        """Remove the temp files of this monitor's saves that were killed mid-write.
+
+        A save writes ``.<name>.<12 hex digits>.tmp`` and renames it; a killed one leaves it
+        behind, as big as the model. A writer keeps its file's time fresh as it writes, so one
+        untouched for ``STALE_SECONDS`` belongs to no live save, of this run or another.
+        """
+        pattern = re.compile(
+            rf"\.best-{re.escape(self.metric)}=.+-step-\d+\.pt\.[0-9a-f]{{12}}\.tmp"
+        )
+        now = time.time()
+        for path in self.folder.iterdir():
+            if not pattern.fullmatch(path.name):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                if now - path.stat().st_mtime > STALE_SECONDS:
+                    path.unlink()
 
     def delete(self, names: Iterable[str]) -> None:
         """Remove these files (one another run removed already is no error)."""

@@ -109,6 +109,7 @@ class BestCheckpoint(Callback):
         self.kept = self._exact(ranked[: self.keep])
         if trainer.is_main:
             files.delete(old for _, old in ranked[self.keep :])
+            files.delete_stale_temp_files()
 
     def _exact(self, ranked: list[tuple[float, str]]) -> list[tuple[float, str]]:
         """``ranked`` with the values this callback saved exact (a name holds 6 digits)."""
