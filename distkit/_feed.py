@@ -113,7 +113,8 @@ def eval_batches(
 ) -> Iterator[tuple[Any, bool]]:
     """This rank's evaluation batches, each with whether it counts (every sample once)."""
     if isinstance(spec, StreamSpec):
-        return stream_rounds(StreamFeed(strategy, spec, slots=1, seed=seed, purpose="eval"))
+        feed = StreamFeed(strategy, spec, slots=1, seed=seed, purpose="eval")
+        return stream_rounds(feed, announce=strategy.is_main)
     world, rank = strategy.world_size, strategy.rank
     loader = spec.eval_loader(world_size=world, rank=rank, seed=seed + rank)
     return map_rounds(strategy, loader)
