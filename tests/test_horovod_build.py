@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+import tarfile
+import urllib.error
+import urllib.request
 import zipfile
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 from distkit import horovod_build as hb
+from distkit._imports import is_importable
 from distkit.errors import DistkitError, MissingDependencyError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -303,3 +310,270 @@ def test_ensure_horovod_without_mpi_ignores_an_mpicc_on_path(
     assert hb.main(["--without-mpi", "--cache-dir", str(tmp_path)]) == 0
     assert hb.main(["--cache-dir", str(tmp_path)]) == 0
     assert parsed == [False, None]
+
+
+# ---------------------------------------------------------------- the rendezvous server patch
+# Horovod 0.28.1's RendezvousHandler.do_DELETE, fixed-scope branch, as released. Used only when
+# no cached sdist is at hand; the tests then check the patch against these lines.
+RENDEZVOUS_FIXTURE = """\
+class RendezvousHandler(KVStoreHandler):
+    # Override DELETE handler
+    def do_DELETE(self):
+        paths = self.path.split('/')
+        _, scope, key = paths
+
+        if scope in self.server.scope_size:
+            # scope defined by host_alloc_plan at server initialization
+            with self.server.finished_list_lock:
+                self.server.finished_list[scope].append(key)
+                if self.server.scope_size[scope] == len(self.server.finished_list[scope]):
+                    with self.server.cache_lock:
+                        self.server.cache.get(scope, {}).clear()
+                        self.server.finished_list.clear()
+                        if self.server.verbose:
+                            logging.info(f'Cleared scope {scope}')
+"""
+
+
+_FIX = ("self.server.finished_list.clear()", "del self.server.finished_list[scope]")
+
+
+def _released_rendezvous_text() -> tuple[str, str]:
+    """(where from, text) of 0.28.1's http_server.py: the cached sdist's, else the fixture."""
+    sdist = hb.sdist_path(hb.DEFAULT_VERSION)
+    if sdist.is_file():
+        with tarfile.open(sdist) as tar:
+            member = tar.extractfile(f"horovod-{hb.DEFAULT_VERSION}/{hb.RENDEZVOUS_FILE}")
+            assert member is not None
+            return str(sdist), member.read().decode()
+    return "fixture", RENDEZVOUS_FIXTURE
+
+
+def _rendezvous_tree(root: Path, text: str) -> Path:
+    src = _source_tree(root, TOP, TORCH)
+    server = src / hb.RENDEZVOUS_FILE
+    server.parent.mkdir(parents=True)
+    server.write_text(text)
+    return src
+
+
+@pytest.mark.timeout(30)
+def test_patch_rendezvous_changes_the_one_statement_that_forgot_every_scope(tmp_path: Path) -> None:
+    origin, released = _released_rendezvous_text()
+    src = _rendezvous_tree(tmp_path, released)
+    assert hb.rendezvous_is_fixed(released) is False, origin
+    assert hb.patch_rendezvous(src) == [src / hb.RENDEZVOUS_FILE]
+    patched = (src / hb.RENDEZVOUS_FILE).read_text()
+    changed = [
+        (old, new)
+        for old, new in zip(released.splitlines(), patched.splitlines(), strict=True)
+        if old != new
+    ]
+    assert changed == [
+        (
+            "                        self.server.finished_list.clear()",
+            "                        del self.server.finished_list[scope]",
+        )
+    ], origin
+    assert hb.rendezvous_is_fixed(patched) is True
+    compile(patched, hb.RENDEZVOUS_FILE, "exec")  # still Python
+
+
+@pytest.mark.timeout(30)
+def test_patch_rendezvous_is_idempotent(tmp_path: Path) -> None:
+    src = _rendezvous_tree(tmp_path, _released_rendezvous_text()[1])
+    hb.patch_rendezvous(src)
+    once = (src / hb.RENDEZVOUS_FILE).read_text()
+    assert hb.patch_rendezvous(src) == []
+    assert (src / hb.RENDEZVOUS_FILE).read_text() == once
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ("class RendezvousHandler:\n    pass\n", "0 copies"),
+        (RENDEZVOUS_FIXTURE + RENDEZVOUS_FIXTURE, "2 copies"),
+    ],
+    ids=["another-version", "twice"],
+)
+def test_patch_rendezvous_fails_loudly_on_a_server_it_does_not_know(
+    tmp_path: Path, text: str, error: str
+) -> None:
+    src = _rendezvous_tree(tmp_path, text)
+    with pytest.raises(DistkitError, match=f"{error}.*needs a new recipe"):
+        hb.patch_rendezvous(src)
+    assert (src / hb.RENDEZVOUS_FILE).read_text() == text
+    with pytest.raises(DistkitError, match="not found"):
+        hb.patch_rendezvous(tmp_path / "nothing")
+
+
+@pytest.mark.timeout(30)
+def test_patch_source_applies_every_patch(tmp_path: Path) -> None:
+    src = _rendezvous_tree(tmp_path, _released_rendezvous_text()[1])
+    assert len(hb.patch_source(src)) == 3
+    assert hb.rendezvous_is_fixed((src / hb.RENDEZVOUS_FILE).read_text()) is True
+    assert "set(CMAKE_CXX_STANDARD 17)" in (src / "CMakeLists.txt").read_text()
+    assert hb.patch_source(src) == []
+    assert hb.PATCHES == ("cxx17", "rendezvous-finished-scope")
+
+
+def _load_server(text: str, tmp_path: Path) -> ModuleType:
+    tmp_path.mkdir()
+    path = tmp_path / "http_server.py"
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location("distkit_test_http_server", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _request(port: int, method: str, path: str, body: bytes | None = None) -> int:
+    url = f"http://127.0.0.1:{port}/{path}"
+    try:
+        with urllib.request.urlopen(
+            urllib.request.Request(url, data=body, method=method), timeout=10
+        ) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+# Two ranks on one host: the scopes of Horovod's gloo init, each rank's rank in them, and the
+# order in which the ranks met and left them in a real job ("put": a rank's address and host
+# keys, "leave": its DELETE once the scope's barrier passed). Rank 0 is done with cross_0 (size
+# 1) before rank 1 leaves local_localhost.
+RANK_IN = {
+    "global": {0: 0, 1: 1},
+    "local_localhost": {0: 0, 1: 1},
+    "cross_0": {0: 0},
+    "cross_1": {1: 0},
+}
+ONE_INIT = [
+    ("put", 0, "global"),
+    ("put", 1, "global"),
+    ("leave", 0, "global"),
+    ("put", 0, "local_localhost"),
+    ("leave", 1, "global"),
+    ("put", 1, "local_localhost"),
+    ("leave", 0, "local_localhost"),
+    ("put", 0, "cross_0"),
+    ("leave", 0, "cross_0"),
+    ("leave", 1, "local_localhost"),
+    ("put", 1, "cross_1"),
+    ("leave", 1, "cross_1"),
+]
+
+
+def _keys_left_after_one_init(server_module: ModuleType) -> list[str]:
+    """The keys the rendezvous server still holds after :data:`ONE_INIT`."""
+    from horovod.runner.common.util.hosts import SlotInfo
+
+    plan = [SlotInfo("localhost", r, r, 0, size=2, local_size=2, cross_size=1) for r in (0, 1)]
+    server = server_module.RendezvousServer()
+    port = server.start()
+    try:
+        server.init(plan)
+        for action, rank, scope in ONE_INIT:
+            key = RANK_IN[scope][rank]
+            if action == "put":
+                for name in (f"rank_{key}", str(key)):
+                    assert _request(port, "PUT", f"{scope}/{name}", b"127.0.0.1:1") == 200
+            else:
+                assert _request(port, "DELETE", f"{scope}/{key}") == 200
+        return [
+            f"{scope}/{name}"
+            for scope in sorted(RANK_IN)
+            for name in ("0", "1", "rank_0", "rank_1")
+            if _request(port, "GET", f"{scope}/{name}") == 200
+        ]
+    finally:
+        server.stop()
+        server._httpd.server_close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(
+    not is_importable("horovod.runner.common.util.hosts"),
+    reason="needs Horovod's pure-Python runner (python -m distkit.horovod_build installs it)",
+)
+def test_patched_rendezvous_server_forgets_a_finished_init(tmp_path: Path) -> None:
+    """The released server keeps local_localhost's keys after this init; the patched one
+    keeps none, so the next hvd.init() cannot read a dead rank's address."""
+    origin, released = _released_rendezvous_text()
+    if origin == "fixture":
+        pytest.skip("the fixture is an excerpt; the server runs from the cached sdist only")
+    src = _rendezvous_tree(tmp_path, released)
+    hb.patch_rendezvous(src)
+    before = _keys_left_after_one_init(_load_server(released, tmp_path / "a"))
+    patched = (src / hb.RENDEZVOUS_FILE).read_text()
+    after = _keys_left_after_one_init(_load_server(patched, tmp_path / "b"))
+    assert before == [f"local_localhost/{name}" for name in ("0", "1", "rank_0", "rank_1")]
+    assert after == []
+
+
+@pytest.mark.timeout(30)
+def test_a_wheel_cached_before_the_rendezvous_fix_is_rebuilt(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    calls: list[str] = []
+    _fake_environment(monkeypatch, calls, installed=None)
+    old_key = hb.cache_key("0.28.1", "2.13.0+cpu", hb.python_tag(), CPU, patch=1)
+    old = tmp_path / old_key / "horovod-0.28.1-cp311-cp311-linux_x86_64.whl"
+    old.parent.mkdir()
+    old.write_bytes(b"old")
+    wheel = hb.ensure_horovod(cache_dir=tmp_path)
+    assert calls[0] == "build" and wheel is not None and wheel.read_bytes() == b"new"
+    assert wheel.parent.name.endswith(f"_p{hb.PATCH_LEVEL}") and hb.PATCH_LEVEL >= 2
+
+
+@pytest.mark.timeout(30)
+def test_the_installed_build_has_the_patches_its_marker_names() -> None:
+    """Whatever `python -m distkit.horovod_build` installed here carries the rendezvous fix."""
+    key = hb.installed_key(hb.DEFAULT_VERSION)
+    if key is None or not key.endswith(f"_p{hb.PATCH_LEVEL}"):
+        pytest.skip(f"no horovod built by this patch level is installed (found {key})")
+    assert hb.installed_rendezvous_fixed() is True
+
+
+@pytest.mark.timeout(30)
+def test_doctor_warns_about_a_rendezvous_server_that_keeps_keys() -> None:
+    from distkit._env import LaunchEnv
+    from distkit.diagnosis import MachineFacts
+    from distkit.strategies import _horovod_doctor as doctor
+
+    machine = MachineFacts("py", "2.13.0+cpu", 0, True, False, True, LaunchEnv())
+    key = hb.cache_key("0.28.1", "2.13.0+cpu", "cp311", CPU)
+    check_build = {"frameworks": {"PyTorch": True}, "controllers": {"Gloo": True}}
+    facts = doctor.HorovodFacts(
+        "0.28.1", "hvdrun", check_build, build_key=key, expected_key=key, rendezvous_fixed=True
+    )
+    fixed = doctor.verdict("horovod", machine, facts)
+    assert fixed.usable and fixed.fix is None and "keeps" not in fixed.summary
+    foreign = dataclasses.replace(facts, build_key=None, rendezvous_fixed=False)
+    warned = doctor.verdict("horovod", machine, foreign)
+    assert warned.usable and warned.fix == "py -m distkit.horovod_build"
+    assert "hvd.init() after hvd.shutdown()" in warned.summary
+    old = dataclasses.replace(facts, build_key=key.replace("_p2", "_p1"), rendezvous_fixed=False)
+    assert doctor.verdict("horovod", machine, old).fix == "py -m distkit.horovod_build --force"
+
+
+@pytest.mark.timeout(60)
+def test_installed_rendezvous_fixed_reads_the_installed_file(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    package = tmp_path / "horovod"
+    server = tmp_path / hb.RENDEZVOUS_FILE
+    server.parent.mkdir(parents=True)
+    (package / "__init__.py").write_text("raise ImportError('must not be imported')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "horovod", raising=False)
+    server.write_text(RENDEZVOUS_FIXTURE)
+    assert hb.installed_rendezvous_fixed() is False
+    server.write_text(RENDEZVOUS_FIXTURE.replace(*_FIX))
+    assert hb.installed_rendezvous_fixed() is True
+    server.write_text("class RendezvousHandler:\n    pass\n")
+    assert hb.installed_rendezvous_fixed() is None
+    server.unlink()
+    assert hb.installed_rendezvous_fixed() is None

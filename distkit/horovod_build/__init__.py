@@ -2,9 +2,10 @@
 
 PyPI only has the horovod 0.28.1 sdist, which does not build against torch >= 2.1 as shipped.
 This module applies the known fixes (C++17 in both CMakeLists, ``CMAKE_POLICY_VERSION_MINIMUM``,
-cffi installed first), builds a wheel once per (horovod, torch, python, flavour, patch level),
-caches it, installs it with ``--no-deps`` (torch is never installed or upgraded) and checks the
-result with ``horovodrun --check-build``::
+cffi installed first, and horovodrun's rendezvous server forgetting a finished init's keys so a
+second ``hvd.init()`` in one job does not abort), builds a wheel once per (horovod, torch,
+python, flavour, patch level), caches it, installs it with ``--no-deps`` (torch is never
+installed or upgraded) and checks the result with ``horovodrun --check-build``::
 
     python -m distkit.horovod_build [--version 0.28.1] [--cache-dir DIR] [--force]
 """
@@ -27,6 +28,7 @@ from distkit.horovod_build._install import (
     finalize_wheel,
     horovodrun_path,
     installed_key,
+    installed_rendezvous_fixed,
     parse_check_build,
     verify_install,
 )
@@ -36,6 +38,8 @@ from distkit.horovod_build._recipe import (
     DEFAULT_VERSION,
     MARKER,
     PATCH_LEVEL,
+    PATCHES,
+    RENDEZVOUS_FILE,
     RUNTIME_REQUIREMENTS,
     Flavour,
     _cpu_count,
@@ -44,7 +48,11 @@ from distkit.horovod_build._recipe import (
     default_cache_dir,
     detect_flavour,
     patch_cxx17,
+    patch_rendezvous,
+    patch_source,
     python_tag,
+    rendezvous_is_fixed,
+    sdist_path,
     torch_info,
 )
 
@@ -53,7 +61,9 @@ __all__ = [
     "CMAKE_FILES",
     "DEFAULT_VERSION",
     "MARKER",
+    "PATCHES",
     "PATCH_LEVEL",
+    "RENDEZVOUS_FILE",
     "RUNTIME_REQUIREMENTS",
     "Flavour",
     "build_env",
@@ -66,10 +76,15 @@ __all__ = [
     "finalize_wheel",
     "horovodrun_path",
     "installed_key",
+    "installed_rendezvous_fixed",
     "main",
     "parse_check_build",
     "patch_cxx17",
+    "patch_rendezvous",
+    "patch_source",
     "python_tag",
+    "rendezvous_is_fixed",
+    "sdist_path",
     "torch_info",
     "verify_install",
 ]

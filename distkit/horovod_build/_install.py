@@ -25,11 +25,15 @@ from distkit.horovod_build._recipe import (
     _PREFIX,
     BUILD_REQUIREMENTS,
     MARKER,
+    PATCHES,
+    RENDEZVOUS_FILE,
     Flavour,
     _bin_path,
     build_env,
-    patch_cxx17,
+    patch_source,
     python_tag,
+    rendezvous_is_fixed,
+    sdist_path,
 )
 
 
@@ -75,6 +79,26 @@ def installed_key(version: str) -> str | None:
     try:
         return str(json.loads(marker.read_text())["key"])
     except (OSError, ValueError, KeyError):
+        return None
+
+
+def installed_rendezvous_fixed() -> bool | None:
+    """Whether the installed horovod's rendezvous server forgets a finished init's keys.
+
+    Reads ``horovod/runner/http/http_server.py`` without importing horovod: True when it has
+    the fix, False for Horovod 0.28.1's server, None when horovod is not installed or the file is
+    another version's (see :func:`~distkit.horovod_build.rendezvous_is_fixed`).
+    """
+    try:
+        spec = importlib.util.find_spec("horovod")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    root = Path(next(iter(spec.submodule_search_locations))).parent
+    try:
+        return rendezvous_is_fixed((root / RENDEZVOUS_FILE).read_text())
+    except OSError:
         return None
 
 
@@ -157,19 +181,15 @@ def build_wheel(
         )
     with tempfile.TemporaryDirectory(prefix="distkit-horovod-") as tmp_name:
         tmp = Path(tmp_name)
-        session.say(f"downloading the horovod {version} sdist")
-        sdist = _pip("download", "--no-deps", "--no-binary", ":all:", f"horovod=={version}")
-        session.run([*sdist, "-d", str(tmp)], f"downloading horovod=={version}")
-        archives = sorted(tmp.glob("horovod-*.tar.gz"))
-        if not archives:
-            raise DistkitError(f"pip download left no horovod-*.tar.gz; see {session.log}")
-        with tarfile.open(archives[0]) as tar:
+        archive = _fetch_sdist(version, out_dir.parent, session)
+        with tarfile.open(archive) as tar:
             if hasattr(tarfile, "data_filter"):
                 tar.extractall(tmp, filter="data")
             else:  # Python < 3.10.12 / 3.11.4
                 tar.extractall(tmp)
         source = tmp / f"horovod-{version}"
-        session.say(f"patched C++14 -> C++17 in {len(patch_cxx17(source))} CMakeLists.txt")
+        changed = [str(path.relative_to(source)) for path in patch_source(source)]
+        session.say(f"patches {' + '.join(PATCHES)}: changed {', '.join(changed) or 'nothing'}")
         session.say(
             f"building horovod {version} for torch {torch_version} / {python_tag()} "
             f"({', '.join(flavour.parts)}) ... "
@@ -183,7 +203,7 @@ def build_wheel(
         wheel_cmd = _pip("wheel", "-v", "--no-build-isolation", "--no-deps", "--no-cache-dir")
         session.run([*wheel_cmd, "-w", str(dist), str(source)], "the horovod build", env=env)
         built = next(dist.glob("horovod-*.whl"))
-        marker = {"key": key, "torch": torch_version, "flavour": flavour.tag}
+        marker = {"key": key, "torch": torch_version, "flavour": flavour.tag, "patches": PATCHES}
         finalize_wheel(built, marker)
         out_dir.mkdir(parents=True, exist_ok=True)
         partial = out_dir / (built.name + ".partial")
@@ -191,6 +211,24 @@ def build_wheel(
         os.replace(partial, out_dir / built.name)  # atomic: a half-copied wheel is never cached
     session.say(f"built {out_dir / built.name} ({(out_dir / built.name).stat().st_size:,} bytes)")
     return out_dir / built.name
+
+
+def _fetch_sdist(version: str, cache_dir: Path, session: _Session) -> Path:
+    """The horovod ``version`` sdist, downloaded once into the cache (the patches read it)."""
+    cached = sdist_path(version, cache_dir)
+    if cached.is_file():
+        session.say(f"using the cached sdist {cached}")
+        return cached
+    session.say(f"downloading the horovod {version} sdist")
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cached.parent) as tmp:
+        sdist = _pip("download", "--no-deps", "--no-binary", ":all:", f"horovod=={version}")
+        session.run([*sdist, "-d", tmp], f"downloading horovod=={version}")
+        archives = sorted(Path(tmp).glob("horovod-*.tar.gz"))
+        if not archives:
+            raise DistkitError(f"pip download left no horovod-*.tar.gz; see {session.log}")
+        os.replace(archives[0], cached)  # atomic: a half-downloaded sdist is never cached
+    return cached
 
 
 def horovodrun_path() -> str:

@@ -1,4 +1,4 @@
-"""What to build: the flavour, the cache key, the C++17 patch and the build environment."""
+"""What to build: the flavour, the cache key, the patches to the sdist and the build environment."""
 
 from __future__ import annotations
 
@@ -12,10 +12,18 @@ from pathlib import Path
 from distkit.errors import DistkitError, MissingDependencyError
 
 DEFAULT_VERSION = "0.28.1"
-PATCH_LEVEL = 1  # bump when the patches or build settings change: invalidates cached wheels
+PATCH_LEVEL = 2  # bump when the patches or build settings change: invalidates cached wheels
+#: what the sdist gets, as recorded in the wheel's marker: 1 = C++17, 2 = + the rendezvous fix
+PATCHES = ("cxx17", "rendezvous-finished-scope")
 RUNTIME_REQUIREMENTS = ("cloudpickle", "psutil", "pyyaml", "packaging")
 BUILD_REQUIREMENTS = ("numpy", "cmake", "wheel", "setuptools", "cffi", *RUNTIME_REQUIREMENTS)
 CMAKE_FILES = ("CMakeLists.txt", "horovod/torch/CMakeLists.txt")
+RENDEZVOUS_FILE = "horovod/runner/http/http_server.py"  # horovodrun's rendezvous server
+# When the last rank of one scope (global, local_<host>, cross_<n>) leaves the rendezvous,
+# 0.28.1 forgets the finished ranks of *every* scope. A scope whose ranks were half counted then
+# never completes, its keys stay, and the next hvd.init() in the job can read a dead address.
+_RENDEZVOUS_BUG = "self.server.finished_list.clear()"
+_RENDEZVOUS_FIX = "del self.server.finished_list[scope]"
 MARKER = "horovod/distkit_build.json"  # added to the wheel: the installed build knows its key
 _CXX_RE = re.compile(r"set\(\s*CMAKE_CXX_STANDARD\s+(\d+)\s*\)")
 _PREFIX = "[distkit.horovod_build]"
@@ -94,6 +102,17 @@ def default_cache_dir() -> Path:
     return Path(root) / "horovod" if root else Path.home() / ".cache" / "distkit" / "horovod"
 
 
+def sdist_path(version: str, cache_dir: Path | str | None = None) -> Path:
+    """Where the build keeps the horovod ``version`` sdist it patched (kept for rebuilds).
+
+    Args:
+        version: e.g. ``"0.28.1"``.
+        cache_dir: the wheel cache; default :func:`default_cache_dir`.
+    """
+    root = Path(cache_dir or default_cache_dir()).expanduser()
+    return root / "sdist" / f"horovod-{version}.tar.gz"
+
+
 def patch_cxx17(source_dir: Path) -> list[Path]:
     """Switch both CMakeLists of a horovod source tree from C++14 to C++17 (torch >= 2.1 needs it).
 
@@ -116,7 +135,7 @@ def patch_cxx17(source_dir: Path) -> list[Path]:
         if not levels:
             raise DistkitError(
                 f"{path} has no 'set(CMAKE_CXX_STANDARD 14)' line to patch to 17; this horovod "
-                "version needs a new recipe (bump PATCH_LEVEL in distkit/horovod_build.py)."
+                "version needs a new recipe (bump PATCH_LEVEL in distkit/horovod_build/_recipe.py)."
             )
         if any(int(level) < 17 for level in levels):
             path.write_text(_CXX_RE.sub(_to_cxx17, text))
@@ -126,6 +145,64 @@ def patch_cxx17(source_dir: Path) -> list[Path]:
 
 def _to_cxx17(match: re.Match[str]) -> str:
     return "set(CMAKE_CXX_STANDARD 17)" if int(match[1]) < 17 else match[0]
+
+
+def rendezvous_is_fixed(text: str) -> bool | None:
+    """Whether the text of ``horovod/runner/http/http_server.py`` forgets only its own scope.
+
+    Returns:
+        True with the fix (ours, or one that removed the old statement and has ours), False with
+        Horovod 0.28.1's statement, None when the file has neither (another version's server:
+        nothing is known about it).
+    """
+    if _RENDEZVOUS_BUG in text:
+        return False
+    return True if _RENDEZVOUS_FIX in text else None
+
+
+def patch_rendezvous(source_dir: Path) -> list[Path]:
+    """Make horovodrun's rendezvous server forget a finished scope's ranks, not every scope's.
+
+    In Horovod 0.28.1 (``RendezvousHandler.do_DELETE``), the last rank leaving one scope clears
+    the finished lists of all scopes, so a scope whose ranks were half counted never completes
+    and keeps its keys; a second ``hvd.init()`` in the same ``horovodrun`` job then reads the
+    previous init's addresses and gloo aborts ("Connection refused", "Connect timeout"). The
+    patch deletes only that scope's list, the one statement changed.
+
+    Args:
+        source_dir: the extracted sdist, e.g. ``.../horovod-0.28.1``.
+
+    Returns:
+        The file changed; empty when the tree is already patched.
+
+    Raises:
+        DistkitError: the file is missing, or holds neither the old statement (exactly once)
+            nor the fix: this Horovod version needs a new recipe.
+    """
+    path = Path(source_dir) / RENDEZVOUS_FILE
+    if not path.is_file():
+        raise DistkitError(f"{path} not found: is {source_dir} a horovod source tree?")
+    text = path.read_text()
+    count = text.count(_RENDEZVOUS_BUG)
+    if count == 0 and rendezvous_is_fixed(text):
+        return []
+    if count != 1:
+        raise DistkitError(
+            f"{path} has {count} copies of {_RENDEZVOUS_BUG!r} (expected one, in "
+            "RendezvousHandler.do_DELETE); this horovod version needs a new recipe (look at "
+            "patch_rendezvous and bump PATCH_LEVEL in distkit/horovod_build/_recipe.py)."
+        )
+    path.write_text(text.replace(_RENDEZVOUS_BUG, _RENDEZVOUS_FIX))
+    return [path]
+
+
+def patch_source(source_dir: Path) -> list[Path]:
+    """Apply every patch in :data:`PATCHES` to an extracted sdist; the files changed.
+
+    Raises:
+        DistkitError: a patch does not apply (see :func:`patch_cxx17`, :func:`patch_rendezvous`).
+    """
+    return [*patch_cxx17(source_dir), *patch_rendezvous(source_dir)]
 
 
 def build_env(flavour: Flavour, jobs: int) -> dict[str, str]:

@@ -29,6 +29,9 @@ class HorovodFacts:
     expected_key: str | None = None  # the key a build for this interpreter's torch would have
     #: the same build with the other MPI choice (``--without-mpi`` beside an mpicc): also current
     other_mpi_key: str | None = None
+    #: False: horovodrun's rendezvous server keeps a finished init's keys (0.28.1 as released),
+    #: so a second hvd.init() in one job can abort; None: not known (another version's file)
+    rendezvous_fixed: bool | None = None
 
 
 def probe(machine: MachineFacts) -> HorovodFacts:
@@ -74,6 +77,7 @@ def probe(machine: MachineFacts) -> HorovodFacts:
         build_key=hb.installed_key(version),
         expected_key=expected,
         other_mpi_key=hb.cache_key(version, torch_version, hb.python_tag(), other),
+        rendezvous_fixed=hb.installed_rendezvous_fixed(),
     )
 
 
@@ -118,4 +122,10 @@ def verdict(name: str, machine: MachineFacts, hvd: HorovodFacts) -> StrategyRepo
         summary += f"; built by distkit.horovod_build as {hvd.build_key}, not {hvd.expected_key}"
     stale = hvd.build_key is not None and not current
     fix = f"{build} --force" if why or stale else None
+    if hvd.rendezvous_fixed is False:  # one init per job still works: a warning, not a why-not
+        summary += (
+            "; its horovodrun keeps a finished hvd.init()'s keys, so hvd.init() after "
+            "hvd.shutdown() in the same job can abort in gloo (distkit's build fixes it)"
+        )
+        fix = fix or build
     return StrategyReport(name, not why, summary, why, fix, details)

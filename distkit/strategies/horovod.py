@@ -134,9 +134,10 @@ class HorovodStrategy(Strategy):
         self._channel = None
         # Horovod stays initialised for the next Trainer in this process, whose hvd.init() is
         # then a no-op; Horovod shuts itself down at exit. A fresh hvd.init() after
-        # hvd.shutdown() meets in horovodrun's rendezvous server, which can still hold the
-        # last init's addresses (it loses track of some finished scopes), and then gloo fails
-        # with "Connection refused" (2 in 8 jobs of 20 Trainers here).
+        # hvd.shutdown() meets in horovodrun's rendezvous server, which in Horovod 0.28.1 as
+        # released can still hold the last init's addresses (it loses track of some finished
+        # scopes), and then gloo aborts with "Connection refused" (2 in 8 jobs of 20 Trainers
+        # here). distkit.horovod_build patches the server; other installs keep the bug.
         self._hvd_module = None
         super().teardown()
 
