@@ -9,6 +9,13 @@ rank short of data runs a stand-in batch whose loss weight is zero, so every ran
 collective), and each micro-batch's loss weight ``world_size * count / step samples``, the
 same weighting as a fixed plan.
 
+The same sum carries, for a stream distkit shards, a digest of each global micro-batch of the
+block (every rank reads all of its items, so every rank digests all of them, where they are
+read): every rank must have read the same items, or some samples would train twice and others
+never. Each rank fills only its own row, so the sum holds every rank's digests side by side,
+and a stream whose ranks read other items (an unseeded shuffle) is refused on every rank alike
+at the first global micro-batch that differs, with no collective of its own.
+
 The table of the next block is summed while this block trains (its batches are read a block
 ahead: at most ``2 x steps_ahead`` steps of batches are held), on a backend that can (gloo
 beside the model's group, Horovod's async allreduce): reading it then waits for nothing and
@@ -17,7 +24,7 @@ synchronises no device. The first block of an epoch waits for its table.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from itertools import islice, pairwise
 from typing import Any
 
@@ -81,18 +88,24 @@ class StreamFeed:
             world_size=strategy.world_size, rank=strategy.rank, epoch=epoch, start=start,
             seed=self.seed, worker_seed=seed,
         )  # fmt: skip
-        return self._steps(local, epoch, fresh=position == 0)
+        return self._steps(local, epoch, fresh=position == 0, start=start)
 
     def _steps(
-        self, local: Iterator[Any], epoch: int, *, fresh: bool
+        self, local: Iterator[tuple[Any, int]], epoch: int, *, fresh: bool, start: int
     ) -> Iterator[tuple[Any, MicroBatch]]:
         world, rank, block = self.strategy.world_size, self.strategy.rank, self.steps_ahead
         current, pending = self._fetch(local)
         step = 0
+        read = 0  # local batches of the blocks before this one
         while True:
-            table = pending.wait().reshape(world, block, self.slots).tolist()
+            # per rank: the counts, then the digests, of each step's micro-batches
+            table, digests = zip(
+                *pending.wait().reshape(world, 2, block, self.slots).tolist(), strict=True
+            )
             if not self.spec.self_sharded:
+                self._check_same_items(table, digests, epoch, first=read, start=start)
                 self._check_one_stream(table, epoch)
+            read += block * self.slots
             steps, cut = self._block_steps(table)
             if not steps:
                 if fresh and step == 0:
@@ -120,22 +133,24 @@ class StreamFeed:
                 return
             current = ahead
 
-    def _fetch(self, local: Iterator[Any]) -> tuple[list[Any], PendingSum]:
+    def _fetch(self, local: Iterator[tuple[Any, int]]) -> tuple[list[Any], PendingSum]:
         """This rank's batches for the next block of steps (fewer at its end), and the sum of
-        their table started: ``world_size x steps_ahead x slots`` sample counts."""
-        batches = list(islice(local, self.steps_ahead * self.slots))
-        table = torch.zeros(self.strategy.world_size, self.steps_ahead * self.slots,
+        their table started: ``world_size x 2 x steps_ahead x slots``, each rank's sample counts
+        and the digests of the global micro-batches it holds a batch of (0 where none)."""
+        pairs = list(islice(local, self.steps_ahead * self.slots))
+        batches = [batch for batch, _ in pairs]
+        table = torch.zeros(self.strategy.world_size, 2, self.steps_ahead * self.slots,
                             dtype=torch.int64)  # fmt: skip
-        table[self.strategy.rank, : len(batches)] = torch.tensor(
-            [_size(batch, self.spec.what) for batch in batches], dtype=torch.int64
-        )
-        if batches:
+        if pairs:
+            sizes = [_size(batch, self.spec.what) for batch in batches]
+            mine = torch.tensor([sizes, [digest for _, digest in pairs]], dtype=torch.int64)
+            table[self.strategy.rank, :, : len(pairs)] = mine
             self._stand_in = batches[-1]
         self._sums += 1
         name = f"distkit.stream.{self.purpose}.{self._sums}"
         return batches, self.strategy.all_reduce_async(table.reshape(-1), name=name)
 
-    def _block_steps(self, table: list[list[list[int]]]) -> tuple[list[list[list[int]]], bool]:
+    def _block_steps(self, table: Sequence[list[list[int]]]) -> tuple[list[list[list[int]]], bool]:
         """The steps of a block that train (each ``world_size x slots`` counts), and whether
         the epoch ends after them (a partial global batch under drop_last)."""
         world = len(table)
@@ -154,7 +169,53 @@ class StreamFeed:
             steps.append(counts)
         return steps, False
 
-    def _check_one_stream(self, table: list[list[list[int]]], epoch: int) -> None:
+    def _check_same_items(
+        self,
+        table: Sequence[list[list[int]]],
+        digests: Sequence[list[list[int]]],
+        epoch: int,
+        *,
+        first: int,
+        start: int,
+    ) -> None:
+        """Refuse a block whose ranks read other items at the same place of the stream: the
+        ranks that hold a batch of a global micro-batch must hold the same digest of it.
+        ``first`` global micro-batches came before the block, after ``start`` samples."""
+        world = len(table)
+        for index in range(self.steps_ahead * self.slots):
+            row, slot = divmod(index, self.slots)
+            held = {r: digests[r][row][slot] for r in range(world) if table[r][row][slot]}
+            if len(set(held.values())) > 1:
+                raise self._disagreement(first + index, held, epoch, start=start)
+
+    def _disagreement(
+        self, index: int, held: dict[int, int], epoch: int, *, start: int
+    ) -> ConfigurationError:
+        world, per_batch = self.strategy.world_size, self.spec.batch_size
+        base = min(held)
+        differ = [r for r, digest in held.items() if digest != held[base]]
+        if per_batch is None:  # an iterable of batches: batch i of the stream goes to rank i % N
+            where = f"batches {index * world} to {(index + 1) * world - 1}"
+        else:
+            span = world * per_batch
+            where = f"samples {start + index * span} to {start + (index + 1) * span - 1}"
+        after = f", counted from sample {start} where this run resumed" if start else ""
+        when = "" if self.purpose == "eval" else f"epoch {epoch}, "
+        return ConfigurationError(
+            f"{self.spec.what} yields different data on different ranks ({when}{where} of the "
+            f"stream{after}, its global micro-batch {index}: rank(s) {differ} read other items "
+            f"there than rank {base}). distkit reads the whole stream on every rank and keeps "
+            "each rank's share, so every rank must read the same items in the same order, or "
+            "some samples train twice and others never. The likely cause is an unseeded "
+            "shuffle (or random transform): a generator seeded differently on each rank, such "
+            "as np.random.default_rng() or random.Random() without a seed. Draw from torch's, "
+            "random's or numpy's global generator, which distkit seeds alike on every rank "
+            "while it reads the stream, or seed your own generator from the epoch (distkit "
+            "calls the stream's set_epoch(epoch)). A stream that is different on each rank by "
+            "design (it reads a part per rank) is a distkit.ShardedStream"
+        )
+
+    def _check_one_stream(self, table: Sequence[list[list[int]]], epoch: int) -> None:
         """Refuse counts that no single stream read by every rank can give: a stream distkit
         shards must yield the same items on every rank, so its ranks' shares of a global
         micro-batch differ by at most one sample (a batch, for an iterable of batches), the
@@ -192,7 +253,7 @@ class StreamFeed:
                 world_size=strategy.world_size, rank=strategy.rank, epoch=epoch, start=0,
                 seed=self.seed, worker_seed=0,
             )  # fmt: skip
-            self._stand_in = next(first, None)
+            self._stand_in = next((batch for batch, _ in first), None)
         if self._stand_in is None:
             holders = [r for r, row in enumerate(counts) if sum(row)]
             raise ConfigurationError(

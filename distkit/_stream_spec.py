@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from distkit._stream_share import RankShare, ShareRule, stream_seed
+from distkit._stream_share import DigestCollate, RankShare, ShareRule, stream_seed
 from distkit.data import _WorkerSeeder
 from distkit.errors import ConfigurationError
 from distkit.streams import ShardedStream
@@ -90,12 +90,14 @@ class StreamSpec:
 
     def local_batches(
         self, *, world_size: int, rank: int, epoch: int, start: int, seed: int, worker_seed: int
-    ) -> Iterator[Any]:
+    ) -> Iterator[tuple[Any, int]]:
         """This rank's batches of ``epoch`` after ``start`` samples (of the whole stream, or of
-        this rank's share for a stream that shards itself)."""
+        this rank's share for a stream that shards itself), each with the digest of its global
+        micro-batch where distkit shards the stream over several ranks (else 0)."""
         set_epoch = getattr(self.source, "set_epoch", None)
         if callable(set_epoch):
             set_epoch(epoch)
+        digest = not self.self_sharded and world_size > 1
         rule = ShareRule(
             world_size=1 if self.self_sharded else world_size,
             rank=0 if self.self_sharded else rank,
@@ -103,16 +105,20 @@ class StreamSpec:
             items_are_batches=self.batch_size is None,
             split_workers=not self.splits_workers,
             rng_seed=None if self.self_sharded else stream_seed(seed, epoch),
+            digest=digest,
         )  # fmt: skip
         share = RankShare(self.source, rule)
         if self.in_main:
-            return iter(share)
+            return iter(share) if digest else ((batch, 0) for batch in share)
         kwargs = dict(self.kwargs)
         kwargs["generator"] = torch.Generator().manual_seed(worker_seed)
         if kwargs.get("num_workers", 0) > 0:
             kwargs["worker_init_fn"] = _WorkerSeeder(kwargs.get("worker_init_fn"))
+        if digest:
+            batched = self.batch_size is not None
+            kwargs["collate_fn"] = DigestCollate(kwargs.get("collate_fn"), batched=batched)
         loader = DataLoader(share, batch_size=self.batch_size, drop_last=False, **kwargs)
-        return iter(loader)
+        return iter(loader) if digest else ((batch, 0) for batch in loader)
 
 
 def check_stream(spec: StreamSpec, *, reads: int, because: str) -> None:

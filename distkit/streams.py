@@ -15,7 +15,10 @@ the DataLoader workers in turn. So N processes with batch ``b`` train like one p
 ``N * b``, whatever the number of workers. The stream must yield the same items in the same
 order in every process: distkit seeds torch, ``random`` and numpy with ``seed`` and the epoch
 while it iterates (and calls the stream's ``set_epoch(epoch)``, if it has one), so a stream
-that shuffles with those generators agrees with itself everywhere.
+that shuffles with those generators agrees with itself everywhere. distkit checks it: every
+process digests each global micro-batch it reads, and a stream whose processes read other items
+(a generator of its own seeded differently per process) is refused on every process, naming
+the first global micro-batch that differs.
 
 A stream that already yields only this process's share (files split by rank, Hugging Face's
 ``split_dataset_by_node``) says so with :class:`ShardedStream`.
