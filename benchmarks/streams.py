@@ -11,7 +11,11 @@ forward, backward, all-reduce, optimizer) and the difference against map-style:
 * ``stream``: an IterableDataset of samples (the check, plus reading the whole stream on every
   rank and collating).
 
-and the time of one table sum alone (the check itself: one per block of 4 steps).
+and the time of one table sum alone (the check itself: one per block of 4 steps), and of the
+digest that tells whether every rank read the same items (each rank digests every sample of
+every global micro-batch, its own and the other ranks', where it reads them; the digests ride
+in the table): per step of this benchmark's samples, and per 3 x 224 x 224 float image, of
+which it reads 4,096 values.
 
     python benchmarks/streams.py              # ddp x2 (gloo) and dp x1
     python benchmarks/streams.py --rounds 5
@@ -90,6 +94,34 @@ def _table_sum_us(strategy: str, repeats: int = 300) -> float:
     return 1e6 * statistics.median(times)
 
 
+def _digest_us(items: list[Any], repeats: int = 200) -> float:
+    """Digesting ``items`` (one global micro-batch), median in microseconds."""
+    import time
+
+    from distkit._stream_share import ItemsDigest
+
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        digest = ItemsDigest()
+        for item in items:
+            digest.add(item)
+        digest.value()
+        times.append(time.perf_counter() - start)
+    return 1e6 * statistics.median(times)
+
+
+def _digest_costs(world: int) -> dict[str, float]:
+    features, labels = _data().tensors
+    samples = [(features[i], labels[i]) for i in range(world * BATCH)]
+    generator = torch.Generator().manual_seed(0)
+    images = [(torch.rand(3, 224, 224, generator=generator), torch.tensor(i)) for i in range(8)]
+    return {
+        "digest_us_per_step": _digest_us(samples),
+        "digest_us_per_image": _digest_us(images, repeats=50) / len(images),
+    }
+
+
 def _rounds(strategy: str, rounds: int) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {"map-style": [], "batches": [], "stream": []}
     for _ in range(rounds):
@@ -105,15 +137,16 @@ def main() -> None:
     args = parser.parse_args()
     table: dict[str, dict[str, float]] = {}
     runs = {
-        "ddp x2": lambda: distkit.spawn(_rounds, nprocs=2, args=("ddp", args.rounds)),
-        "dp x1": lambda: _rounds("dp", args.rounds),
+        "ddp x2": (2, lambda: distkit.spawn(_rounds, nprocs=2, args=("ddp", args.rounds))),
+        "dp x1": (1, lambda: _rounds("dp", args.rounds)),
     }
-    for label, run in runs.items():
+    for label, (world, run) in runs.items():
         times = run()
         medians = {kind: statistics.median(values) for kind, values in times.items()}
         table[label] = medians
         one_sum = medians.pop("table sum us")
-        table[label] = {**medians, "table_sum_us": one_sum}
+        digest = _digest_costs(world) if world > 1 else {}  # one process checks nothing
+        table[label] = {**medians, "table_sum_us": one_sum, **digest}
         base = medians["map-style"]
         print(f"{label}: ms per step (median of {args.rounds} rounds)")
         for kind, value in medians.items():
@@ -124,6 +157,12 @@ def main() -> None:
             f"  one table sum alone: {one_sum:.0f} us (a block of 4 steps: <= "
             f"{one_sum / 4:.0f} us/step, less where it overlaps training)"
         )
+        if digest:
+            print(
+                f"  digest of the items read: {digest['digest_us_per_step']:.0f} us per step "
+                f"({world} x {BATCH} samples), {digest['digest_us_per_image']:.0f} us per "
+                "3x224x224 float image (in the DataLoader workers where there are some)"
+            )
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "streams.json").write_text(json.dumps(table, indent=2) + "\n")
 
