@@ -13,14 +13,17 @@ Without this, a rank that raises leaves the others blocked in a collective until
   line and exits the process;
 * Ctrl-C: the first rank to see it prints one line for the whole job, and every rank raises
   :class:`~distkit.errors.TrainingInterrupted` (a ``KeyboardInterrupt`` that exits with status
-  130 and no traceback when uncaught).
+  130 and no traceback when uncaught); a rank whose main thread stays blocked in C++ past the
+  grace cannot raise it: it tells its peers and exits with 130 (143 for SIGTERM).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -41,6 +44,7 @@ INTERRUPT = "interrupt"
 ERROR = "error"
 MAX_INTERVAL_S = 1.0  # how often a watchdog looks for a failure notice, at most
 DEFAULT_TERM_GRACE_S = 10.0  # after a SIGTERM, when fault_timeout=None
+BLOCKED_NOTICE_S = 2.0  # at most this long to leave a notice before a blocked rank exits
 
 
 @contextlib.contextmanager
@@ -83,8 +87,10 @@ def fail_fast(
             interval=interval, grace=fault_timeout, hang_warning=hang_warning,
         )  # fmt: skip
         watchdog.start()
+    grace = fault_timeout or DEFAULT_TERM_GRACE_S
+    on_blocked = functools.partial(_exit_blocked, strategy, progress, grace)
     try:
-        with terminate_as_exception(fault_timeout or DEFAULT_TERM_GRACE_S) as term:
+        with terminate_as_exception(grace, on_blocked) as term:
             try:
                 yield
             except BaseException as exc:
@@ -215,6 +221,36 @@ def _where(progress: Progress) -> str:
 
 def _say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
+
+
+def _exit_blocked(strategy: Strategy, progress: Progress, grace: float, signum: int) -> None:
+    """A signal came ``grace`` seconds ago and the main thread never ran its handler: it is
+    blocked outside Python (a collective, other native code). Tell the peers, as the handler
+    would have, and say so in one line; the caller exits the process next."""
+    rank = strategy.rank
+    what = "terminated (SIGTERM)" if signum == signal.SIGTERM else "interrupted (Ctrl-C)"
+    text = f"{what} in {_where(progress)}"
+    message = json.dumps({"kind": INTERRUPT, "rank": rank, "text": text})
+    announced: list[bool] = []
+
+    def announce() -> None:  # a thread: a store whose host went away may not answer
+        try:
+            announced.append(strategy.announce_failure(message))
+        except Exception:
+            announced.append(rank == 0)
+
+    thread = threading.Thread(target=announce, name="distkit-blocked-notice", daemon=True)
+    thread.start()
+    thread.join(BLOCKED_NOTICE_S)
+    why = (
+        f"its main thread was still blocked {grace:g}s after the signal, in a collective or "
+        f"other native code, so it exits with status {128 + signum} without running its "
+        "handlers"
+    )
+    if announced and announced[0]:
+        _say(f"distkit: rank {rank} {text}; stopping every rank; {why}")
+    else:
+        _say(f"distkit: rank {rank} got {signal.Signals(signum).name}, but {why}")
 
 
 def _collective_error(exc: BaseException) -> bool:
