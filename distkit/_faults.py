@@ -14,7 +14,10 @@ Without this, a rank that raises leaves the others blocked in a collective until
 * Ctrl-C: the first rank to see it prints one line for the whole job, and every rank raises
   :class:`~distkit.errors.TrainingInterrupted` (a ``KeyboardInterrupt`` that exits with status
   130 and no traceback when uncaught); a rank whose main thread stays blocked in C++ past the
-  grace cannot raise it: it tells its peers and exits with 130 (143 for SIGTERM).
+  grace cannot raise it: it tells its peers and exits with 130 (143 for SIGTERM);
+* a collective that times out while a peer's published progress is behind this rank's raises
+  :class:`~distkit.errors.PeerStuckError` naming that rank and where it was, not the backend's
+  bare timeout.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -31,11 +35,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from distkit._channel import SideChannel, ack_key
-from distkit._progress import Progress
+from distkit._channel import SideChannel, ack_key, progress_key, stack_key
+from distkit._progress import Position, Progress
 from distkit._signals import Terminated, terminate_as_exception
 from distkit._watchdog import EXIT_CODE, Watchdog
-from distkit.errors import DistkitError, PeerFailureError, TrainingInterrupted
+from distkit.errors import DistkitError, PeerFailureError, PeerStuckError, TrainingInterrupted
 
 if TYPE_CHECKING:
     from distkit.strategies.base import Strategy
@@ -169,6 +173,11 @@ class _Failure:
                     self._announce(ERROR, peer["text"])
             self._release(first=False)
             return _peer_failure_error(rank, peer)
+        stuck = self._stuck_peers(exc) if peer is None and reachable else None
+        if stuck is not None:
+            first = self._announce(ERROR, _summary(stuck))
+            self._release(first)
+            return stuck
         first = reachable and self._announce(ERROR, _summary(exc))
         self._release(first)
         return None
@@ -189,6 +198,67 @@ class _Failure:
         if not isinstance(notice, dict):
             notice = {"kind": ERROR, "rank": None, "text": raw}
         return notice, reachable
+
+    def _stuck_peers(self, exc: BaseException) -> PeerStuckError | None:
+        """The error naming the ranks this one waited for, when ``exc`` is a collective's
+        timeout (None: not a timeout, or no rank to name: ``exc`` says all there is).
+
+        A collective of every rank that times out lacks at least one of them. Named: the
+        ranks whose last published progress is behind this rank's; failing those, the ranks
+        at the same point whose main thread was last seen elsewhere than this rank's
+        collective call; failing those, the one rank at the same point whose stack is not
+        known, if every other rank is accounted for (with two ranks: the other one).
+        Progress (and, once it has stood still for ``hang_warning / 2``, the stack) is
+        published only while ``hang_warning`` is on, every ``hang_warning / 8`` seconds: a
+        rank is named where it was last seen.
+        """
+        own = Position.decode(self.progress.encode())
+        channel = self.strategy.side_channel()
+        if own is None or channel is None or not _timed_out(exc):
+            return None
+        rank, size = self.strategy.rank, self.strategy.world_size
+        try:
+            published = channel.get_many([progress_key(r) for r in range(size)])
+            stacks = channel.get_many([stack_key(r) for r in range(size)])
+        except Exception:  # the channel's host may have gone: keep the backend's error
+            return None
+        here = _call_that_raised(exc)
+        behind: dict[int, str] = {}
+        level: dict[int, str] = {}
+        unknown: dict[int, str] = {}
+        for r, text in enumerate(published):
+            position = Position.decode(text or "")
+            if r == rank or position is None or position.key > own.key:
+                continue
+            tag, _, frames = (stacks[r] or "").partition("\n")
+            frame = _innermost_frame(frames) if tag == text and frames.strip() else None
+            seen = f"rank {r} was last seen in {position.describe()}"
+            if frame is not None:
+                seen += f", at {frame[0]}:{frame[1]} in {frame[2]}" + (
+                    f": {frame[3]}" if frame[3] else ""
+                )
+            if position.key < own.key:
+                behind[r] = seen
+            elif frame is None:
+                unknown[r] = seen
+            elif frame[:3] != here:  # not waiting where this rank waits
+                level[r] = seen
+        accounted = all(text is not None for text in published)
+        named = behind or level or (unknown if len(unknown) == 1 and accounted else {})
+        if not named:
+            return None
+        ranks = sorted(named)
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+        return PeerStuckError(
+            f"rank {rank} timed out in a collective in {own.describe()}, waiting for {who}: "
+            f"{'; '.join(named[r] for r in ranks)}. A rank that makes no progress (a "
+            "deadlocked data loader, an endless loop, a hung device) or waits in another "
+            "collective holds every rank up until the collective timeout "
+            f"(Trainer(collective_timeout=...)). The backend said: {_summary(exc)}",
+            failed_rank=ranks[0],
+            reason=f"made no progress: {named[ranks[0]]}",
+            stuck_ranks=tuple(ranks),
+        )
 
     def _announce(self, kind: str, text: str) -> bool:
         """Leave a notice for the peers; True if it was the job's first."""
@@ -251,6 +321,33 @@ def _exit_blocked(strategy: Strategy, progress: Progress, grace: float, signum: 
         _say(f"distkit: rank {rank} {text}; stopping every rank; {why}")
     else:
         _say(f"distkit: rank {rank} got {signal.Signals(signum).name}, but {why}")
+
+
+def _timed_out(exc: BaseException) -> bool:
+    # what gloo's collectives raise at the timeout ("Timed out waiting 3000ms for recv ...")
+    return _collective_error(exc) and re.search(r"timed? ?out", str(exc), re.IGNORECASE) is not None
+
+
+def _call_that_raised(exc: BaseException) -> tuple[str, int, str] | None:
+    """File, line and function of the innermost Python frame ``exc`` passed through: where
+    this rank called the collective (a rank blocked in the same call shows the same frame)."""
+    tb = exc.__traceback__
+    if tb is None:
+        return None
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb.tb_frame.f_code.co_filename, tb.tb_lineno, tb.tb_frame.f_code.co_name
+
+
+def _innermost_frame(stack: str) -> tuple[str, int, str, str] | None:
+    """File, line, function and code of a formatted stack's last frame."""
+    lines = stack.strip().splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        found = re.match(r'\s*File "(.+)", line (\d+), in (.+)', lines[i])
+        if found:
+            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            return found[1], int(found[2]), found[3], code
+    return None
 
 
 def _collective_error(exc: BaseException) -> bool:

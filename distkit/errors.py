@@ -65,6 +65,29 @@ class PeerFailureError(DistkitError, RuntimeError):
         self.reason = reason
 
 
+class PeerStuckError(PeerFailureError):
+    """This rank's collective timed out while another rank made no progress during ``fit``.
+
+    Raised instead of the backend's bare timeout when the ranks' published progress shows
+    who was behind (``hang_warning`` on). The message names each such rank and where it was
+    last seen (epoch, step, phase, and its innermost frame when known).
+
+    Attributes:
+        stuck_ranks: the ranks behind this one when its collective timed out.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        failed_rank: int | None = None,
+        reason: str = "",
+        stuck_ranks: tuple[int, ...] = (),
+    ) -> None:
+        super().__init__(message, failed_rank=failed_rank, reason=reason)
+        self.stuck_ranks = stuck_ranks
+
+
 class TrainingInterrupted(KeyboardInterrupt, SystemExit):
     """Ctrl-C (SIGINT) or SIGTERM stopped a ``fit``; every rank raises it (one line is printed).
 

@@ -237,31 +237,35 @@ def test_fault_handlers_ctrl_c_in_one_process_exits_130_in_one_line(tmp_path):
     ], proc.stderr
 
 
-def _collective_timeout_on_rank(folder: str) -> dict:
-    """Rank 1 sleeps 12 s in step 2; rank 0's collective must give up after 3 s."""
+def _collective_timeout_on_rank(
+    folder: str, hang_warning: float | None = None, at: int = 2
+) -> dict:
+    """Rank 1 sleeps 12 s in step ``at``; rank 0's collective must give up after 3 s."""
     torch.manual_seed(0)
     model = nn.Linear(6, 3)
     trainer = distkit.Trainer(
         "ddp", batch_size=4, max_epochs=1, progress=False, collective_timeout=3,
-        fault_timeout=None, hang_warning=None,
+        fault_timeout=None, hang_warning=hang_warning,
     )  # fmt: skip
     calls = {"n": 0}
     rank = trainer.rank
 
     def step_fn(m: nn.Module, batch) -> torch.Tensor:
         calls["n"] += 1
-        if rank == 1 and calls["n"] == 2:
+        if rank == 1 and calls["n"] == at:
             time.sleep(12)
         x, y = batch
         return nn.functional.cross_entropy(m(x), y)
 
     start = time.monotonic()
+    stuck_ranks = None
     try:
         trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), make_dataset(24),
                     step_fn=step_fn)  # fmt: skip
         outcome = "finished"
     except Exception as exc:
         outcome = f"{type(exc).__name__}: {exc}"
+        stuck_ranks = getattr(exc, "stuck_ranks", None)
     seconds = time.monotonic() - start
     marker = Path(folder) / "rank_1_done"
     if rank == 1:
@@ -270,7 +274,7 @@ def _collective_timeout_on_rank(folder: str) -> dict:
         deadline = time.monotonic() + 60
         while not marker.exists() and time.monotonic() < deadline:
             time.sleep(0.1)
-    return {"seconds": seconds, "outcome": outcome}
+    return {"seconds": seconds, "outcome": outcome, "stuck_ranks": stuck_ranks}
 
 
 def test_fault_handlers_collective_timeout_bounds_the_wait_for_a_stuck_rank(run_on_ranks, tmp_path):
@@ -280,8 +284,43 @@ def test_fault_handlers_collective_timeout_bounds_the_wait_for_a_stuck_rank(run_
     assert "timed out" in waiting["outcome"].lower() or "timeout" in waiting["outcome"].lower(), (
         waiting
     )
+    # hang_warning=None: no rank publishes its progress, so the backend's error is all there is
+    assert waiting["outcome"].startswith("RuntimeError: "), waiting
     assert waiting["seconds"] < 10, waiting
     assert stuck["outcome"].startswith("PeerFailureError: rank 1 stopped because rank 0 failed")
+
+
+@pytest.mark.parametrize(
+    ("at", "waiting_in"),
+    [
+        # step 2: DDP's forward re-broadcasts its buckets, so rank 0 waits in the same phase
+        # as the sleeper: its stack tells them apart
+        pytest.param(2, r"step 2 \((forward|backward)\)", id="same-phase"),
+        # step 3: rank 0 waits in backward's all-reduce, behind it the sleeper's forward
+        pytest.param(3, r"step 3 \(backward\)", id="behind"),
+    ],
+)
+def test_fault_handlers_collective_timeout_names_the_stuck_rank_and_where_it_was(
+    run_on_ranks, tmp_path, at, waiting_in
+):
+    waiting, stuck = run_on_ranks(
+        _collective_timeout_on_rank, str(tmp_path), 1.0, at, world_size=2, timeout=120
+    )
+    outcome = waiting["outcome"]
+    assert re.match(
+        rf"PeerStuckError: rank 0 timed out in a collective in epoch 1, {waiting_in}, waiting "
+        rf"for rank 1: rank 1 was last seen in epoch 1, step {at} \(forward\), at ",
+        outcome,
+    ), waiting
+    assert "in step_fn: time.sleep(12)" in outcome, outcome  # its innermost frame
+    assert "The backend said: RuntimeError: " in outcome and "Timed out" in outcome, outcome
+    assert waiting["stuck_ranks"] == (1,)
+    assert waiting["seconds"] < 30, waiting  # the timeout ended it (rank 1 never came)
+    # the stuck rank, once it wakes, is told why the others stopped
+    assert stuck["outcome"].startswith(
+        "PeerFailureError: rank 1 stopped because rank 0 failed: PeerStuckError: rank 0 timed "
+        "out in a collective"
+    ), stuck
 
 
 def test_fault_handlers_collective_timeout_given_twice_must_agree():
