@@ -17,15 +17,33 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 from distkit._checks import check_ints
-from distkit.errors import ConfigurationError, WorkerError
+from distkit.errors import (
+    ConfigurationError,
+    PeerFailureError,
+    RankDisagreementError,
+    TrainingInterrupted,
+    WorkerError,
+)
 
 START_METHODS = ("fork", "spawn", "forkserver")
 #: seconds a worker may take to exit after the caller is interrupted, before it is killed
 EXIT_GRACE_S = 15.0
+#: seconds the other workers have, after one reported an error, to finish or report theirs
+#: before they are stopped: a worker that failed before it joined the others leaves them
+#: waiting for it (up to the 30-minute rendezvous time-out), so nobody waits for them
+STOP_AFTER_ERROR_S = 3.0
+#: errors that only report another worker's failure (a peer that left or hung, ranks that
+#: could not meet, the stop sent to them): raised only when no real error came
+FOLLOW_ON_ERRORS: tuple[type[BaseException], ...] = (
+    PeerFailureError,
+    RankDisagreementError,
+    TrainingInterrupted,
+)
 
 
 class RemoteTraceback(Exception):
@@ -63,9 +81,15 @@ def spawn(
             ``if __name__ == "__main__":`` guard, as with ``torch.multiprocessing.spawn``).
         timeout: seconds the workers may run in all (None: no limit); then they are killed.
 
+    Once a worker has failed, the others get ``STOP_AFTER_ERROR_S`` (3 s) to finish or
+    report, then they are stopped (SIGTERM, then SIGKILL), so a failure ends the call within
+    seconds even when the others were waiting for the failed one.
+
     Raises:
-        Exception: the first worker error (the one that is not a peer's report of it), as
-            its own type, with the worker's traceback chained as its cause.
+        Exception: the first real worker error (not a follow-on such as a peer's
+            ``PeerFailureError`` or ``RankDisagreementError``), as its own type, with the
+            worker's traceback chained as its cause and one note per other worker that
+            failed or was stopped.
         WorkerError: a worker error that cannot travel as itself, or a worker that died
             without a word (killed, or ``os._exit``).
         ConfigurationError: bad arguments, or CUDA initialised here before a fork.
@@ -167,54 +191,102 @@ def _die_with_parent() -> None:
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+@dataclass(frozen=True)
+class _Failure:
+    """A worker's error as it arrived (or its silent death), in the order they came."""
+
+    rank: int
+    name: str
+    text: str
+    trace: str | None  # None: it died without a word
+    payload: bytes | None  # the pickled exception, where it survives a round trip
+    #: it only reports another rank's failure (see :data:`FOLLOW_ON_ERRORS`)
+    follow_on: bool = False
+
+    @classmethod
+    def reported(cls, rank: int, report: tuple[str, str, str, bytes | None]) -> _Failure:
+        name, text, trace, payload = report
+        exc = None if payload is None else pickle.loads(payload)
+        return cls(rank, name, text, trace, payload, isinstance(exc, FOLLOW_ON_ERRORS))
+
+    @classmethod
+    def silent_death(cls, rank: int, exitcode: int) -> _Failure:
+        return cls(
+            rank,
+            "WorkerError",
+            f"worker {rank} died with exit code {exitcode} without reporting (killed, out of "
+            "memory, or os._exit)",
+            None,
+            None,
+        )
+
+    def summary(self) -> str:
+        first = self.text.strip().splitlines()[0] if self.text.strip() else ""
+        return f"{self.name}: {first[:300]}" if first else self.name
+
+
 def _collect(results: Any, workers: list[Any], timeout: float | None) -> Any:
     deadline = None if timeout is None else time.monotonic() + timeout
     done: set[int] = set()
     value: Any = None
-    errors: list[tuple[int, tuple[str, str, str, bytes | None]]] = []
+    failures: list[_Failure] = []
+    stop_at: float | None = None  # the end of the others' grace, from the first failure
     while len(done) < len(workers):
+        now = time.monotonic()
+        if stop_at is not None and now >= stop_at:
+            break
+        if deadline is not None and now > deadline and not failures:
+            raise WorkerError(
+                f"the workers did not finish within timeout={timeout:g}s (done: "
+                f"{sorted(done) or 'none'}); they are stopped"
+            )
+        # dead before the wait: a worker flushes its queue before it exits, so a report of
+        # theirs is in the queue before the wait begins, and an empty wait means none came
+        dead = [r for r, w in enumerate(workers) if r not in done and w.exitcode is not None]
         try:
-            rank, kind, payload = results.get(timeout=1.0)
+            rank, kind, payload = results.get(timeout=1.0 if stop_at is None else stop_at - now)
         except queue.Empty:
-            _check_alive(workers, done, errors)
-            if deadline is not None and time.monotonic() > deadline:
-                raise WorkerError(
-                    f"the workers did not finish within timeout={timeout:g}s (done: "
-                    f"{sorted(done) or 'none'}); they are stopped"
-                ) from None
-            continue
-        done.add(rank)
-        if kind == "ok" and rank == 0:
-            value = pickle.loads(payload)
-        elif kind == "error":
-            errors.append((rank, payload))
-    if errors:
-        raise _first_error(errors)
+            for rank in dead:
+                done.add(rank)
+                failures.append(_Failure.silent_death(rank, workers[rank].exitcode))
+        else:
+            done.add(rank)
+            if kind == "ok" and rank == 0:
+                value = pickle.loads(payload)
+            elif kind == "error":
+                failures.append(_Failure.reported(rank, payload))
+        if failures and stop_at is None:
+            stop_at = time.monotonic() + STOP_AFTER_ERROR_S
+    if failures:
+        raise _first_error(failures, [rank for rank in range(len(workers)) if rank not in done])
     return value
 
 
-def _check_alive(workers: list[Any], done: set[int], errors: list[Any]) -> None:
-    for rank, worker in enumerate(workers):
-        if rank not in done and not worker.is_alive() and worker.exitcode is not None:
-            raise WorkerError(
-                f"worker {rank} died with exit code {worker.exitcode} without reporting "
-                f"(killed, out of memory, or os._exit)"
-                + (f"; worker {errors[0][0]} had raised first" if errors else "")
-            )
+def _first_error(failures: list[_Failure], running: list[int]) -> BaseException:
+    """The first failure that is not a follow-on of another (else the first), as itself,
+    with the worker's traceback as its cause and the other workers' fates as notes."""
+    first = next((f for f in failures if not f.follow_on), failures[0])
+    if first.payload is not None:
+        exc: BaseException = pickle.loads(first.payload)
+    elif first.trace is None:  # a silent death
+        exc = WorkerError(first.text)
+    else:
+        exc = WorkerError(f"worker {first.rank} raised {first.name}: {first.text}")
+    if first.trace is not None:
+        exc.__cause__ = RemoteTraceback(f"\n--- worker {first.rank} ---\n{first.trace}")
+    for other in failures:
+        if other is not first:
+            exc.add_note(f"distkit.spawn: worker {other.rank} failed too: {other.summary()}")
+    if running:
+        exc.add_note(
+            f"distkit.spawn: {_ranks(running)}, still running {STOP_AFTER_ERROR_S:g}s after the "
+            f"first error, {'was' if len(running) == 1 else 'were'} stopped"
+        )
+    return exc
 
 
-def _first_error(errors: list[tuple[int, tuple[str, str, str, bytes | None]]]) -> BaseException:
-    # a peer's PeerFailureError only reports the real error: raise the real one
-    errors.sort(key=lambda item: (item[1][0] == "PeerFailureError", item[0]))
-    rank, (name, text, trace, payload) = errors[0]
-    cause = RemoteTraceback(f"\n--- worker {rank} ---\n{trace}")
-    if payload is not None:
-        exc: BaseException = pickle.loads(payload)
-        exc.__cause__ = cause
-        return exc
-    error = WorkerError(f"worker {rank} raised {name}: {text}")
-    error.__cause__ = cause
-    return error
+def _ranks(ranks: list[int]) -> str:
+    return f"worker {ranks[0]}" if len(ranks) == 1 else f"workers {', '.join(map(str, ranks))}"
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import distkit
-from distkit.errors import WorkerError
+from distkit.errors import RankDisagreementError, WorkerError
 from tests.jobs.cluster_job import train
 from tests.workloads import max_abs_diff
 
@@ -80,6 +80,63 @@ def test_spawn_reraises_the_failing_workers_error_with_its_traceback():
     cause = info.value.__cause__
     assert isinstance(cause, distkit._spawn.RemoteTraceback)
     assert "worker 1" in str(cause) and "in step" in str(cause)  # the worker's own frames
+
+
+def _fail_on_rank_one_before_its_trainer(stamp: str) -> str:
+    """Rank 1 fails at once; rank 0 builds its Trainer and waits for rank 1 to join."""
+    from torch import nn
+
+    from tests.workloads import make_dataset, make_mlp
+
+    if int(os.environ["RANK"]) == 1:
+        Path(stamp).write_text(str(time.time()))
+        raise RuntimeError("rank 1 found no data")
+    model = make_mlp()
+    trainer = distkit.Trainer("auto", batch_size=4, progress=False)
+    trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), make_dataset(16),
+                loss_fn=nn.functional.cross_entropy)  # fmt: skip
+    return "finished"
+
+
+def test_spawn_a_worker_failing_before_the_others_meet_ends_the_call_within_seconds(tmp_path):
+    """Before: rank 0 waited in the rendezvous for rank 1 (30 minutes) and so did the caller
+    (here the 120 s timeout= would have raised a WorkerError instead)."""
+    stamp = tmp_path / "raised"
+    with pytest.raises(RuntimeError, match="rank 1 found no data") as info:
+        distkit.spawn(_fail_on_rank_one_before_its_trainer, nprocs=2, args=(str(stamp),),
+                      timeout=120)  # fmt: skip
+    waited = time.time() - float(stamp.read_text())
+    assert waited < distkit._spawn.STOP_AFTER_ERROR_S + 20, f"{waited:.1f}s after the error"
+    assert "worker 1" in str(info.value.__cause__)
+    assert info.value.__notes__ == [
+        "distkit.spawn: worker 0, still running 3s after the first error, was stopped"
+    ]
+
+
+def _fail_on_rank_one_after_its_trainer() -> str:
+    """Rank 1 fails between its Trainer and fit; rank 0's fit then finds it gone."""
+    from torch import nn
+
+    from tests.workloads import make_dataset, make_mlp
+
+    trainer = distkit.Trainer("auto", batch_size=4, progress=False)
+    if trainer.rank == 1:
+        raise RuntimeError("rank 1 found no data")
+    model = make_mlp()
+    trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), make_dataset(16),
+                loss_fn=nn.functional.cross_entropy)  # fmt: skip
+    return "finished"
+
+
+def test_spawn_two_failed_workers_raise_the_real_error_with_the_follow_on_attached():
+    """Rank 0's fit raises RankDisagreementError because rank 1 went away: a follow-on.
+    Before, the caller raised it (the lower rank) and dropped rank 1's RuntimeError."""
+    with pytest.raises(RuntimeError, match="rank 1 found no data") as info:
+        distkit.spawn(_fail_on_rank_one_after_its_trainer, nprocs=2, timeout=120)
+    assert not isinstance(info.value, RankDisagreementError)
+    (note,) = info.value.__notes__
+    follow_on = "distkit.spawn: worker 0 failed too: RankDisagreementError: rank 0 waited"
+    assert note.startswith(follow_on) or "worker 0, still running" in note, note
 
 
 class Unpicklable(Exception):
