@@ -8,9 +8,12 @@ plugin becomes one :class:`PluginProblem` line that names its distribution.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
+import io
 import re
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -119,13 +122,44 @@ def check_class(obj: object, name: str) -> str | None:
 
 
 def load_class(target: str, name: str) -> type[Strategy] | str:
-    """The strategy class at ``target``, or why it cannot be had (one phrase)."""
+    """The strategy class at ``target``, or why it cannot be had (one phrase).
+
+    Whatever the import raises is caught but Ctrl-C: a plugin that parses the command line
+    when imported ends in ``SystemExit`` (argparse's exit 2), which must not end the process
+    that merely asked for a strategy (``distkit doctor``, ``distkit run``, a training script).
+    What the import prints is held back and passed on unless it exited, since a plugin's
+    argparse prints its usage text under the name of the program that imported it.
+    """
+    out, err = io.StringIO(), io.StringIO()
     try:
-        obj = load(target)
-    except Exception as exc:  # a plugin's import may fail in any way
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            obj = load(target)
+    except KeyboardInterrupt:
+        _replay(out, err)
+        raise
+    except SystemExit as exc:
+        return _exited(exc, err.getvalue() + out.getvalue())
+    except BaseException as exc:  # a plugin's import may fail in any way
+        _replay(out, err)
         return f"importing it failed: {type(exc).__name__}: {exc}"
+    _replay(out, err)
     reason = check_class(obj, name)
     if reason is not None:
         return reason
     assert isinstance(obj, type)
     return obj
+
+
+def _replay(out: io.StringIO, err: io.StringIO) -> None:
+    sys.stdout.write(out.getvalue())
+    sys.stderr.write(err.getvalue())
+
+
+def _exited(exc: SystemExit, printed: str) -> str:
+    said = [line.strip() for line in printed.splitlines() if line.strip()]
+    last = f" after printing {said[-1][:200]!r}" if said else ""
+    return (
+        f"importing it called sys.exit({exc.code!r}){last}: the module parses the command "
+        "line or exits when it is imported. A plugin module must only define its classes: "
+        'parse arguments in a function or under `if __name__ == "__main__":`'
+    )

@@ -55,7 +55,9 @@ def examine(
     for name in selected:
         try:
             report = classes[name].diagnose(machine)
-        except Exception as exc:  # one strategy's broken check must not hide the others
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # one broken check (even a sys.exit) must not hide the others
             qualname = f"{classes[name].__module__}.{classes[name].__qualname__}"
             report = StrategyReport(
                 name,

@@ -41,7 +41,8 @@ class StrategyRegistry:
 
     Names resolve in this order: the built-ins, names added with :meth:`register`, then the
     ``distkit.strategies`` entry points (read once, on first need). A plugin whose name is
-    already taken is left out, and :meth:`problems` says so.
+    a built-in's is left out, and :meth:`problems` says so; a name that two plugins claim is
+    neither's: asking for it raises, naming both (and :meth:`problems` lists it).
 
     Args:
         builtins: name -> ``"module:Class"`` of the strategies that cannot be replaced.
@@ -58,6 +59,7 @@ class StrategyRegistry:
         self._group = entry_point_group
         self._added: dict[str, type[Strategy] | str] = {}
         self._plugins: dict[str, _plugins.Plugin] | None = None
+        self._claimed: dict[str, str] = {}  # a name several plugins claim -> the problem line
         self._scan_problems: list[str] = []
         self._classes: dict[str, type[Strategy]] = {}
         self._broken: dict[str, str] = {}  # plugin name -> its problem line
@@ -110,7 +112,8 @@ class StrategyRegistry:
     def names(self) -> list[str]:
         """Every strategy name, sorted (plugins included, those left out excluded)."""
         builtins = [name for name, target in self._builtins.items() if _module_exists(target)]
-        return sorted({*builtins, *self._added, *self._visible_plugins()})
+        plugins = self._visible_plugins()  # reads the entry points, and the names claimed twice
+        return sorted({*builtins, *self._added, *plugins, *self._claimed})
 
     def resolve(self, name: str) -> type[Strategy]:
         """The class registered under ``name`` (case and surrounding spaces do not matter).
@@ -138,6 +141,8 @@ class StrategyRegistry:
         plugin = self._visible_plugins().get(key)
         if plugin is not None:
             return self._remember(key, self._load_plugin(plugin))
+        if key in self._claimed:
+            raise StrategyPluginError(self._claimed[key])
         choices = self.names()
         close = difflib.get_close_matches(key, [*choices, "auto"], n=1, cutoff=0.6)
         hint = f" Did you mean {close[0]!r}?" if close else ""
@@ -254,19 +259,36 @@ class StrategyRegistry:
             found, self._scan_problems = (
                 _plugins.discover(self._group) if self._group is not None else ([], [])
             )
+            fix = f'Rename its entry point in [project.entry-points."{self._group}"]'
+            claims: dict[str, list[_plugins.Plugin]] = {}
             for plugin in found:
                 reason = _plugins.check_name(plugin.name)
                 if reason is None and plugin.name in self._builtins:
                     reason = f"{plugin.name!r} is a built-in strategy"
-                elif reason is None and plugin.name in self._plugins:
-                    other = self._plugins[plugin.name]
-                    reason = f"{other.distribution} {other.version} registers that name too"
                 if reason is not None:
-                    fix = f'Rename its entry point in [project.entry-points."{self._group}"]'
                     self._scan_problems.append(str(_plugins.PluginProblem(plugin, reason, fix)))
                 else:
-                    self._plugins[plugin.name] = plugin
+                    claims.setdefault(plugin.name, []).append(plugin)
+            for name, plugins in claims.items():
+                if len(plugins) == 1:
+                    self._plugins[name] = plugins[0]
+                else:  # which one the entry points list first is an accident of sys.path
+                    self._claimed[name] = _claimed_twice(name, plugins, self._group)
+                    self._scan_problems.append(self._claimed[name])
         return {name: p for name, p in self._plugins.items() if name not in self._added}
+
+
+def _claimed_twice(name: str, plugins: list[_plugins.Plugin], group: str | None) -> str:
+    """One line: the plugins that claim ``name``, that none is used, and the fix."""
+    claims = [f"{p.distribution} {p.version} ({p.name} = {p.target})" for p in plugins]
+    listed = ", ".join(claims[:-1]) + f" and {claims[-1]}"
+    uninstall = " or ".join(f"pip uninstall {p.distribution}" for p in plugins)
+    return (
+        f"strategy plugin {name!r} is left out: {len(plugins)} plugins claim that name, "
+        f"{listed}, and distkit cannot tell which you mean, so it uses none. Uninstall all "
+        f"but one ({uninstall}), or rename the entry point in one of them "
+        f'([project.entry-points."{group}"])'
+    )
 
 
 def _describe(strategy: type[Strategy] | str) -> str:

@@ -1,9 +1,11 @@
 """Strategy plugins: pip-installed distributions with a ``distkit.strategies`` entry point.
 
-tests/plugins holds three throw-away distributions. They are pip-installed into a temporary
+tests/plugins holds five throw-away distributions. They are pip-installed into a temporary
 folder put on PYTHONPATH (never into this environment), and real processes use them: a
 torchrun job trains with the working one by name, ``distkit doctor`` shows its row, and each
-broken one gets one line naming its distribution while everything else keeps working.
+broken one (an import error, a built-in's name, no Strategy, a name two plugins claim, an
+import that parses the command line and exits) gets one line naming its distribution while
+everything else keeps working.
 """
 
 from __future__ import annotations
@@ -27,7 +29,13 @@ pytestmark = pytest.mark.timeout(240)
 
 ROOT = Path(__file__).resolve().parents[1]
 PLUGINS = ROOT / "tests" / "plugins"
-DISTRIBUTIONS = ("distkit_plugin_example", "distkit_plugin_broken", "distkit_plugin_clash")
+DISTRIBUTIONS = (
+    "distkit_plugin_example",
+    "distkit_plugin_broken",
+    "distkit_plugin_clash",
+    "distkit_plugin_twin",
+    "distkit_plugin_argv",
+)
 
 TRAIN = """\
 import argparse, torch
@@ -79,7 +87,7 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
-    """The three plugin distributions, pip-installed (no dependencies, offline) into a folder."""
+    """The plugin distributions, pip-installed (no dependencies, offline) into a folder."""
     sources = tmp_path_factory.mktemp("plugin-sources")
     target = tmp_path_factory.mktemp("site-packages")
     for name in DISTRIBUTIONS:  # build from copies: the build leaves files beside the sources
@@ -101,11 +109,11 @@ def _env(site: Path) -> dict[str, str]:
     return env
 
 
-def _run(args: list[str], site: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
+def _run(args: list[str], site: Path, cwd: Path, code: int = 0) -> subprocess.CompletedProcess[str]:
     proc = subprocess.run(
         args, capture_output=True, text=True, env=_env(site), cwd=cwd, timeout=200
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.returncode == code, proc.stdout + proc.stderr
     return proc
 
 
@@ -133,9 +141,10 @@ def test_doctor_shows_the_plugin_row_and_one_line_per_broken_plugin(site, tmp_pa
     assert ddp_row.split()[1] == "usable"
     assert data["strategies"]["example"]["origin"] == "plugin distkit-plugin-example 0.1.0"
     problems = data["plugin_problems"]
-    assert len(problems) == 3, problems
-    for problem in problems:
-        assert f"  {problem}" in text.splitlines()  # one line each in the text report too
+    assert len(problems) == 5, problems
+    for problem in problems:  # one line each in the text report too (argv's quotes its argv)
+        start = f"  {problem.split(' after printing ')[0]}"
+        assert len([line for line in text.splitlines() if line.startswith(start)]) == 1
     broken, clash, not_strategy = (
         next(p for p in problems if word in p) for word in ("'broken'", "'ddp'", "'notastrategy'")
     )
@@ -158,6 +167,55 @@ def test_broken_plugins_leave_distkit_and_the_other_strategies_working(site, tmp
     errors = [line for line in out["run_err"].splitlines() if "error" in line]
     assert errors == [f"distkit: error: {out['broken']}"]
     assert "example" in out["help"] and "--strategy {" in out["help"]
+
+
+DISTKIT = [sys.executable, "-m", "distkit.cli"]
+
+
+def test_a_plugin_that_parses_the_command_line_at_import_is_one_problem_line(site, tmp_path):
+    """Its argparse meets `doctor` and exits 2. Before, that SystemExit escaped the plugin
+    guard: `distkit doctor` and `distkit run` printed the plugin's usage and exited 2."""
+    (tmp_path / "t.py").write_text("")
+    doctor = _run([*DISTKIT, "doctor", "--strategy", "ddp"], site, tmp_path)
+    run_ddp = _run([*DISTKIT, "run", "--strategy", "ddp", "--dry-run", "t.py"], site, tmp_path)
+    run_argv = _run([*DISTKIT, "run", "--strategy", "argv", "t.py"], site, tmp_path, code=2)
+
+    (line,) = [x.strip() for x in doctor.stdout.splitlines() if "'argv'" in x]
+    assert line.startswith("strategy plugin 'argv' from distkit-plugin-argv 0.1.0 (argv = "
+                           "distkit_plugin_argv:ArgvStrategy) is left out: importing it called "
+                           "sys.exit(2) after printing ")  # fmt: skip
+    assert "unrecognized arguments: doctor" in line and "__main__" in line
+    assert "pip uninstall distkit-plugin-argv" in line
+    assert "usage:" not in doctor.stderr + run_ddp.stderr  # the plugin's own text is held back
+    assert "ddp " in doctor.stdout and "would run" in run_ddp.stderr
+    assert run_argv.stderr.startswith("distkit: error: strategy plugin 'argv' from ")
+
+
+def test_two_plugins_claiming_one_name_are_both_left_out_naming_each_other(site, tmp_path):
+    """distkit-plugin-twin and distkit-plugin-clash both declare `twin`. Before, the one
+    listed first (an accident of sys.path) won silently."""
+    (tmp_path / "t.py").write_text("")
+    probe = (
+        "import distkit\n"
+        "try:\n    distkit.Trainer('twin', progress=False)\n"
+        "except distkit.StrategyPluginError as exc:\n    print('ERROR', exc)\n"
+    )
+    trainer = _run([sys.executable, "-c", probe], site, tmp_path).stdout
+    run = _run([*DISTKIT, "run", "--strategy", "twin", "t.py"], site, tmp_path, code=2).stderr
+    data = json.loads(
+        _run([*DISTKIT, "doctor", "--json", "--strategy", "ddp"], site, tmp_path).stdout
+    )
+
+    (line,) = [p for p in data["plugin_problems"] if "'twin'" in p]
+    assert line.startswith("strategy plugin 'twin' is left out: 2 plugins claim that name, ")
+    for claim in ("distkit-plugin-twin 0.1.0 (twin = distkit_plugin_twin:TwinStrategy)",
+                  "distkit-plugin-clash 0.1.0 (twin = distkit_plugin_clash:TwinStrategy)",
+                  "pip uninstall distkit-plugin-twin", "pip uninstall distkit-plugin-clash",
+                  "rename the entry point"):  # fmt: skip
+        assert claim in line
+    assert "twin" not in data["strategies"]  # neither class is used
+    assert trainer.strip() == f"ERROR {line}"
+    assert run.strip() == f"distkit: error: {line}"
 
 
 def test_builtins_resolve_without_reading_entry_points(monkeypatch):
