@@ -2,8 +2,8 @@
 ``distkit doctor`` says which strategies work on this machine.
 
 Exit codes: ``run`` ends with the launched command's exit code (on POSIX distkit replaces
-itself with the launcher, so signals reach it directly); 2 for a usage error or a missing
-launcher; 1 for an internal error.
+itself with the launcher, so signals reach it directly); 2 for a usage error, a missing
+launcher or a strategy that cannot run on this machine; 1 for an internal error.
 """
 
 from __future__ import annotations
@@ -32,8 +32,10 @@ RUN_NOTES = """\
 distkit's options go before SCRIPT: everything after SCRIPT is the script's, untouched.
 "--strategy S" is appended to the script's arguments unless they already hold --strategy.
 OMP_NUM_THREADS=1 is set for multi-process runs unless you set it. The exact command is
-printed to stderr first. Exit code: the launcher's (torchrun and horovodrun exit 1 when a rank
-fails and print that rank's code); 2 when the launcher is missing or the options do not fit.
+printed to stderr first. Before anything starts, the strategy's `distkit doctor` check runs:
+a strategy that cannot train here (apex without CUDA) is refused at once (--dry-run skips the
+check). Exit code: the launcher's (torchrun and horovodrun exit 1 when a rank fails and print
+that rank's code); 2 when the launcher is missing, the options do not fit, or the check fails.
 """
 
 
@@ -168,9 +170,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     from distkit.registry import resolve_strategy_class
 
     try:
-        family = resolve_strategy_class(args.strategy).launcher
+        strategy = resolve_strategy_class(args.strategy)
     except DistkitError as exc:  # a plugin that cannot be loaded
         return _fail(str(exc))
+    family = strategy.launcher
     for option, dest, launcher in args.launcher_options:
         if getattr(args, dest) and option != family.args_option:
             return _fail(
@@ -204,11 +207,33 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not Path(args.script).exists():
         return _fail(f"script {args.script!r} not found (from {os.getcwd()})")
     env = launch.thread_env(request, os.environ)
+    refusal = None if args.dry_run else _cannot_run_here(strategy, args.strategy)
+    if refusal is not None:
+        return _fail(refusal)
     verb = "would run" if args.dry_run else "running"
     print(f"{PREFIX} {verb}: {launch.describe(argv, env)}", file=sys.stderr, flush=True)
     if args.dry_run:
         return 0
     return _exec(argv, {**os.environ, **env})
+
+
+def _cannot_run_here(strategy: type[Strategy], name: str) -> str | None:
+    """Why ``strategy`` cannot train on this machine, from its ``distkit doctor`` verdict, or
+    None: checked before any process starts, so that N ranks do not each start and fail."""
+    from distkit.diagnosis import collect_machine
+
+    try:
+        report = strategy.diagnose(collect_machine())
+    except Exception:  # a broken check must not block a run: the ranks say what is wrong
+        return None
+    if report.usable:
+        return None
+    why = "; ".join(report.why_not) or report.summary
+    fix = f" Fix: {report.fix}." if report.fix else ""
+    return (
+        f"strategy={name!r} cannot train on this machine: {why}.{fix} Nothing was started "
+        f"(`distkit doctor --strategy {name}` shows the check; --dry-run prints the command)"
+    )
 
 
 def _exec(argv: list[str], env: dict[str, str]) -> int:

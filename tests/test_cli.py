@@ -197,6 +197,23 @@ def test_run_refuses_dp_with_two_processes(tmp_path):
     assert proc.returncode == 2 and "--strategy ddp" in proc.stderr
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a CPU machine")
+def test_run_refuses_apex_without_cuda_before_starting_anything(tmp_path):
+    """Before: torchrun started two ranks, each printed ApexNeedsCudaError's traceback, and
+    torchrun's summary ended it (exit 1, 70 lines, 9 s here). Now one line, before any rank."""
+    (tmp_path / "tiny.py").write_text("open('started', 'w').close()\n" + TINY)
+    proc = _distkit("run", "--strategy", "apex", "-n", "2", "tiny.py", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert not (tmp_path / "started").exists()  # no rank ran
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("distkit: error: strategy='apex' cannot train on this machine: no "
+                           "CUDA device (NVIDIA apex is CUDA-only)")  # fmt: skip
+    assert "on CPU: distkit run --strategy ddp, precision='bf16'" in line
+    assert "Nothing was started" in line and "running:" not in proc.stderr
+    dry = _distkit("run", "--strategy", "apex", "-n", "2", "--dry-run", "tiny.py", cwd=tmp_path)
+    assert dry.returncode == 0 and "would run" in dry.stderr  # the command, still printed
+
+
 def test_run_ddp_starts_two_ranks(tmp_path):
     (tmp_path / "tiny.py").write_text(TINY)
     proc = _distkit("run", "--strategy", "ddp", "-n", "2", "tiny.py", "--tag", "x y", cwd=tmp_path)
