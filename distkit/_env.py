@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from distkit._hostlist import expand_hostlist
+from distkit.errors import ConfigurationError
 
 Launcher = Literal["torchrun", "torch.distributed.launch", "horovodrun", "mpirun", "srun", "none"]
 #: the first port of the range distkit derives a rendezvous port from (srun, mpirun)
@@ -83,18 +84,19 @@ class LaunchEnv:
         env = os.environ if environ is None else environ
         args = sys.argv if argv is None else argv
         if "HOROVOD_RANK" in env or "HOROVOD_SIZE" in env:
-            return cls(
+            found = cls(
                 launcher="horovodrun",
                 rank=_int(env, "HOROVOD_RANK", 0),
                 local_rank=_int(env, "HOROVOD_LOCAL_RANK", 0),
                 world_size=_int(env, "HOROVOD_SIZE", 1),
                 elastic=env.get("HOROVOD_ELASTIC") == "1",
             )
+            return found._in_range("HOROVOD_RANK", "HOROVOD_SIZE")
         legacy_local_rank = _local_rank_from_argv(args)
         if "WORLD_SIZE" in env and "RANK" in env:
             torchrun = "TORCHELASTIC_RUN_ID" in env and legacy_local_rank is None
             local_rank = _int(env, "LOCAL_RANK", legacy_local_rank or 0)
-            return cls(
+            found = cls(
                 launcher="torchrun" if torchrun else "torch.distributed.launch",
                 rank=_int(env, "RANK", 0),
                 local_rank=local_rank,
@@ -102,9 +104,10 @@ class LaunchEnv:
                 master_addr=env.get("MASTER_ADDR"),
                 master_port=_int(env, "MASTER_PORT", 0) or None,
             )
+            return found._in_range("RANK", "WORLD_SIZE")
         slurm_step = "SLURM_PROCID" in env
         if "OMPI_COMM_WORLD_SIZE" in env or ("PMI_SIZE" in env and not slurm_step):
-            return cls(
+            found = cls(
                 launcher="mpirun",
                 rank=_int(env, "OMPI_COMM_WORLD_RANK", _int(env, "PMI_RANK", 0)),
                 local_rank=_int(env, "OMPI_COMM_WORLD_LOCAL_RANK", _int(env, "MPI_LOCALRANKID", 0)),
@@ -112,8 +115,12 @@ class LaunchEnv:
                 master_addr=env.get("MASTER_ADDR") or "127.0.0.1",
                 master_port=_int(env, "MASTER_PORT", 0) or _mpi_port(env),
             )
+            return found._in_range(
+                _first_set(env, "OMPI_COMM_WORLD_RANK", "PMI_RANK"),
+                _first_set(env, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"),
+            )
         if slurm_step:
-            return cls(
+            found = cls(
                 launcher="srun",
                 rank=_int(env, "SLURM_PROCID", 0),
                 local_rank=_int(env, "SLURM_LOCALID", 0),
@@ -121,7 +128,34 @@ class LaunchEnv:
                 master_addr=env.get("MASTER_ADDR") or _slurm_first_host(env),
                 master_port=_int(env, "MASTER_PORT", 0) or _slurm_port(env),
             )
+            return found._in_range("SLURM_PROCID", _first_set(env, "SLURM_NTASKS", "SLURM_NPROCS"))
         return cls()
+
+    def _in_range(self, rank_key: str, size_key: str) -> LaunchEnv:
+        """Itself, if its rank lies in 0..world_size-1: a rank outside would wait for a world
+        that cannot form (until the 30-minute rendezvous time-out) or train alone."""
+        if self.world_size >= 1 and 0 <= self.rank < self.world_size:
+            return self
+        size = f"{size_key}={self.world_size}" if size_key else "no world size set (so 1)"
+        if self.world_size < 1:
+            problem = f"{size} (with {rank_key}={self.rank}): the world size must be >= 1"
+        else:
+            problem = (
+                f"{rank_key}={self.rank} with {size}: a rank must lie in 0..{self.world_size - 1}"
+            )
+        if self.launcher == "srun":
+            cause = (
+                "these are not one srun step's variables: start the tasks with `srun python "
+                "train.py` (srun sets both for each task), and do not set or copy SLURM_PROCID "
+                "or SLURM_NTASKS by hand"
+            )
+        else:
+            cause = (
+                f"{self.launcher} sets both for each process; a value set by hand or left over "
+                "in the environment is the likely cause: unset it, or start the processes with "
+                f"{self.launcher}"
+            )
+        raise ConfigurationError(f"{problem}; {cause}")
 
 
 def _int(env: Mapping[str, str], key: str, default: int) -> int:
@@ -135,6 +169,11 @@ def _int(env: Mapping[str, str], key: str, default: int) -> int:
             f"environment variable {key}={value!r} is not an integer; the launcher that set it "
             "is misconfigured (unset it or launch with torchrun / horovodrun)"
         ) from None
+
+
+def _first_set(env: Mapping[str, str], *keys: str) -> str:
+    """The first of ``keys`` set in ``env`` (to name it in a message), else ``""``."""
+    return next((key for key in keys if env.get(key)), "")
 
 
 def _slurm_first_host(env: Mapping[str, str]) -> str:

@@ -13,6 +13,7 @@ import random
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -226,6 +227,27 @@ def test_clusters_rank_zero_says_why_when_the_other_tasks_never_come(monkeypatch
     with pytest.raises(TimeoutError, match="only 1 of 2 tasks reached the store"):
         _torch_dist._job_store("127.0.0.1", _free_port(), 2, 0, timedelta(seconds=1.5))
     assert "start the tasks with srun" in capsys.readouterr().err
+
+
+def test_clusters_a_rank_whose_peers_never_come_says_where_it_waits(tmp_path):
+    """Only rank 1 of an srun step started: it waits for rank 0's store. Before, it waited in
+    silence until the rendezvous time-out (30 minutes by default); now it names the address,
+    the ranks it waits for and what to check, after half the time-out (2 s of 4 s here)."""
+    port = _free_port()
+    env = _env(SLURM_PROCID="1", SLURM_LOCALID="1", SLURM_NTASKS="2", SLURM_JOB_ID="77",
+               SLURM_NODELIST="localhost", MASTER_PORT=str(port))  # fmt: skip
+    code = "import distkit; distkit.Trainer('auto', collective_timeout=4, progress=False)"
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0
+    hint = (f"distkit: rank 1 of 2 (srun) has waited 2s at the rendezvous localhost:{port} for "
+            "ranks 0..1 (rank 0 hosts it). Check that every task started")  # fmt: skip
+    assert hint in proc.stderr, proc.stderr[-3000:]
+    assert "LauncherMismatchError: rank 1 of a srun job could not meet the others" in proc.stderr
+    assert proc.stderr.index(hint) < proc.stderr.index("LauncherMismatchError")
+    assert elapsed < 60, f"{elapsed:.0f}s"
 
 
 # ---------------------------------------------------------------- two network namespaces

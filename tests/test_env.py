@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from distkit._env import DERIVED_PORT_BASE, DERIVED_PORT_SPAN, LaunchEnv
 from distkit._hostlist import expand_hostlist
+from distkit.errors import ConfigurationError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -251,3 +254,33 @@ def test_launch_env_is_frozen():
 
     with pytest.raises(AttributeError):
         env.rank = 1  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("environ", "words"),
+    [
+        ({**SRUN_ENV, "SLURM_PROCID": "8"}, "SLURM_PROCID=8 with SLURM_NTASKS=8: a rank must lie "
+         "in 0..7"),
+        ({**SRUN_ENV, "SLURM_PROCID": "-1"}, "SLURM_PROCID=-1 with SLURM_NTASKS=8"),
+        ({**SRUN_ENV, "SLURM_NTASKS": "0"}, "SLURM_NTASKS=0 (with SLURM_PROCID=5): the world size "
+         "must be >= 1"),
+        ({"SLURM_PROCID": "3", "SLURM_NPROCS": "2"}, "SLURM_PROCID=3 with SLURM_NPROCS=2"),
+        ({"SLURM_PROCID": "1"}, "SLURM_PROCID=1 with no world size set (so 1)"),
+        ({**TORCHRUN_ENV, "RANK": "4"}, "RANK=4 with WORLD_SIZE=4: a rank must lie in 0..3"),
+        ({**HOROVODRUN_ENV, "HOROVOD_RANK": "8"}, "HOROVOD_RANK=8 with HOROVOD_SIZE=8"),
+        ({**MPIRUN_ENV, "OMPI_COMM_WORLD_RANK": "6"}, "OMPI_COMM_WORLD_RANK=6 with "
+         "OMPI_COMM_WORLD_SIZE=6"),
+    ],
+)  # fmt: skip
+def test_launch_env_detect_refuses_a_rank_outside_the_world(environ, words):
+    """Before, SLURM_PROCID=8 of SLURM_NTASKS=8 was read as is: that task waited at the
+    rendezvous for a world it could not join (the 30-minute time-out)."""
+    with pytest.raises(ConfigurationError, match=re.escape(words)) as info:
+        LaunchEnv.detect(environ=environ, argv=["train.py"])
+    fix = "srun python train.py" if "SLURM_PROCID" in environ else "unset it"
+    assert fix in str(info.value)
+
+
+def test_launch_env_detect_accepts_the_last_rank():
+    env = LaunchEnv.detect(environ={**SRUN_ENV, "SLURM_PROCID": "7"}, argv=["train.py"])
+    assert (env.launcher, env.rank, env.world_size) == ("srun", 7, 8)

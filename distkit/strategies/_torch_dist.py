@@ -6,9 +6,12 @@ below :class:`~distkit.strategies.base.Strategy`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any, ClassVar
 
@@ -59,10 +62,13 @@ def init_process_group(
     if env.is_torch_launcher or (env.is_cluster_launcher and env.world_size > 1):
         if env.is_torch_launcher:
             _require_rendezvous_env(env)
-        store = _attempt_store(timeout) if env.is_torch_launcher else _cluster_store(env, timeout)
-        dist.init_process_group(
-            chosen, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout
-        )
+        with _hint_while_waiting(env, timeout):
+            store = (
+                _attempt_store(timeout) if env.is_torch_launcher else _cluster_store(env, timeout)
+            )
+            dist.init_process_group(
+                chosen, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout
+            )
     else:
         dist.init_process_group(
             chosen, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
@@ -169,8 +175,49 @@ def _job_store(addr: str, port: int, world_size: int, rank: int, timeout: timede
 
 
 _JOINED = "distkit/joined"
-#: seconds rank 0 waits for the other tasks before it says what may be wrong (once)
+#: seconds a rank waits at the rendezvous for the others before it says what may be wrong
+#: (once; half the rendezvous time-out where that is shorter, so the hint comes before it)
 JOIN_HINT_S = 30.0
+
+
+def join_hint_after(timeout: timedelta) -> float:
+    """Seconds a rank waits for the others at the rendezvous before it prints a hint."""
+    return min(JOIN_HINT_S, timeout.total_seconds() / 2)
+
+
+@contextlib.contextmanager
+def _hint_while_waiting(env: LaunchEnv, timeout: timedelta) -> Iterator[None]:
+    """Under srun / mpirun, a rank other than 0 that is still meeting the others after
+    :func:`join_hint_after` says where it waits and for whom (rank 0 hosts the store and says
+    it itself, counting who came). A timer thread: the rendezvous blocks in C++."""
+    if not env.is_cluster_launcher or env.rank == 0:
+        yield
+        return
+    after = join_hint_after(timeout)
+    timer = threading.Timer(after, _print_wait_hint, args=(env, after, timeout))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def _print_wait_hint(env: LaunchEnv, waited: float, timeout: timedelta) -> None:
+    if env.launcher == "srun":
+        check = "`sacct -j $SLURM_JOB_ID`, the step's output"
+    else:
+        check = "mpirun's -np and its output"
+    print(
+        f"distkit: rank {env.rank} of {env.world_size} ({env.launcher}) has waited {waited:.0f}s "
+        f"at the rendezvous {env.master_addr}:{env.master_port} for ranks "
+        f"0..{env.world_size - 1} (rank 0 hosts it). Check that every task started, rank 0 "
+        f"above all ({check}), that MASTER_ADDR names rank 0's host and that MASTER_PORT is "
+        "the same in every task. It fails after the rendezvous time-out "
+        f"({timeout.total_seconds():g}s, the Trainer's collective_timeout).",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _wait_for_tasks(store: dist.Store, world_size: int, timeout: timedelta) -> None:
@@ -183,7 +230,7 @@ def _wait_for_tasks(store: dist.Store, world_size: int, timeout: timedelta) -> N
             raise TimeoutError(
                 f"only {joined} of {world_size} tasks reached the store in {waited:.0f}s"
             )
-        if waited > JOIN_HINT_S and not hinted:
+        if waited > join_hint_after(timeout) and not hinted:
             hinted = True
             print(
                 f"distkit: rank 0 has waited {waited:.0f}s for {world_size - joined} of "
