@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Te
 
 import distkit
 from distkit import checkpoint as ckpt
+from distkit._env import LaunchEnv
 from distkit.errors import ConfigurationError, RankDisagreementError, TrainerClosedError
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -590,6 +591,19 @@ CASES: list[tuple[str, Callable[[Path], Any], type[BaseException], str]] = [
         ConfigurationError,
         "src=1 is not a rank; allowed 0..0",
     ),
+    # launch environments (issue 24)
+    (
+        "slurm-procid-out-of-range",
+        lambda t: LaunchEnv.detect(environ=_SRUN_TWO_TASKS | {"SLURM_PROCID": "2"}, argv=["x"]),
+        ConfigurationError,
+        "SLURM_PROCID=2 with SLURM_NTASKS=2: a rank must lie in 0..1",
+    ),
+    (
+        "rank-out-of-range",
+        lambda t: LaunchEnv.detect(environ={"RANK": "4", "WORLD_SIZE": "4"}, argv=["x"]),
+        ConfigurationError,
+        "RANK=4 with WORLD_SIZE=4: a rank must lie in 0..3",
+    ),
     # checkpoints: digests and hand-damaged fields (issue 23)
     (
         "val_every_n_steps-without-val_data",
@@ -958,6 +972,14 @@ def _claims_digest(tmp: Path) -> Path:
     path = tmp / "claims.pt"
     torch.save(ckpt.load(_saved(tmp)), path)
     return path
+
+
+_SRUN_TWO_TASKS = {
+    "SLURM_PROCID": "0",
+    "SLURM_NTASKS": "2",
+    "SLURM_JOB_ID": "1",
+    "SLURM_STEP_ID": "0",
+}
 
 
 # ---------------------------------------------------------------- damaged checkpoints (issue 23)
