@@ -30,6 +30,7 @@ PUBLIC_NAMES = [
     "Metric",
     "MissingDependencyError",
     "PeerFailureError",
+    "PeerStuckError",
     "ShardedStream",
     "Strategy",
     "StrategyPluginError",
