@@ -15,13 +15,14 @@ import urllib.error
 import urllib.request
 import zipfile
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import pytest
 
 from distkit import horovod_build as hb
 from distkit._imports import is_importable
 from distkit.errors import DistkitError, MissingDependencyError
+from distkit.horovod_build import suite
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = hb.Flavour(cuda=False, mpi=False)
@@ -577,3 +578,89 @@ def test_installed_rendezvous_fixed_reads_the_installed_file(
     assert hb.installed_rendezvous_fixed() is None
     server.unlink()
     assert hb.installed_rendezvous_fixed() is None
+
+
+# ---------------------------------------------------------------- Horovod's own suite (nox)
+@pytest.mark.timeout(60)
+def test_suite_fetch_checks_every_file_against_the_release_digest(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    data = b"def test_one():\n    pass\n"
+    monkeypatch.setattr(suite, "FILES", {"test/t.py": hashlib.sha256(data).hexdigest()})
+    checkout = tmp_path / "checkout"
+    (checkout / "test").mkdir(parents=True)
+    (checkout / "test" / "t.py").write_bytes(data)
+    suite.fetch(tmp_path / "a", checkout)
+    assert (tmp_path / "a" / "test" / "t.py").read_bytes() == data
+    (checkout / "test" / "t.py").write_bytes(data + b"# changed\n")
+    with pytest.raises(DistkitError, match=r"test/t.py from .* has sha256 .*--source"):
+        suite.fetch(tmp_path / "b", checkout)
+
+
+@pytest.mark.timeout(60)
+def test_suite_fetch_reads_the_tag_from_a_git_clone(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    data = b"def test_one():\n    pass\n"
+    monkeypatch.setattr(suite, "FILES", {"test/t.py": hashlib.sha256(data).hexdigest()})
+    repo = tmp_path / "repo"
+    (repo / "test").mkdir(parents=True)
+    (repo / "test" / "t.py").write_bytes(data)
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    for args in (["init", "-q"], ["add", "."], ["commit", "-qm", "c"], ["tag", "v9"]):
+        subprocess.run([*git, *args], check=True, capture_output=True)
+    (repo / "test" / "t.py").write_bytes(b"changed after the tag\n")
+    (repo / "test" / "t.py").rename(repo / "moved.py")  # the work tree no longer has the file
+    suite.fetch(tmp_path / "out", repo, tag="v9")
+    assert (tmp_path / "out" / "test" / "t.py").read_bytes() == data
+    with pytest.raises(DistkitError, match="not a git clone with tag v8"):
+        suite.fetch(tmp_path / "out2", repo, tag="v8")
+
+
+@pytest.mark.timeout(120)
+def test_suite_reads_what_pytest_reports_and_fails_on_anything_unexplained(tmp_path: Path) -> None:
+    tests = tmp_path / "test_x.py"
+    tests.write_text(
+        "import pytest\n"
+        "def test_ok():\n    pass\n"
+        "def test_bad():\n    assert 1 == 2, 'one is not two'\n"
+        "def test_skips():\n    pytest.skip('No GPUs available')\n"
+    )
+    junit = tmp_path / "rank0.xml"
+    args = [str(tests), "-q", "-p", "no:cacheprovider", f"--junitxml={junit}"]
+    subprocess.run([sys.executable, "-m", "pytest", *args], capture_output=True, cwd=tmp_path)
+    outcome = suite.read_junit(junit)
+    assert outcome.results["test_ok"] == "passed"
+    assert outcome.results["test_bad"].startswith("failed: AssertionError: one is not two")
+    assert outcome.results["test_skips"] == "skipped: No GPUs available"
+    assert outcome.counts() == {"passed": 1, "failed": 1, "skipped": 1}
+    found = suite.problems([outcome], {"test_ok", "test_bad", "test_skips", *suite.NOT_APPLICABLE})
+    assert [line.split(":")[1].split()[0] for line in found] == ["test_bad", "test_skips"]
+    stale = suite.problems([suite.Outcome({"test_ok": "passed"})], {"test_ok"})
+    assert len(stale) == len(suite.NOT_APPLICABLE)
+    assert all("deselected but" in line for line in stale)
+
+
+@pytest.mark.timeout(30)
+def test_suite_deselects_each_not_applicable_test_and_hides_only_the_excluded_optimizers(
+    tmp_path: Path,
+) -> None:
+    tests = tmp_path / "test_torch.py"
+    tests.write_text("class TorchTests:\n    def test_a(self):\n        def test_inner(): ...\n")
+    assert suite.defined_tests(tests) == {"test_a"}
+    args = suite.pytest_args(Path("rank0.xml"), 300)
+    deselected = [args[i + 1] for i, arg in enumerate(args) if arg == "--deselect"]
+    assert deselected == [f"{suite.TEST_FILE}::TorchTests::{n}" for n in suite.NOT_APPLICABLE]
+    assert all(why.strip() for why in [*suite.NOT_APPLICABLE.values(), *suite.SWEEP_EXCLUDED])
+
+    class Optimizer:
+        pass
+
+    Muon = type("Muon", (Optimizer,), {"__module__": "torch.optim._muon"})
+    SGD = type("SGD", (Optimizer,), {"__module__": "torch.optim.sgd"})
+    optim = SimpleNamespace(Muon=Muon, SGD=SGD)
+    assert suite.exclude_from_sweep(optim) == ["Muon"]
+    swept = [
+        c.__name__ for c in Optimizer.__subclasses__() if c.__module__.startswith("torch.optim")
+    ]
+    assert swept == ["SGD"]

@@ -8,6 +8,9 @@ python, flavour, patch level), caches it, installs it with ``--no-deps`` (torch 
 installed or upgraded) and checks the result with ``horovodrun --check-build``::
 
     python -m distkit.horovod_build [--version 0.28.1] [--cache-dir DIR] [--force]
+
+``python -m distkit.horovod_build.suite`` (``nox -s horovod_suite``) runs Horovod's own PyTorch
+tests against the installed build.
 """
 
 from __future__ import annotations
