@@ -541,7 +541,7 @@ def _fit_stream(callback: Callback, folder: Path, **fit_kwargs) -> distkit.FitRe
         batch_size=4,
         max_steps=4,
         progress=False,
-        val_every_n_steps=2,
+        val_every_n_steps=2 if "val_data" in fit_kwargs else None,
         checkpoint_dir=folder,
         callbacks=[callback],
     )
