@@ -33,12 +33,15 @@ def _payload(mb: int) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(0)
     numel = mb * 1_000_000 // 4
     half = numel // 2  # two tensors, as a model and its optimizer state
+    optimizer = {
+        "state": {0: {"momentum_buffer": torch.randn(numel - half)}},
+        "param_groups": [{"params": [0], "lr": 0.1}],
+    }
     return {
         "format": ckpt.FORMAT,
         "version": ckpt.VERSION,
         "model": {"weight": torch.randn(half, generator=generator)},
-        "optimizer": {"state": {0: {"momentum_buffer": torch.randn(numel - half)}},
-                      "param_groups": [{"params": [0], "lr": 0.1}]},  # fmt: skip
+        "optimizer": optimizer,
     }
 
 
