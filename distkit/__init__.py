@@ -8,6 +8,7 @@ Importing distkit imports no backend library (Horovod, apex) and changes nothing
 
 from distkit import callbacks, loggers
 from distkit._spawn import spawn
+from distkit._version import __version__
 from distkit.callbacks import Callback
 from distkit.errors import (
     ConfigurationError,
@@ -28,8 +29,6 @@ from distkit.strategies.base import Strategy, Topology, TrainOptions
 from distkit.streams import ShardedStream
 from distkit.syncbn import GlobalBatchNorm
 from distkit.trainer import FitResult, Trainer
-
-__version__ = "0.1.0"
 
 # The built-in strategy classes (distkit.DDPStrategy, ...), named by the registry and imported
 # on first use: importing distkit imports no strategy module

@@ -12,11 +12,11 @@ from typing import Any
 import torch
 from torch import nn
 
-import distkit
 from distkit import _shards, registry
 from distkit import checkpoint as ckpt
 from distkit._files import mtime_ns
 from distkit._loop import FitState
+from distkit._version import __version__
 from distkit.errors import ConfigurationError
 from distkit.strategies.base import Strategy
 
@@ -80,7 +80,7 @@ def build_payload(
             "precision": strategy.options.precision,
             "world_size": strategy.world_size,
             "optimizer": type(run.optimizer).__name__,
-            "distkit": distkit.__version__,
+            "distkit": __version__,
             "torch": str(torch.__version__),
             # every built-in backend's library (and the strategy's own), named by the classes
             **{lib: _version(lib) for lib in registry.DEFAULT_REGISTRY.libraries(type(strategy))},
