@@ -61,9 +61,7 @@ class FitRun:
         self._saved_at = self.state.global_step
         self._train()
         if self.trainer.checkpoints is not None and self._saved_at != self.state.global_step:
-            self._check_losses()  # never a checkpoint of parameters trained on a NaN
-            self.trainer._save_to_folder()
-            self._saved_at = self.state.global_step
+            self._save()
 
     def _train(self) -> None:
         trainer, state = self.trainer, self.state
@@ -170,11 +168,15 @@ class FitRun:
     def _save_point(self) -> None:
         """A ``checkpoint_every`` point: the checkpoint (with a ``checkpoint_dir``), then the
         strategy's commit (elastic: may re-form the group, raising to run the body again)."""
+        self._save()
+        self.trainer.strategy.commit()
+
+    def _save(self) -> None:
+        """The losses checked, then the checkpoint (with a ``checkpoint_dir``)."""
         self._check_losses()  # never a checkpoint of parameters trained on a NaN
         if self.trainer.checkpoints is not None:
             self.trainer._save_to_folder()
             self._saved_at = self.state.global_step
-        self.trainer.strategy.commit()
 
     def _report(self, record: dict[str, float]) -> None:
         """The epoch's line (and timing table) on rank 0, when ``progress`` is on."""
