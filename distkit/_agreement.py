@@ -14,13 +14,15 @@ so no rank is left waiting for one that raised.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from torch import nn
 
 from distkit import _call_tags
+from distkit._call_tags import rank_groups as _groups
+from distkit._call_tags import ranks_text as _ranks
 from distkit.errors import RankDisagreementError
 from distkit.strategies.base import Strategy
 
@@ -187,25 +189,3 @@ def _keys(messages: Sequence[Message]) -> list[str]:
     for message in messages:
         keys.update(dict.fromkeys(message.agreed))
     return list(keys)
-
-
-def _groups(values: Sequence[Hashable]) -> list[tuple[Any, list[int]]]:
-    """Ranks grouped by value, in order of first appearance."""
-    groups: dict[Hashable, list[int]] = {}
-    for rank, value in enumerate(values):
-        groups.setdefault(value, []).append(rank)
-    return list(groups.items())
-
-
-def _ranks(ranks: Sequence[int]) -> str:
-    """``rank 2`` / ``ranks 0,1`` / ``ranks 0-5,7``."""
-    spans: list[list[int]] = []
-    for rank in ranks:
-        if spans and spans[-1][1] == rank - 1:
-            spans[-1][1] = rank
-        else:
-            spans.append([rank, rank])
-    text = ",".join(
-        str(a) if a == b else f"{a},{b}" if b == a + 1 else f"{a}-{b}" for a, b in spans
-    )
-    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"

@@ -19,7 +19,8 @@ gradient all-reduce of the next training step, while another rank calls ``evalua
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
+from typing import Any
 
 import torch
 
@@ -75,12 +76,29 @@ def tagged_sum(strategy: Strategy, call: str, values: Sequence[float] = ()) -> l
 
 
 def _different_calls(codes: Sequence[float]) -> str:
-    groups: dict[str, list[int]] = {}
-    for rank, code in enumerate(codes):
-        name = _NAMES.get(code, "a collective of another kind (no call tag)")
-        groups.setdefault(name, []).append(rank)
-    where = "; ".join(
-        f"{'rank' if len(ranks) == 1 else 'ranks'} {','.join(map(str, ranks))} in {name}"
-        for name, ranks in groups.items()
-    )
+    other = "a collective of another kind (no call tag)"
+    calls = rank_groups([_NAMES.get(code, other) for code in codes])
+    where = "; ".join(f"{ranks_text(ranks)} in {name}" for name, ranks in calls)
     return f"the ranks are in different calls: {where}. {COLLECTIVE}."
+
+
+def rank_groups(values: Sequence[Hashable]) -> list[tuple[Any, list[int]]]:
+    """Ranks grouped by value, in order of first appearance."""
+    groups: dict[Hashable, list[int]] = {}
+    for rank, value in enumerate(values):
+        groups.setdefault(value, []).append(rank)
+    return list(groups.items())
+
+
+def ranks_text(ranks: Sequence[int]) -> str:
+    """``rank 2`` / ``ranks 0,1`` / ``ranks 0-5,7``."""
+    spans: list[list[int]] = []
+    for rank in ranks:
+        if spans and spans[-1][1] == rank - 1:
+            spans[-1][1] = rank
+        else:
+            spans.append([rank, rank])
+    text = ",".join(
+        str(a) if a == b else f"{a},{b}" if b == a + 1 else f"{a}-{b}" for a, b in spans
+    )
+    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"

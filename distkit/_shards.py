@@ -94,8 +94,9 @@ def _written_by(folder: Path, rank: int) -> set[str]:
     """The files of ``folder`` that ``rank`` wrote: torch.distributed.checkpoint names a
     rank's data files ``__<rank>_<n>.distcp``, and rank 0 (its coordinator) writes
     ``.metadata``."""
-    mine = {name for name in _files(folder) if name.startswith(f"__{rank}_")}
-    return mine | ({".metadata"} & _files(folder) if rank == 0 else set())
+    present = _files(folder)
+    mine = {name for name in present if name.startswith(f"__{rank}_")}
+    return mine | ({".metadata"} & present if rank == 0 else set())
 
 
 def _meta(value: Any) -> Any:
