@@ -86,7 +86,8 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
     np.random.set_state(
         (
             "MT19937",
-            np_state["keys"].numpy().astype(np.uint32),
+            # .cpu(): a checkpoint loaded onto a GPU (map_location) holds the keys there
+            np_state["keys"].cpu().numpy().astype(np.uint32),
             np_state["pos"],
             np_state["has_gauss"],
             np_state["cached_gaussian"],

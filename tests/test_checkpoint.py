@@ -113,6 +113,33 @@ def test_checkpoint_rng_state_round_trips():
     assert first[2] == again[2]
 
 
+class _OnTheGpu:
+    """FAKE CUDA tensor (no GPU here): what ``map_location="cuda"`` makes of a saved CPU
+    tensor, as far as restoring needs: ``.numpy()`` refuses, ``.cpu()`` brings it back."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._tensor = tensor
+
+    def cpu(self) -> torch.Tensor:
+        return self._tensor
+
+    def numpy(self):
+        raise TypeError("can't convert cuda:0 device type tensor to numpy")
+
+
+def test_checkpoint_rng_state_restores_from_a_checkpoint_loaded_onto_a_gpu():
+    """On an H200 every resume failed so: the checkpoint is loaded onto the rank's GPU, the
+    numpy generator's keys with it, and they went to numpy without .cpu() (docs/gpu.md)."""
+    import numpy as np
+
+    state = ckpt.rng_state()
+    first = np.random.rand(3)
+    state["numpy"]["keys"] = _OnTheGpu(state["numpy"]["keys"])
+    state["torch"] = _OnTheGpu(state["torch"])
+    ckpt.set_rng_state(state)
+    assert (np.random.rand(3) == first).all()
+
+
 # ---------------------------------------------------------------- training runs
 def _dropout_model() -> nn.Module:
     torch.manual_seed(0)
