@@ -346,6 +346,67 @@ def test_apex_modern_fused_optimizer_keeps_hyper_parameters_and_state(run_on_ran
     assert result["optimizer_state_kept"]
 
 
+def test_apex_o1_patches_come_back_out_exactly_nested_twice_patched_and_in_dicts():
+    """apex's handle lists (owner, name, original); an owner may be a dict, and one name may
+    be patched twice (its second 'original' is the first wrapper)."""
+    import types
+
+    from distkit.strategies.apex._o1_patches import O1Patches
+
+    module, table = types.SimpleNamespace(f="w2"), {"g": "wg"}
+    handle = types.SimpleNamespace(
+        _all_wrappers=[(module, "f", "orig"), (module, "f", "w1"), (table, "g", "orig_g")]
+    )
+    patches = O1Patches.take(handle)
+    assert patches is not None and handle._all_wrappers == []
+    assert (module.f, table["g"]) == ("orig", "orig_g")
+    with patches.active():
+        assert (module.f, table["g"]) == ("w2", "wg")
+        with patches.active():
+            pass
+        assert module.f == "w2"  # the inner block leaves them to the outer one
+    assert (module.f, table["g"]) == ("orig", "orig_g")
+    assert O1Patches.take(handle) is None  # nothing left to take (and O0/O2 patch nothing)
+
+
+def _linear_is_patched_in_forward(seen: list[bool], original):
+    def step_fn(model, batch):
+        seen.append(nn.functional.linear is not original)
+        return nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+    return step_fn
+
+
+@pytest.mark.parametrize(("precision", "patched"), [("fp16", True), ("32", False)])
+def test_apex_legacy_o1_patches_are_in_place_only_in_distkits_forward(
+    monkeypatch, precision, patched
+):
+    """FAKE legacy apex (its O1 wraps F.linear through a handle, as real amp saves the torch
+    functions it patches) and FAKE CUDA. On an H200 with apex 25.04 and torch 2.11, O1's
+    process-wide patches broke code outside distkit's steps: the next fit in the process (a
+    ddp one: IndexError in apex's cached_cast) and a CPU model's forward after fit
+    (AttributeError there); docs/gpu.md."""
+    _fake_cuda_patch(monkeypatch)
+    original = nn.functional.linear
+    seen: list[bool] = []
+    with use_fake_apex("legacy"):
+        import apex
+
+        with distkit.Trainer("apex", precision=precision, batch_size=4, max_epochs=1,
+                             progress=False) as trainer:  # fmt: skip
+            model = make_mlp()
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            trainer.fit(model, optimizer, make_dataset(16),
+                        step_fn=_linear_is_patched_in_forward(seen, original))  # fmt: skip
+            assert nn.functional.linear is original  # between fits: the user's torch
+            trainer.evaluate(model, make_dataset(8), loss_fn=nn.functional.cross_entropy)
+            assert nn.functional.linear is original
+        initialize = [details for name, details in apex.CALLS if name == "amp.initialize"]
+        assert initialize[0]["patch_torch_functions"] is patched
+    assert seen == [patched] * 4  # O1 cast in every forward: its patches were there
+    assert nn.functional.linear is original
+
+
 # ---------------------------------------------------------------- real apex (GPU machines)
 def _real_apex_available() -> bool:
     if not torch.cuda.is_available():

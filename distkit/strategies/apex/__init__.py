@@ -138,6 +138,8 @@ class ApexStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         return self.generation.plan.precision
 
     def teardown(self) -> None:
+        if self._generation is not None:
+            self._generation.close()
         self._leave_group()
         super().teardown()
 

@@ -23,6 +23,7 @@ from distkit.strategies._steps import StepOutcome, gradients_finite
 from distkit.strategies.apex._detect import ApexInstall
 from distkit.strategies.apex._generation import ApexSettings
 from distkit.strategies.apex._levels import resolve_plan
+from distkit.strategies.apex._o1_patches import O1Patches
 from distkit.strategies.base import Strategy
 
 
@@ -65,6 +66,7 @@ class LegacyApex:
         self._parallel = importlib.import_module("apex.parallel")
         self._accumulating = False  # inside no_sync: amp leaves the gradients scaled
         self._overflowed = False  # the last unscaling backward made amp skip the next step
+        self._o1: O1Patches | None = None  # O1's torch patches, in place only in forwards
 
     def describe(self) -> str:
         return f"legacy apex: apex.amp + apex.parallel.DistributedDataParallel; {self.plan.note}"
@@ -87,6 +89,7 @@ class LegacyApex:
             keep_batchnorm_fp32=self._settings.keep_batchnorm_fp32,
             loss_scale=self._settings.loss_scale,
         )
+        self._o1 = O1Patches.take(getattr(self._amp_state(), "handle", None))
         if self._strategy.world_size > 1:
             model = self._parallel.DistributedDataParallel(
                 model, delay_allreduce=self._settings.delay_allreduce
@@ -94,7 +97,9 @@ class LegacyApex:
         return model, optimizer
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()  # amp casts (patched functions or an fp16 model)
+        # amp casts: O1 through its patched torch functions, in place for this block only
+        # (see _o1_patches); O2/O3 through the fp16 model
+        return contextlib.nullcontext() if self._o1 is None else self._o1.active()
 
     def backward(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
         before = self._loss_scale()
@@ -164,6 +169,20 @@ class LegacyApex:
         amp_state = grad_scaler_to_amp(state.get("scaler") or {})
         if amp_state:
             self._amp.load_state_dict(amp_state)  # after amp.initialize (apex requires it)
+
+    def close(self) -> None:
+        """Forget O1's patches (they are in place only inside :meth:`autocast`) and empty
+        amp's cast cache, which holds this model's fp16 copies."""
+        self._o1 = None
+        clear = getattr(getattr(self._amp_state(), "handle", None), "_clear_cache", None)
+        if callable(clear):
+            clear()
+
+    def _amp_state(self) -> Any:
+        """apex's process-wide amp state (``apex.amp._amp_state``: apex re-binds the module's
+        name to the object; either is accepted)."""
+        state = getattr(self._amp, "_amp_state", None)
+        return getattr(state, "_amp_state", state)
 
     def _loss_scale(self) -> float:
         return float(self._amp.state_dict()["loss_scaler0"]["loss_scale"])

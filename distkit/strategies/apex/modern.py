@@ -101,3 +101,6 @@ class ModernApex:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._strategy.precision.load_state_dict(state.get("scaler", {}))
+
+    def close(self) -> None:
+        pass  # fused optimizers and torch's amp: nothing patched outside the model

@@ -266,6 +266,11 @@ def _initialize(models: Any, optimizers: Any, properties: Properties, num_losses
     for i, optimizer in enumerate(optimizers):
         optimizers[i] = _process_optimizer(optimizer, properties)
 
+    if properties.patch_torch_functions:  # O1 (real apex: amp.init patches torch here)
+        from .handle import patch_torch_functions
+
+        patch_torch_functions()
+
     _amp_state.loss_scalers = [
         LossScaler(
             properties.loss_scale,

@@ -9,6 +9,11 @@ scale, checks for inf/NaN. On overflow (and unless ``delay_overflow_check``) the
 halved and each optimizer's *next* ``step()`` is replaced by a one-shot no-op that restores the
 real ``step`` (exactly how real apex patches ``optimizer.step``). Recorded as
 ``"amp.scale_loss"``, ``"amp.overflow"`` and ``"amp.skip_step"``.
+
+``AmpHandle`` stands in for real apex's O1 handle (``apex/amp/handle.py``): real O1 replaces
+torch functions with casting wrappers and saves the originals in the handle
+(``_all_wrappers``), which ``_deactivate`` puts back. The fake wraps ``F.linear`` in a
+pass-through the same way, so a test sees whether O1's patches outlive the Trainer.
 """
 
 from __future__ import annotations
@@ -109,6 +114,41 @@ def _skip_next_step(optimizer: Any, loss_scaler: Any, loss_id: int) -> Any:
         optimizer._amp_stash.already_patched = False
 
     return skip_step
+
+
+class AmpHandle:
+    """FAKE O1 handle: saves what it patched; ``_deactivate`` restores it (as real apex)."""
+
+    def __init__(self) -> None:
+        self._cache: dict[Any, Any] = {}
+        self._all_wrappers: list[tuple[Any, str, Any]] = []
+
+    def _save_func(self, mod: Any, fn: str, func: Any) -> None:
+        self._all_wrappers.append((mod, fn, func))
+
+    def _deactivate(self) -> None:
+        for mod, fn, func in self._all_wrappers:
+            setattr(mod, fn, func)
+        self._all_wrappers = []
+        record("amp.deactivate")
+
+    def _clear_cache(self) -> None:
+        self._cache.clear()
+
+
+def patch_torch_functions() -> AmpHandle:
+    """FAKE O1: wrap ``torch.nn.functional.linear`` (pass-through), saved in a new handle."""
+    handle = AmpHandle()
+    functional = torch.nn.functional
+    original = functional.linear
+
+    def linear(*args: Any, **kwargs: Any) -> Any:
+        return original(*args, **kwargs)
+
+    handle._save_func(functional, "linear", original)
+    functional.linear = linear
+    _amp_state.handle = handle
+    return handle
 
 
 @contextlib.contextmanager
