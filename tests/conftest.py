@@ -12,6 +12,33 @@ from tests.multiprocess import run_on_ranks as _run_on_ranks
 # parent without an OpenMP pool forks safely.
 torch.set_num_threads(1)
 
+
+def _hide_a_lone_gpu_from_child_processes() -> None:
+    """With ``DISTKIT_TESTS_HIDE_LONE_GPU=1`` on a one-GPU machine, the processes the tests
+    start see no GPU, and this process keeps it.
+
+    The multi-process tests start 2 to 4 ranks; distkit gives each rank a GPU of its own and
+    refuses one without (NCCL refuses two ranks on one GPU), so on one GPU they fail before
+    their first step. scripts/gpu_check.sh sets the variable: then they run on the CPU, as in
+    CI, and the tests that train in this process run on the GPU. This process initialises
+    CUDA and counts its devices first: torch caches the count once CUDA is initialised, and
+    reads ``CUDA_VISIBLE_DEVICES`` again on every count before that.
+    """
+    if os.environ.get("DISTKIT_TESTS_HIDE_LONE_GPU") != "1" or not torch.cuda.is_available():
+        return
+    torch.cuda.init()
+    if torch.cuda.device_count() == 1:  # counted after init(): cached for this process
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _lone_gpu_hidden_from_children():
+    """In the processes that run tests only (not pytest-xdist's controller, whose workers
+    are its children and must keep the GPU)."""
+    _hide_a_lone_gpu_from_child_processes()
+    yield
+
+
 _LAUNCHER_VARS = (
     "RANK",
     "LOCAL_RANK",

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.multiprocess import children_see_cuda
+
 pytestmark = pytest.mark.timeout(180)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -438,6 +440,8 @@ def test_overhead_trains_both_loops_under_bf16_autocast(tmp_path: Path) -> None:
 
 @needs_cuda
 def test_gpu_script_runs_every_benchmark_on_one_gpu(tmp_path: Path) -> None:
+    if not children_see_cuda():
+        pytest.skip("the GPU is hidden from child processes (DISTKIT_TESTS_HIDE_LONE_GPU)")
     out = tmp_path / "gpu.json"
     proc = run_script(
         str(BENCH / "gpu.py"), "--gpus", "1", "--models", "cnn", "--precisions", "fp32,bf16",

@@ -42,15 +42,18 @@ def _distkit(precision="32", accumulate=1, step_fn=None, **clip) -> tuple[dict, 
 
 
 def _by_hand(precision="32", accumulate=1, max_norm=None, max_value=None) -> tuple[dict, list]:
-    """The documented torch sequence: backward, (unscale_), clip, step (, update)."""
-    model = make_mlp()
+    """The documented torch sequence: backward, (unscale_), clip, step (, update), on the
+    device distkit trains on (a GPU's fp16 differs from the CPU's)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = make_mlp().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    scaler = torch.amp.GradScaler("cpu") if precision == "fp16" else None
+    scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
     loader = DataLoader(make_dataset(32), batch_size=4)
     norms = []
     for _ in range(2):
         for i, (x, y) in enumerate(loader):
-            with torch.autocast("cpu", dtype=torch.float16, enabled=scaler is not None):
+            x, y = x.to(device), y.to(device)
+            with torch.autocast(device.type, dtype=torch.float16, enabled=scaler is not None):
                 loss = nn.functional.cross_entropy(model(x), y) / accumulate
             (loss if scaler is None else scaler.scale(loss)).backward()
             if (i + 1) % accumulate:

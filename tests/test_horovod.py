@@ -142,6 +142,7 @@ def horovod(tmp_path_factory):
     return {name: [per_rank[r][i] for r in range(2)] for i, name in enumerate(names)}
 
 
+@needs_horovod
 def test_horovod_schedulers_see_the_wrapped_optimizer_step(horovod):
     """torch watches the user's optimizer's step; Horovod steps a DistributedOptimizer, so
     without distkit's note torch warns that the schedule skipped its first value."""

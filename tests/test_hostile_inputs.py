@@ -74,7 +74,8 @@ class _NumpyScore(distkit.Metric):
     """A metric whose compute returns a numpy scalar, as many hand-written ones do."""
 
     def batch_state(self, output, target):
-        return torch.stack([(output.argmax(1) == target).sum(), torch.tensor(len(target))])
+        hits = (output.argmax(1) == target).sum()
+        return torch.stack([hits, torch.tensor(len(target), device=hits.device)])
 
     def state_shape(self):
         return (2,)
@@ -1105,7 +1106,7 @@ def _max_epochs_zero_trains_nothing(tmp: Path) -> None:
     model = _model()
     before = model.weight.detach().clone()
     assert _fit(_trainer(max_epochs=0), model=model, loss_fn=None, step_fn=_untrained).history == []
-    assert torch.equal(model.weight, before)
+    assert torch.equal(model.weight.cpu(), before.cpu())  # set-up moved it onto a GPU, if any
 
 
 def _resume_auto_in_empty_folder_starts_fresh(tmp: Path) -> None:

@@ -167,7 +167,11 @@ def test_a_claim_names_the_one_accelerator_a_model_trains_on():
     assert Placement((CPU,), CPU).claim() is None  # CPU training claims nothing
     assert Placement((GPU0, GPU1), GPU0).claim() is None  # spread: left alone
     host = socket.gethostname()
-    # no CUDA here: a GPU is known by its name (on a GPU machine: its UUID)
+    if torch.cuda.is_available():  # a GPU is known by its UUID
+        uuid = str(torch.cuda.get_device_properties(0).uuid)
+        assert Placement((CPU,), GPU0).claim() == Claim(host, "cuda:0", uuid, False)
+        return
+    # no CUDA here: a GPU is known by its name
     assert Placement((CPU,), GPU1).claim() == Claim(host, "cuda:1", "cuda:1", False)
     assert Placement((GPU2,), GPU0).claim() == Claim(host, "cuda:2", "cuda:2", True)
 

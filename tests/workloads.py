@@ -44,7 +44,8 @@ def state_of(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
-    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+    # .cpu(): on a GPU machine one side may be the trained (CUDA) state, the other a CPU run
+    return max((a[k].cpu().double() - b[k].cpu().double()).abs().max().item() for k in a)
 
 
 def train_with_distkit(
