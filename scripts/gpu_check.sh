@@ -1,0 +1,134 @@
+#!/usr/bin/env bash
+# The docs/gpu.md checklist on a machine with NVIDIA GPUs, in one command, within a time budget.
+#
+#   bash scripts/gpu_check.sh OUT_DIR [SECONDS]
+#
+# Run from the repository root, with a CUDA build of torch as `python3` (or $PYTHON) and
+# distkit's dependencies installed (nothing is installed from an index: the GPU machines this
+# project borrows have none). Optional inputs, as files in the checkout:
+#   .gpu/apex-25.04.tar.gz, .gpu/apex-25.09.tar.gz  NVIDIA apex sources (../shared/vendor/):
+#       each is built Python-only into its own folder and tested on its own;
+#   .data/  the MNIST cache (DISTKIT_DATA_DIR) for examples/mnist.py, which cannot fetch there.
+#
+# What it does, each step with its own time limit, every log under OUT_DIR:
+#   smoke.log            nvidia-smi, Python/torch/CUDA, the GPU, `distkit doctor`, versions;
+#   suite.log/.xml       the test suite on CUDA (pytest-xdist when installed), with the skip
+#                        reasons; cut off with SIGINT (so pytest still prints its summary) when
+#                        its share of the budget runs out;
+#   apex-V-*.log         per apex generation: the build, then tests/test_apex.py and
+#                        tests/test_host_syncs.py (real apex, the sync-debug-mode test);
+#   examples.log         seg.py under torchrun (apex fp16, ddp bf16), mnist.py with dp;
+#   bench.log, gpu.json  benchmarks/gpu.py (peers: distkit, the hand loop, Fabric, the Lightning
+#                        Trainer, Accelerate), run last and alone so nothing else shares the GPU;
+#   summary.txt          one line per step: its exit status and seconds.
+set -u
+out=${1:?usage: scripts/gpu_check.sh OUT_DIR [SECONDS]}
+budget=${2:-480}
+py=${PYTHON:-python3}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+root=$PWD
+export PYTHONPATH=$root PYTHONUNBUFFERED=1
+# a lone GPU: the tests' child processes (2 to 4 ranks each) run on the CPU; tests/conftest.py
+export DISTKIT_TESTS_HIDE_LONE_GPU=1
+export DISTKIT_DATA_DIR=${DISTKIT_DATA_DIR:-$root/.data}
+t0=$(date +%s)
+elapsed() { echo $(($(date +%s) - t0)); }
+
+# step NAME LIMIT CMD...: run CMD under `timeout` (SIGINT first, SIGKILL 20 s later), log to
+# OUT/NAME.log, and append "NAME rc=N Ns" to the summary.
+step() {
+    local name=$1 limit=$2 start rc
+    shift 2
+    start=$(date +%s)
+    # bash -c: timeout runs programs, and the steps are this script's (exported) functions
+    timeout -s INT -k 20 "$limit" bash -c '"$@"' "$name" "$@" >"$out/$name.log" 2>&1
+    rc=$?
+    echo "$name rc=$rc $(($(date +%s) - start))s (at $(elapsed)s)" >>"$out/summary.txt"
+    return $rc
+}
+
+smoke() {
+    nvidia-smi
+    "$py" -c 'import sys, torch; print(sys.version); print("torch", torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version()); print(torch.cuda.device_count(), "x", torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))'
+    "$py" -m distkit.cli doctor
+    "$py" -m pip list 2>/dev/null | grep -iE '^(torch|lightning|pytorch-lightning|accelerate|numpy|pytest|pytest-xdist|pytest-timeout|hypothesis|tensorboard) '
+}
+
+build_apex() {  # VERSION: the Python-only build into /tmp/apex-VERSION
+    local version=$1 src=/tmp/apex-src
+    mkdir -p "$src" && tar xzf ".gpu/apex-$version.tar.gz" -C "$src" || return
+    if ! "$py" -m pip install -q --no-build-isolation --no-deps --no-cache-dir \
+        --target "/tmp/apex-$version" "$src/apex-$version"; then
+        # the package without pip (no version metadata): the Python-only build's contents
+        echo "pip install failed: using the source tree's apex/ as it is"
+        mkdir -p "/tmp/apex-$version" && cp -r "$src/apex-$version/apex" "/tmp/apex-$version/"
+    fi
+    PYTHONPATH="/tmp/apex-$version:$root" "$py" -c 'import apex; print("apex at", apex.__file__); from distkit.strategies.apex._detect import detect_apex; print(detect_apex())'
+}
+
+test_apex() {  # VERSION
+    PYTHONPATH="/tmp/apex-$1:$root" "$py" -m pytest -q -rA -p no:cacheprovider --timeout 120 \
+        tests/test_apex.py tests/test_host_syncs.py
+}
+
+examples() {
+    local apex_path=/tmp/apex-25.04 waited=0
+    while [ ! -d "$apex_path/apex" ] && [ -f .gpu/apex-25.04.tar.gz ] && [ $waited -lt 90 ]; do
+        sleep 2 && waited=$((waited + 2))  # the apex lane builds it
+    done
+    echo "== seg.py, apex fp16 (apex 25.04), torchrun --nproc_per_node 1"
+    PYTHONPATH="$apex_path:$root" timeout 150 "$py" -m torch.distributed.run --standalone \
+        --nproc_per_node 1 examples/seg.py --strategy apex --precision fp16 --epochs 3
+    echo "rc=$?"
+    echo "== seg.py, ddp bf16, torchrun --nproc_per_node 1"
+    timeout 150 "$py" -m torch.distributed.run --standalone --nproc_per_node 1 \
+        examples/seg.py --strategy ddp --precision bf16 --epochs 3
+    echo "rc=$?"
+    echo "== mnist.py, dp"
+    timeout 150 "$py" examples/mnist.py --strategy dp --epochs 3
+    echo "rc=$?"
+}
+
+suite() {
+    local parallel=()
+    if "$py" -c 'import xdist' 2>/dev/null; then
+        parallel=(-n "${SUITE_WORKERS:-10}")
+    fi
+    "$py" -m pytest -q -rfEs -p no:cacheprovider --timeout 150 --durations 25 \
+        --junitxml "$out/suite.xml" "${parallel[@]}" ${SUITE_TESTS:-tests}
+}
+
+export py out root
+export -f smoke build_apex test_apex examples suite
+skipped() {  # NAME: listed in $GPU_CHECK_SKIP (space-separated)?
+    case " ${GPU_CHECK_SKIP:-} " in *" $1 "*) echo "$1 skipped (GPU_CHECK_SKIP)" >>"$out/summary.txt" ;; *) return 1 ;; esac
+}
+skipped smoke || step smoke 60 smoke
+# three lanes side by side: the suite; each apex generation built and tested in turn; the
+# examples (the apex one waits for the 25.04 build)
+phase=$((budget * ${GPU_CHECK_SUITE_SHARE:-60} / 100))
+skipped suite || step suite "$phase" suite &
+(for version in 25.04 25.09; do
+    if [ ! -f ".gpu/apex-$version.tar.gz" ]; then
+        echo "apex-$version skipped: no .gpu/apex-$version.tar.gz" >>"$out/summary.txt"
+    elif ! skipped apex; then
+        step "apex-$version-build" 120 build_apex "$version" &&
+            step "apex-$version-tests" $((phase / 2)) test_apex "$version"
+    fi
+done) &
+skipped examples || step examples "$phase" examples &
+wait
+left=$((budget - $(elapsed) - 10))
+if skipped bench; then
+    :
+elif [ "$left" -gt 60 ]; then
+    step bench "$left" "$py" benchmarks/gpu.py --gpus 1 --models cnn,resnet \
+        --precisions 32,bf16 --benchmarks peers --steps "${GPU_CHECK_STEPS:-40}" \
+        --rounds "${GPU_CHECK_ROUNDS:-2}" --timeout 150 --results "$out/bench" \
+        --out "$out/gpu.json"
+else
+    echo "bench skipped: ${left}s left of the budget" >>"$out/summary.txt"
+fi
+echo "done at $(elapsed)s" >>"$out/summary.txt"
+cat "$out/summary.txt"
