@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import time
-import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from distkit._checks import check_instance
 from distkit._placement import Placement, follow_output
-from distkit._stream_feed import StreamFeed
+from distkit._validate import check_instance
 from distkit.batch import batch_size_of, split_batch, to_device
 from distkit.metrics import Metric
 from distkit.strategies.base import Strategy
@@ -97,44 +94,3 @@ def evaluate_shard(
         else:
             scores[name] = value
     return scores
-
-
-def map_rounds(strategy: Strategy, loader: Any) -> Iterator[tuple[Any, bool]]:
-    """A shard's batches (counted), then spare one-sample batches (not counted) up to
-    :meth:`~distkit.Strategy.eval_rounds` passes."""
-    rounds = strategy.eval_rounds(len(loader))
-    done = 0
-    for batch in loader:
-        done += 1
-        yield batch, True
-    if done < rounds:
-        spare = loader.collate_fn([loader.dataset[0]])
-        for _ in range(rounds - done):
-            yield spare, False
-
-
-#: seconds one evaluation of a stream may run before rank 0 asks whether the stream ends
-LONG_EVALUATION_S = 600.0
-
-
-def stream_rounds(feed: StreamFeed, *, announce: bool) -> Iterator[tuple[Any, bool]]:
-    """A stream's batches for this rank; every rank runs as many forward passes as the one
-    with the most (it cannot know in advance which backends need that), spare ones (a
-    rank's latest batch again) not counted.
-
-    An endless stream never ends an evaluation, and nothing can tell it from a long one in
-    advance: after ``LONG_EVALUATION_S`` seconds rank 0 (``announce``) says so, once.
-    """
-    start, samples, asked = time.monotonic(), 0, not announce
-    for batch, micro in feed.epoch(0, 0, feed.seed):
-        samples += micro.count
-        if not asked and time.monotonic() - start > LONG_EVALUATION_S:
-            asked = True
-            warnings.warn(
-                f"evaluating a stream has read {samples} samples on rank 0 in "
-                f"{time.monotonic() - start:.0f} s and goes on: an endless stream never ends "
-                "an evaluation (val_data or evaluate's data). Pass a finite one, e.g. "
-                "itertools.islice(stream, n), or a map-style Dataset",
-                stacklevel=2,
-            )
-        yield batch, micro.count > 0

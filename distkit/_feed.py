@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
-from distkit._evaluation import map_rounds, stream_rounds
+from distkit._eval_rounds import map_rounds, stream_rounds
 from distkit._stream_feed import StreamFeed
 from distkit._stream_spec import StreamSpec
 from distkit.data import GlobalBatchPlan, LoaderSpec, MicroBatch, PlanBatchSampler, reseed_workers

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from distkit._registry_view import registry
 from distkit.batch import to_device
 from distkit.errors import ConfigurationError
 
@@ -80,12 +81,8 @@ class Placement:
                 "reset_parameters()) or load a state dict"
             )
         if self.user_placed and refusal is not None:
-            from distkit.registry import DEFAULT_REGISTRY
-
-            keepers = " or ".join(
-                f"strategy={name!r}"  # those that keep such a model, plugins included
-                for name, cls in DEFAULT_REGISTRY.load_all().items()
-                if cls.placement_refusal is None
+            keepers = " or ".join(  # those that keep such a model, plugins included
+                f"strategy={name!r}" for name in registry().keeping_placed_models()
             )
             raise ConfigurationError(
                 f"strategy {strategy_name!r} cannot train a model you placed on "

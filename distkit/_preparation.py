@@ -18,19 +18,14 @@ from torch import nn
 
 from distkit import _agreement, _resume
 from distkit import checkpoint as ckpt
-from distkit._checks import (
-    check_fit_args,
-    check_model,
-    check_path,
-    check_scheduler,
-    check_validation,
-)
+from distkit._checks import check_fit_args, check_model, check_scheduler, check_validation
 from distkit._compile import describe as describe_compile
 from distkit._evaluation import LossFn, Metrics, named_metrics
 from distkit._loop import StepFn
 from distkit._placement import Placement
 from distkit._samplers import BatchSamplerPlan, SamplerPlan
 from distkit._stream_spec import StreamSpec, check_stream
+from distkit._validate import check_path
 from distkit.data import GlobalBatchPlan, LoaderSpec
 from distkit.errors import ConfigurationError
 from distkit.metrics import Metric

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from distkit import _digest
+from distkit.errors import CheckpointError
 
 #: the payload key naming the shards folder (relative in the file, absolute once loaded)
 KEY = "shards"
@@ -144,14 +145,14 @@ def _target(stub: Any, param: torch.Tensor) -> Any:
     return torch.zeros(stub.shape, dtype=stub.dtype)
 
 
-def sweep(folder: Path, keep: str | None = None) -> None:
+def sweep(folder: Path, keep: str | None = None, *, named_by: Callable[[Path], str | None]) -> None:
     """Remove shards folders in ``folder`` that no checkpoint file refers to any more.
 
     Those of checkpoints ``CheckpointFolder`` pruned, of saves that were killed, and of an
     earlier save to the same file name. ``keep`` is never removed (the save in progress).
+    ``named_by(file)`` reads the shards folder a checkpoint file names (its :data:`KEY`);
+    an unreadable file (``CheckpointError``) keeps its folder.
     """
-    from distkit import checkpoint as ckpt
-
     if not folder.is_dir():
         return
     for entry in folder.iterdir():
@@ -161,9 +162,9 @@ def sweep(folder: Path, keep: str | None = None) -> None:
         owner = folder / match["file"]
         if owner.is_file():
             try:
-                if ckpt.load(owner, verify=False).get(KEY) == str(entry):
+                if named_by(owner) == str(entry):
                     continue
-            except ckpt.CheckpointError:
+            except CheckpointError:
                 continue  # unreadable: leave both alone
         with contextlib.suppress(FileNotFoundError):
             shutil.rmtree(entry)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from distkit._checks import check_ints
+from distkit._validate import check_ints
 from distkit.errors import (
     ConfigurationError,
     PeerFailureError,

@@ -418,3 +418,9 @@ class CheckpointFolder:
                 return named
         found = self.checkpoints()
         return found[-1] if found else None
+
+
+def shards_named_by(path: Path) -> str | None:
+    """The shards folder the checkpoint file ``path`` names (None: a file of one piece)."""
+    named = load(path, verify=False).get(_shards.KEY)
+    return None if named is None else str(named)

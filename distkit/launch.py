@@ -12,6 +12,7 @@ import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from distkit._registry_view import registry
 from distkit.errors import ConfigurationError
 
 
@@ -72,9 +73,7 @@ def build_command(
         ConfigurationError: a count below 1, or options that do not fit the strategy's
             launcher (the message says which to use instead).
     """
-    from distkit.registry import resolve_strategy_class
-
-    cls = resolve_strategy_class(request.strategy)
+    cls = registry().strategy_class(request.strategy)
     if request.nproc_per_node < 1 or request.nnodes < 1:
         raise ConfigurationError(
             f"-n and --nnodes must be >= 1, got -n {request.nproc_per_node} "
@@ -85,9 +84,7 @@ def build_command(
 
 def world_size(request: LaunchRequest) -> int:
     """The total number of processes ``request`` starts."""
-    from distkit.registry import resolve_strategy_class
-
-    return resolve_strategy_class(request.strategy).launcher.world_size(request)
+    return registry().strategy_class(request.strategy).launcher.world_size(request)
 
 
 def thread_env(request: LaunchRequest, environ: Mapping[str, str]) -> dict[str, str]:

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
 from distkit._env import LaunchEnv
+from distkit._registry_view import registry
 from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ConfigurationError
 from distkit.launch import LaunchRequest, with_strategy_arg
@@ -230,13 +231,7 @@ class SingleProcess(LauncherFamily):
 
 def _multi_process_strategies() -> list[str]:
     """The strategies ``"auto"`` picks under the other launchers: what to suggest instead."""
-    from distkit.registry import DEFAULT_REGISTRY
-
-    return [
-        name
-        for name, cls in DEFAULT_REGISTRY.auto_candidates()
-        if not isinstance(cls.launcher, SingleProcess)
-    ]
+    return registry().multi_process()
 
 
 def own_process_group() -> bool:

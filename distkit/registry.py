@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
-from distkit import _plugins
+from distkit import _plugins, _registry_view
 from distkit._env import LaunchEnv
 from distkit.errors import ConfigurationError, StrategyPluginError, UnknownStrategyError
 
@@ -372,3 +372,32 @@ def make_strategy(strategy: str | Strategy) -> Strategy:
                 flush=True,
             )
     return resolve_strategy_class(strategy)()
+
+
+class _DefaultRegistryView:
+    """The default registry's answers for the modules below it (see _registry_view)."""
+
+    def auto_name(self, env: LaunchEnv) -> str:
+        return DEFAULT_REGISTRY.auto_name(env)
+
+    def keeping_placed_models(self) -> list[str]:
+        return [
+            name
+            for name, cls in DEFAULT_REGISTRY.load_all().items()
+            if cls.placement_refusal is None
+        ]
+
+    def multi_process(self) -> list[str]:
+        from distkit.launchers import SingleProcess
+
+        return [
+            name
+            for name, cls in DEFAULT_REGISTRY.auto_candidates()
+            if not isinstance(cls.launcher, SingleProcess)
+        ]
+
+    def strategy_class(self, name: str) -> type[Strategy]:
+        return DEFAULT_REGISTRY.resolve(name)
+
+
+_registry_view.install(_DefaultRegistryView())

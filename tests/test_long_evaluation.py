@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import IterableDataset
 
 import distkit
-from distkit import _evaluation
+from distkit import _eval_rounds
 from tests.workloads import make_dataset, make_mlp
 
 pytestmark = [pytest.mark.timeout(120)]
@@ -37,7 +37,7 @@ def _evaluate() -> list[str]:
 
 
 def test_long_evaluation_of_a_stream_asks_once_whether_it_ends(monkeypatch):
-    monkeypatch.setattr(_evaluation, "LONG_EVALUATION_S", 0.1)
+    monkeypatch.setattr(_eval_rounds, "LONG_EVALUATION_S", 0.1)
     said = _evaluate()
     assert len(said) == 1, said
     assert "an endless stream never ends an evaluation" in said[0]

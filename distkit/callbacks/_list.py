@@ -6,7 +6,7 @@ import sys
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from distkit._checks import check_instance
+from distkit._validate import check_instance
 from distkit.callbacks._base import Callback
 from distkit.callbacks._state import check_state
 from distkit.errors import ConfigurationError

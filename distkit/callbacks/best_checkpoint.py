@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from distkit._checks import check_ints
+from distkit._validate import check_ints
 from distkit.callbacks._base import Callback
 from distkit.callbacks._best_files import BestFiles
 from distkit.callbacks._monitor import Monitor

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from distkit._checks import check_ints
+from distkit._validate import check_ints
 from distkit.callbacks._base import Callback
 from distkit.callbacks._monitor import Monitor
 from distkit.errors import ConfigurationError

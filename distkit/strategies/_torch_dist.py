@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distkit._channel import SideChannel
 from distkit._env import LaunchEnv
+from distkit._registry_view import auto_strategy_name
 from distkit.errors import ConfigurationError, LauncherMismatchError
 from distkit.strategies._collectives import PendingSum
 from distkit.strategies.base import Topology, TrainOptions
@@ -37,8 +38,6 @@ def init_process_group(
     world of one is formed on an in-process store, so the same code runs under ``python``.
     """
     if env.launcher == "horovodrun":
-        from distkit.registry import auto_strategy_name  # the strategy that fits this launcher
-
         raise LauncherMismatchError(
             f"strategy={strategy!r} runs under torchrun (or python -m torch.distributed.launch), "
             f"but this process was started by {env.launcher}. Either launch with "
@@ -426,8 +425,6 @@ class StoreChannel:
 
 def native_alternative() -> str:
     """The strategy ``"auto"`` picks under torchrun: what to suggest where a backend can't run."""
-    from distkit.registry import auto_strategy_name  # the registry imports the strategies
-
     return auto_strategy_name(LaunchEnv(launcher="torchrun"))
 
 

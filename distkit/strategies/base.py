@@ -27,6 +27,7 @@ from distkit import _channel
 from distkit._channel import SideChannel
 from distkit._env import LaunchEnv
 from distkit._placement import place
+from distkit._registry_view import auto_strategy_name
 from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ConfigurationError, DistkitError
 from distkit.launch import LaunchRequest
@@ -186,8 +187,6 @@ class Strategy(Collectives, ABC):
         """Replace BatchNorm layers with ones that use statistics of the global batch."""
         if self.world_size == 1:
             return model  # one process sees the whole batch: plain BatchNorm is already global
-        from distkit.registry import auto_strategy_name
-
         instead = auto_strategy_name(LaunchEnv(launcher="torchrun"))
         raise ConfigurationError(
             f"strategy {self.name!r} does not support sync_batchnorm=True; use "

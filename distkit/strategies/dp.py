@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from distkit._env import LaunchEnv
+from distkit._registry_view import auto_strategy_name
 from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ConfigurationError, LauncherMismatchError, UnsupportedFeatureError
 from distkit.launchers import SINGLE_PROCESS
@@ -53,8 +54,6 @@ class DataParallelStrategy(Strategy):
     def _setup_environment(self) -> Topology:
         env = LaunchEnv.detect()
         if env.is_multiprocess_launcher and env.world_size > 1:
-            from distkit.registry import auto_strategy_name  # the strategy for that launcher
-
             raise LauncherMismatchError(
                 f"strategy='dp' (nn.DataParallel) runs in a single process, but {env.launcher} "
                 f"started {env.world_size} processes (this is rank {env.rank}). Use "
@@ -97,8 +96,6 @@ class DataParallelStrategy(Strategy):
     def convert_sync_batchnorm(self, model: nn.Module) -> nn.Module:
         if self.replicas == 1:
             return model  # one replica sees the whole batch: BatchNorm is already global
-        from distkit.registry import auto_strategy_name
-
         instead = auto_strategy_name(LaunchEnv(launcher="torchrun"))
         raise UnsupportedFeatureError(
             f"nn.DataParallel cannot synchronise BatchNorm across its {self.replicas} replicas "

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from distkit import _shards
+from distkit import checkpoint as ckpt
 from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ConfigurationError, MissingDependencyError
 from distkit.launchers import TORCH_LAUNCHERS
@@ -209,7 +210,7 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         where, token = self.broadcast((str(path), secrets.token_hex(6)), src=0)
         folder = _shards.folder_for(Path(where), token)
         if self.is_main:
-            _shards.sweep(folder.parent, keep=folder.name)
+            _shards.sweep(folder.parent, keep=folder.name, named_by=ckpt.shards_named_by)
         entries = _shards.save(folder, model, optimizer, self.all_gather_object, self.rank)
         return entries if self.is_main else {}
 

@@ -14,6 +14,7 @@ from torch import nn
 from distkit._channel import SideChannel
 from distkit._env import LaunchEnv
 from distkit._imports import require
+from distkit._registry_view import auto_strategy_name
 from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ConfigurationError, LauncherMismatchError, UnsupportedFeatureError
 from distkit.strategies import _horovod_doctor
@@ -86,8 +87,6 @@ class HorovodStrategy(Strategy):
     def _setup_environment(self) -> Topology:
         env = LaunchEnv.detect()
         if env.is_torch_launcher:
-            from distkit.registry import auto_strategy_name  # the strategy that fits torchrun
-
             raise LauncherMismatchError(
                 f"strategy='horovod' runs under horovodrun (or mpirun), but this process was "
                 f"started by {env.launcher}. Either launch with `horovodrun -np N python "

@@ -10,6 +10,7 @@ import importlib.metadata
 import importlib.util
 from dataclasses import asdict, dataclass
 
+from distkit._registry_view import auto_strategy_name
 from distkit.diagnosis import MachineFacts, StrategyReport
 
 APEX_INSTALL = (
@@ -68,7 +69,6 @@ def verdict(name: str, machine: MachineFacts, apex: ApexFacts) -> StrategyReport
         why.append("NVIDIA apex is not installed" if apex.kind == "none" else summary)
     if fix is None and not machine.cuda_devices:
         from distkit._env import LaunchEnv
-        from distkit.registry import auto_strategy_name
 
         cpu = auto_strategy_name(LaunchEnv(launcher="torchrun"))  # what runs in its place
         fix = (

@@ -1,0 +1,237 @@
+"""The package's layers: every import in ``distkit/`` points down, and no import cycle exists.
+
+The import graph is read from the source with :mod:`ast`: module-level and function-level
+imports alike (a function-level import is still a dependency, only a later one). Imports under
+``if TYPE_CHECKING:`` are left out: they never run, and serve annotations only. Importing
+``distkit.a.b`` runs ``distkit/a/__init__.py`` first, so that counts as an import of the
+package ``distkit.a`` too (not of ``distkit`` itself, which every module's import runs).
+
+Each module belongs to the layer of the longest prefix in :data:`LAYERS` that names it; a
+module may import its own layer and the layers below. A module no prefix names fails the test:
+a new module is placed on purpose. :data:`KNOWN_UPWARD` lists the upward imports the package
+still has while issue 25 moves it into folders; the list may only shrink (an entry that no
+longer exists fails the test too, so the list stays true).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "distkit"
+
+#: lowest first; a module sits in the layer of the longest prefix that names it
+LAYERS: list[tuple[str, list[str]]] = [
+    (
+        "leaves",
+        [
+            "distkit.errors", "distkit._version", "distkit.batch", "distkit.metrics",
+            "distkit._imports", "distkit._files", "distkit._digest", "distkit.horovod_build",
+            "distkit._validate",
+        ],
+    ),
+    ("launch", ["distkit._env", "distkit._hostlist", "distkit.launch", "distkit.launchers",
+                "distkit._spawn", "distkit.diagnosis", "distkit._registry_view"]),
+    ("faults", ["distkit._faults", "distkit._watchdog", "distkit._signals", "distkit._channel",
+                "distkit._progress"]),
+    ("checkpoint", ["distkit.checkpoint", "distkit._shards", "distkit._checkpoint_fields"]),
+    ("strategies", ["distkit.strategies", "distkit.precision", "distkit.syncbn",
+                    "distkit._placement", "distkit._call_tags"]),
+    ("registry", ["distkit.registry", "distkit._plugins"]),
+    ("data", ["distkit.data", "distkit._samplers", "distkit._feed", "distkit._stream_feed",
+              "distkit._stream_share", "distkit._stream_spec", "distkit.streams",
+              "distkit._eval_rounds"]),
+    ("runtime", ["distkit._agreement", "distkit._evaluation", "distkit._saving",
+                 "distkit._resume", "distkit._snapshot", "distkit._setups",
+                 "distkit._preparation", "distkit._compile", "distkit._checks"]),
+    ("trainer", ["distkit.trainer", "distkit._fit", "distkit._loop", "distkit._losses",
+                 "distkit._nonfinite", "distkit._logging", "distkit.timing",
+                 "distkit._comm_probe", "distkit.callbacks", "distkit.loggers"]),
+    ("top", ["distkit.cli", "distkit.doctor", "distkit.testing", "distkit"]),
+]  # fmt: skip
+
+#: (importer, imported) pairs that point up today; issue 25 removes them one by one
+KNOWN_UPWARD: set[tuple[str, str]] = {
+    # the resume, the snapshot and the preparation read the loop's FitState and the callbacks'
+    # list: they go when everything checkpointed is a Stateful (issue 25, part 2)
+    ("distkit._preparation", "distkit._loop"),
+    ("distkit._resume", "distkit._loop"),
+    ("distkit._snapshot", "distkit._loop"),
+    ("distkit._snapshot", "distkit.callbacks"),
+    ("distkit._snapshot", "distkit.callbacks._list"),
+}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+@cache
+def modules() -> dict[str, Path]:
+    return {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _runtime_imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import that can run: all but those under ``if TYPE_CHECKING:``."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.orelse:
+                yield from _runtime_imports(ast.Module(body=[child], type_ignores=[]))
+            continue
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            yield node
+        yield from _runtime_imports(node)
+
+
+def _with_packages(name: str, importer: str) -> list[str]:
+    """``name`` and the packages whose ``__init__`` importing it runs: not ``distkit``, and
+    not a package that holds the importer (its ``__init__`` has run, or is running)."""
+    parts = name.split(".")
+    packages = [".".join(parts[:i]) for i in range(2, len(parts))]
+    inside = [p for p in packages if importer == p or importer.startswith(p + ".")]
+    return [p for p in packages if p not in inside] + [name]
+
+
+def imports_of(name: str) -> set[str]:
+    """The distkit modules ``name`` imports (resolved to modules that exist)."""
+    known = modules()
+    path = known[name]
+    is_package = path.name == "__init__.py"
+    found: set[str] = set()
+    for node in _runtime_imports(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        else:
+            base = node.module or ""
+            if node.level:
+                anchor = name.split(".") if is_package else name.split(".")[:-1]
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            targets = [
+                f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base
+                for alias in node.names
+            ]
+        for target in targets:
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target.startswith("distkit"):
+                found.update(t for t in _with_packages(target, name) if t in known)
+    found.discard(name)
+    return found
+
+
+def layer_of(name: str) -> int | None:
+    best: tuple[int, int] | None = None  # (prefix length, layer)
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            named = name == prefix or name.startswith(prefix + ".")
+            if named and (best is None or len(prefix) > best[0]):
+                best = (len(prefix), index)
+    return None if best is None else best[1]
+
+
+def graph() -> dict[str, set[str]]:
+    return {name: imports_of(name) for name in modules()}
+
+
+def upward_imports() -> set[tuple[str, str]]:
+    edges = graph()
+    up = set()
+    for importer, imported in ((a, b) for a, bs in edges.items() for b in bs):
+        low, high = layer_of(importer), layer_of(imported)
+        if low is not None and high is not None and high > low:
+            up.add((importer, imported))
+    return up
+
+
+def cycles() -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    edges = graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(edges[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return found
+
+
+# ---------------------------------------------------------------- the tests
+def test_layers_place_every_module():
+    unplaced = sorted(name for name in modules() if layer_of(name) is None)
+    assert not unplaced, f"modules in no layer (add them to LAYERS): {unplaced}"
+
+
+def test_layers_have_no_import_cycle():
+    assert cycles() == []
+
+
+def test_layers_imports_point_down():
+    up = upward_imports()
+    new = sorted(up - KNOWN_UPWARD)
+    gone = sorted(KNOWN_UPWARD - up)
+    names = [name for name, _ in LAYERS]
+
+    def show(pairs: list[tuple[str, str]]) -> str:
+        return "\n".join(
+            f"  {a} ({names[layer_of(a) or 0]}) -> {b} ({names[layer_of(b) or 0]})"
+            for a, b in pairs
+        )
+
+    assert not new, "imports that point up a layer:\n" + show(new)
+    assert not gone, "no longer there, take them out of KNOWN_UPWARD:\n" + show(gone)
+
+
+def test_layers_graph_reads_function_level_relative_and_type_checking_imports(tmp_path):
+    """The reader itself: a function-level import counts, a relative one resolves, and one
+    under TYPE_CHECKING does not count."""
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "from . import metrics\n"
+        "if TYPE_CHECKING:\n"
+        "    from distkit.trainer import Trainer\n"
+        "def f():\n"
+        "    from distkit.strategies.ddp import DDPStrategy\n"
+    )
+    tree = ast.parse(source)
+    seen = [node.module for node in _runtime_imports(tree)]
+    assert seen == ["typing", None, "distkit.strategies.ddp"]
+    assert "distkit.strategies" in imports_of("distkit.trainer")  # runs the package's init
+    assert "distkit.strategies" not in imports_of("distkit.strategies.ddp")  # already running
+    assert layer_of("distkit.strategies.apex.legacy") == layer_of("distkit.strategies")
