@@ -157,7 +157,14 @@ def check_trainer_arguments(args: dict[str, Any]) -> None:
         check_ints(checkpoint_every=(args["checkpoint_every"], 1))
     check_choice("scheduler_interval", args["scheduler_interval"], SCHEDULER_INTERVALS)
     check_choice("nonfinite", args["nonfinite"], NONFINITE_POLICIES)
-    flags = ("shuffle", "sync_batchnorm", "find_unused_parameters", "progress", "drop_last")
+    flags = (
+        "shuffle",
+        "sync_batchnorm",
+        "find_unused_parameters",
+        "progress",
+        "drop_last",
+        "cudnn_benchmark",
+    )
     check_flags(**{name: args[name] for name in flags})
     check_path("resume", args["resume"], "'auto', a checkpoint path, or None")
     check_path("checkpoint_dir", args["checkpoint_dir"],

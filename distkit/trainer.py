@@ -117,6 +117,10 @@ class Trainer:
             your own (ddp and horovod keep it there; see the DDP page); None: the device of
             its first parameter. A model distkit places itself (one built on the CPU) takes
             its inputs on this rank's device and refuses this argument.
+        cudnn_benchmark: on CUDA, set ``torch.backends.cudnn.benchmark = True`` (cuDNN times
+            its convolution algorithms for each new input shape and keeps the fastest: faster
+            for fixed shapes, slower while shapes vary, and not bitwise reproducible). False
+            (the default) leaves ``torch.backends.cudnn`` as you set it.
     """
 
     def __init__(
@@ -152,6 +156,7 @@ class Trainer:
         val_every_n_steps: int | None = None,
         compile: bool | dict[str, Any] = False,
         input_device: str | int | torch.device | None = None,
+        cudnn_benchmark: bool = False,
     ) -> None:
         check_trainer_arguments({k: v for k, v in locals().items() if k != "self"})
         self.callbacks = CallbackList(callbacks)
@@ -201,7 +206,7 @@ class Trainer:
         self._finalizer = weakref.finalize(self, self._setups.shutdown)
         self._run: Run | None = None
         self._pending: _resume.Found | None = None  # a loaded checkpoint for the next fit
-        if self.strategy.device.type == "cuda":
+        if cudnn_benchmark and self.strategy.device.type == "cuda":
             torch.backends.cudnn.benchmark = True
 
     # ------------------------------------------------------------------ topology

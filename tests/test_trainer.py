@@ -301,3 +301,19 @@ def test_trainer_gradients_are_cleared_before_each_step_not_after():
     assert max_abs_diff(clean["state"], stale["state"]) == 0.0
     assert clean["seen"] == [True] * 8
     assert stale["after"] == [None] * 4
+
+
+def test_trainer_leaves_cudnn_benchmark_as_the_user_set_it(monkeypatch):
+    """distkit once switched cudnn.benchmark on behind the user's back on CUDA; now only
+    cudnn_benchmark=True does (see the CUDA test below)."""
+    for setting in (False, True):
+        monkeypatch.setattr(torch.backends.cudnn, "benchmark", setting)
+        distkit.Trainer("dp", progress=False).close()
+        assert torch.backends.cudnn.benchmark is setting
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_trainer_cudnn_benchmark_true_switches_it_on_on_cuda(monkeypatch):
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    distkit.Trainer("dp", progress=False, cudnn_benchmark=True).close()
+    assert torch.backends.cudnn.benchmark is True
