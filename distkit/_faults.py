@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import os
 import re
 import signal
 import sys
@@ -36,6 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from distkit._channel import SideChannel, ack_key, progress_key, stack_key
+from distkit._last_resort import exit_now
 from distkit._progress import Position, Progress
 from distkit._signals import Terminated, terminate_as_exception
 from distkit._watchdog import EXIT_CODE, Watchdog
@@ -403,6 +403,7 @@ def _bounded(on_failure: Callable[[], None], grace: float | None) -> None:
 
 
 def _exit_stuck(grace: float) -> None:
-    _say(f"distkit: releasing the process group took more than {grace:g}s after a failure; exiting")
-    sys.stdout.flush()
-    os._exit(EXIT_CODE)
+    exit_now(
+        f"distkit: releasing the process group took more than {grace:g}s after a failure; exiting",
+        EXIT_CODE,
+    )

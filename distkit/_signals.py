@@ -30,11 +30,12 @@ import os
 import signal
 import socket
 import struct
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import FrameType
+
+from distkit._last_resort import exit_now
 
 EXIT_CODE = 128 + signal.SIGTERM
 _UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid (Linux)
@@ -106,18 +107,18 @@ class TermState:
             timer.cancel()
 
     def _expire(self, signum: int) -> None:
+        line = None  # on_blocked says what happened itself
         if signum in self._taken:
             if signum == signal.SIGINT:
                 return  # the main thread has the KeyboardInterrupt: today's behaviour
-            _say(f"distkit: SIGTERM received {self.grace:g}s ago; exiting")
+            line = f"distkit: SIGTERM received {self.grace:g}s ago; exiting"
         elif self._ended or self.on_blocked is None:
             name = signal.Signals(signum).name
-            _say(f"distkit: {name} received {self.grace:g}s ago; exiting")
+            line = f"distkit: {name} received {self.grace:g}s ago; exiting"
         else:
             with contextlib.suppress(Exception):
                 self.on_blocked(signum)
-        sys.stdout.flush()
-        os._exit(128 + signum)
+        exit_now(line, 128 + signum)
 
 
 class _SignalWatch:
@@ -216,7 +217,3 @@ def terminate_as_exception(
         state.end()
         if watch is not None:
             watch.stop()
-
-
-def _say(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)

@@ -12,12 +12,12 @@ It never touches the training step. Every ``interval`` seconds it:
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
 
 from distkit._channel import SideChannel, ack_key, peer_failure, progress_key, stack_key
+from distkit._last_resort import exit_now
 from distkit._progress import HangDetector, Progress, describe_stall, main_thread_stack
 
 EXIT_CODE = 1
@@ -101,14 +101,11 @@ class Watchdog:
         assert self.grace is not None
         if self._stop.wait(self.grace):
             return  # the main thread left fit (its collective failed): it handles the rest
-        print(
+        exit_now(
             f"distkit: rank {self.rank} is still blocked {self.grace:g}s after a peer failed "
             f"({notice}); exiting",
-            file=sys.stderr,
-            flush=True,
+            EXIT_CODE,
         )
-        sys.stdout.flush()
-        os._exit(EXIT_CODE)
 
     def _heartbeat(self, now: float) -> None:
         assert self.hang_warning is not None

@@ -36,7 +36,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("launch", ["distkit._env", "distkit._hostlist", "distkit.launch", "distkit.launchers",
                 "distkit._spawn", "distkit.diagnosis", "distkit._registry_view"]),
     ("faults", ["distkit._faults", "distkit._watchdog", "distkit._signals", "distkit._channel",
-                "distkit._progress"]),
+                "distkit._progress", "distkit._last_resort"]),
     ("checkpoint", ["distkit.checkpoint", "distkit._shards", "distkit._checkpoint_fields"]),
     ("strategies", ["distkit.strategies", "distkit.precision", "distkit.syncbn",
                     "distkit._placement", "distkit._call_tags"]),
