@@ -18,9 +18,9 @@ from distkit._feed import Feed
 from distkit._losses import LossLedger
 from distkit._nonfinite import NonFiniteWatch
 from distkit._placement import Placement, follow_output
-from distkit._progress import Progress
 from distkit.batch import batch_size_of, split_batch, to_device
 from distkit.errors import NonFiniteLossError as NonFiniteLossError  # its old home
+from distkit.faults._progress import Progress
 from distkit.strategies._steps import GradientClip, StepOutcome
 from distkit.strategies.base import Strategy
 from distkit.syncbn import placeholder_batch

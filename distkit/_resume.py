@@ -12,11 +12,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from distkit import _shards, registry
 from distkit import checkpoint as ckpt
+from distkit import registry
 from distkit._files import mtime_ns
 from distkit._loop import FitState
 from distkit._version import __version__
+from distkit.checkpoint import _shards
 from distkit.errors import ConfigurationError
 from distkit.strategies.base import Strategy
 

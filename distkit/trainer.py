@@ -15,7 +15,6 @@ from distkit import checkpoint as ckpt
 from distkit._checks import as_score, check_trainer_arguments, seed_generators
 from distkit._compile import check_compile
 from distkit._evaluation import LossFn, Metrics, evaluate_shard
-from distkit._faults import fail_fast
 from distkit._feed import eval_batches, train_feed
 from distkit._fit import FitRun, hyperparams
 from distkit._logging import LogSink, LogWindow, checked_loggers
@@ -24,7 +23,6 @@ from distkit._losses import LossLedger
 from distkit._nonfinite import NonFiniteWatch
 from distkit._placement import check_claims, input_device_override
 from distkit._preparation import FitPlan, batch_plan, prepare_evaluate, prepare_fit, samples_of
-from distkit._progress import Progress
 from distkit._resume import Run
 from distkit._setups import SetupCache
 from distkit._snapshot import RunSnapshot
@@ -33,6 +31,8 @@ from distkit.callbacks import Callback
 from distkit.callbacks._list import CallbackList
 from distkit.data import LoaderSpec
 from distkit.errors import ConfigurationError, TrainerClosedError
+from distkit.faults._faults import fail_fast
+from distkit.faults._progress import Progress
 from distkit.loggers import Logger
 from distkit.precision import normalize_precision
 from distkit.registry import make_strategy
@@ -358,7 +358,7 @@ class Trainer:
         if payload is not None:
             _resume.load_weights(strategy, payload, model, optimizer)
         # The wrapped model lives only in frames below this one: on a failure they are
-        # cleared, so the process group's connections close at once (see distkit._faults).
+        # cleared, so the process group's connections close at once (see distkit.faults._faults).
         with fail_fast(
             strategy, fault_timeout=self.fault_timeout, hang_warning=self.hang_warning,
             progress=self._rank_progress, on_failure=self._close_after_failure,

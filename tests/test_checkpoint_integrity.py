@@ -21,8 +21,8 @@ from torch import nn
 from torch.utils.data import IterableDataset
 
 import distkit
-from distkit import _digest
 from distkit import checkpoint as ckpt
+from distkit.checkpoint import _digest
 from distkit.strategies.fsdp import FSDPStrategy
 from tests.workloads import make_dataset, make_mlp, max_abs_diff, without_timing
 

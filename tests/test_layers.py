@@ -25,19 +25,13 @@ PACKAGE = ROOT / "distkit"
 
 #: lowest first; a module sits in the layer of the longest prefix that names it
 LAYERS: list[tuple[str, list[str]]] = [
-    (
-        "leaves",
-        [
-            "distkit.errors", "distkit._version", "distkit.batch", "distkit.metrics",
-            "distkit._imports", "distkit._files", "distkit._digest", "distkit.horovod_build",
-            "distkit._validate",
-        ],
-    ),
+    ("leaves", ["distkit.errors", "distkit._version", "distkit.batch", "distkit.metrics",
+                "distkit._imports", "distkit._files", "distkit._validate",
+                "distkit.horovod_build"]),
     ("launch", ["distkit._env", "distkit._hostlist", "distkit.launch", "distkit.launchers",
                 "distkit._spawn", "distkit.diagnosis", "distkit._registry_view"]),
-    ("faults", ["distkit._faults", "distkit._watchdog", "distkit._signals", "distkit._channel",
-                "distkit._progress", "distkit._last_resort"]),
-    ("checkpoint", ["distkit.checkpoint", "distkit._shards", "distkit._checkpoint_fields"]),
+    ("faults", ["distkit.faults"]),
+    ("checkpoint", ["distkit.checkpoint"]),
     ("strategies", ["distkit.strategies", "distkit.precision", "distkit.syncbn",
                     "distkit._placement", "distkit._call_tags"]),
     ("registry", ["distkit.registry", "distkit._plugins"]),

@@ -7,8 +7,14 @@ import threading
 import pytest
 import torch.distributed as dist
 
-from distkit._channel import announce_failure, peer_failure
-from distkit._progress import HangDetector, Position, Progress, describe_stall, main_thread_stack
+from distkit.faults._channel import announce_failure, peer_failure
+from distkit.faults._progress import (
+    HangDetector,
+    Position,
+    Progress,
+    describe_stall,
+    main_thread_stack,
+)
 from distkit.strategies._horovod_channel import HorovodKVChannel
 from distkit.strategies._torch_dist import StoreChannel
 

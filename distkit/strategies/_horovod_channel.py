@@ -18,7 +18,7 @@ REQUEST_TIMEOUT_S = 5.0
 
 
 class HorovodKVChannel:
-    """:class:`~distkit._channel.SideChannel` over horovodrun's rendezvous key-value server.
+    """:class:`~distkit.faults._channel.SideChannel` over horovodrun's rendezvous key-value server.
 
     ``set_first`` reads, then writes: two ranks failing within the same few milliseconds may
     both see their notice as the first (then both print one line).

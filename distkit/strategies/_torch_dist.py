@@ -20,10 +20,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from distkit._channel import SideChannel
 from distkit._env import LaunchEnv
 from distkit._registry_view import auto_strategy_name
 from distkit.errors import ConfigurationError, LauncherMismatchError
+from distkit.faults._channel import SideChannel
 from distkit.strategies._collectives import PendingSum
 from distkit.strategies.base import Topology, TrainOptions
 from distkit.syncbn import convert_to_global_batchnorm, convert_to_masked_sync_batchnorm
@@ -403,7 +403,7 @@ class _TorchPending:
 
 
 class StoreChannel:
-    """:class:`~distkit._channel.SideChannel` over the process group's rendezvous store."""
+    """:class:`~distkit.faults._channel.SideChannel` over the process group's rendezvous store."""
 
     def __init__(self, store: dist.Store) -> None:
         self._store = store

@@ -23,13 +23,13 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from distkit import _channel
-from distkit._channel import SideChannel
 from distkit._env import LaunchEnv
 from distkit._placement import place
 from distkit._registry_view import auto_strategy_name
 from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ConfigurationError, DistkitError
+from distkit.faults import _channel
+from distkit.faults._channel import SideChannel
 from distkit.launch import LaunchRequest
 from distkit.launchers import TORCH_LAUNCHERS, LauncherFamily
 from distkit.precision import Precision, normalize_precision

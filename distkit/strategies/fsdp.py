@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from distkit import _shards
 from distkit import checkpoint as ckpt
+from distkit.checkpoint import _shards
 from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ConfigurationError, MissingDependencyError
 from distkit.launchers import TORCH_LAUNCHERS

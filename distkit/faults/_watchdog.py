@@ -5,8 +5,8 @@ It never touches the training step. Every ``interval`` seconds it:
 * looks for a failure notice another rank left; if one appears and this rank's main thread has
   not left ``fit`` within ``grace`` seconds (blocked somewhere the failed peer's closed
   connections do not reach), it says so in one line and exits the process;
-* publishes this rank's :class:`~distkit._progress.Progress` (and, once its progress has stood
-  still for half of ``hang_warning``, its main thread's stack);
+* publishes this rank's :class:`~distkit.faults._progress.Progress` (and, once its progress has
+  stood still for half of ``hang_warning``, its main thread's stack);
 * on rank 0, names every rank stuck behind the others for ``hang_warning`` seconds.
 """
 
@@ -16,9 +16,9 @@ import sys
 import threading
 import time
 
-from distkit._channel import SideChannel, ack_key, peer_failure, progress_key, stack_key
-from distkit._last_resort import exit_now
-from distkit._progress import HangDetector, Progress, describe_stall, main_thread_stack
+from distkit.faults._channel import SideChannel, ack_key, peer_failure, progress_key, stack_key
+from distkit.faults._last_resort import exit_now
+from distkit.faults._progress import HangDetector, Progress, describe_stall, main_thread_stack
 
 EXIT_CODE = 1
 

@@ -9,7 +9,7 @@ with a scaler of its own converts to and from it in its ``state_dict`` hooks).
 
 A sharded checkpoint (``FSDPStrategy(checkpoint="sharded")``) keeps the model and optimizer
 tensors in a folder beside the file, and only their names, shapes and dtypes in it (see
-``distkit._shards``).
+``distkit.checkpoint._shards``).
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from typing import IO, Any, BinaryIO, cast
 import numpy as np
 import torch
 
-from distkit import _checkpoint_fields as _fields
-from distkit import _digest, _shards
 from distkit._files import TempFile, mtime_ns, write_text
+from distkit.checkpoint import _checkpoint_fields as _fields
+from distkit.checkpoint import _digest, _shards
 from distkit.errors import CheckpointError
 
 FORMAT = "distkit-checkpoint"

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from distkit import _digest
+from distkit.checkpoint import _digest
 from distkit.errors import CheckpointError
 
 #: the payload key naming the shards folder (relative in the file, absolute once loaded)

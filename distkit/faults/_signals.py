@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import FrameType
 
-from distkit._last_resort import exit_now
+from distkit.faults._last_resort import exit_now
 
 EXIT_CODE = 128 + signal.SIGTERM
 _UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid (Linux)

@@ -34,12 +34,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from distkit._channel import SideChannel, ack_key, progress_key, stack_key
-from distkit._last_resort import exit_now
-from distkit._progress import Position, Progress
-from distkit._signals import Terminated, terminate_as_exception
-from distkit._watchdog import EXIT_CODE, Watchdog
 from distkit.errors import DistkitError, PeerFailureError, PeerStuckError, TrainingInterrupted
+from distkit.faults._channel import SideChannel, ack_key, progress_key, stack_key
+from distkit.faults._last_resort import exit_now
+from distkit.faults._progress import Position, Progress
+from distkit.faults._signals import Terminated, terminate_as_exception
+from distkit.faults._watchdog import EXIT_CODE, Watchdog
 
 if TYPE_CHECKING:
     from distkit.strategies.base import Strategy
