@@ -7,7 +7,6 @@ Importing distkit imports no backend library (Horovod, apex) and changes nothing
 """
 
 from distkit import callbacks, loggers
-from distkit._spawn import spawn
 from distkit._version import __version__
 from distkit.callbacks import Callback
 from distkit.errors import (
@@ -22,6 +21,7 @@ from distkit.errors import (
     UnsupportedFeatureError,
     WorkerError,
 )
+from distkit.launch._spawn import spawn
 from distkit.metrics import Accuracy, ConfusionMatrix, MeanIoU, Metric
 from distkit.registry import BUILTIN_STRATEGIES as _BUILTINS
 from distkit.registry import available_strategies, register_strategy

@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from distkit._registry_view import registry
 from distkit.batch import to_device
 from distkit.errors import ConfigurationError
+from distkit.launch._registry_view import registry
 
 CPU = torch.device("cpu")
 

@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from distkit._env import LaunchEnv
+from distkit.launch._env import LaunchEnv
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,11 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
-from distkit._env import LaunchEnv
-from distkit._registry_view import registry
 from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ConfigurationError
 from distkit.launch import LaunchRequest, with_strategy_arg
+from distkit.launch._env import LaunchEnv
+from distkit.launch._registry_view import registry
 
 
 class LauncherFamily(ABC):
@@ -104,7 +104,7 @@ class TorchLaunchers(LauncherFamily):
         return env.is_torch_launcher or env.launcher == "srun" or own_process_group()
 
     def accepts(self, env: LaunchEnv) -> bool:
-        # under mpirun, torch.distributed meets at MASTER_ADDR:MASTER_PORT (see distkit._env)
+        # under mpirun, torch.distributed meets at MASTER_ADDR:MASTER_PORT (see distkit.launch._env)
         return self.recognises(env) or env.launcher == "mpirun"
 
     def command(

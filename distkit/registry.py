@@ -17,9 +17,10 @@ from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
-from distkit import _plugins, _registry_view
-from distkit._env import LaunchEnv
+from distkit import _plugins
 from distkit.errors import ConfigurationError, StrategyPluginError, UnknownStrategyError
+from distkit.launch import _registry_view
+from distkit.launch._env import LaunchEnv
 
 if TYPE_CHECKING:
     from distkit.strategies.base import Strategy

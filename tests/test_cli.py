@@ -16,10 +16,10 @@ import torch
 
 from distkit import cli, doctor
 from distkit import horovod_build as hb
-from distkit._env import LaunchEnv
 from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ConfigurationError, MissingDependencyError
 from distkit.launch import LaunchRequest, build_command, describe, thread_env, with_strategy_arg
+from distkit.launch._env import LaunchEnv
 from distkit.registry import StrategyRegistry, available_strategies
 from distkit.strategies import _horovod_doctor
 from distkit.strategies.apex import _doctor as apex_doctor

@@ -6,9 +6,9 @@ import re
 
 import pytest
 
-from distkit._env import DERIVED_PORT_BASE, DERIVED_PORT_SPAN, LaunchEnv
-from distkit._hostlist import expand_hostlist
 from distkit.errors import ConfigurationError
+from distkit.launch._env import DERIVED_PORT_BASE, DERIVED_PORT_SPAN, LaunchEnv
+from distkit.launch._hostlist import expand_hostlist
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -540,8 +540,8 @@ def test_the_installed_build_has_the_patches_its_marker_names() -> None:
 
 @pytest.mark.timeout(30)
 def test_doctor_warns_about_a_rendezvous_server_that_keeps_keys() -> None:
-    from distkit._env import LaunchEnv
     from distkit.diagnosis import MachineFacts
+    from distkit.launch._env import LaunchEnv
     from distkit.strategies import _horovod_doctor as doctor
 
     machine = MachineFacts("py", "2.13.0+cpu", 0, True, False, True, LaunchEnv())

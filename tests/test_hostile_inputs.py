@@ -22,8 +22,8 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Te
 
 import distkit
 from distkit import checkpoint as ckpt
-from distkit._env import LaunchEnv
 from distkit.errors import ConfigurationError, RankDisagreementError, TrainerClosedError
+from distkit.launch._env import LaunchEnv
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore::UserWarning")]
 

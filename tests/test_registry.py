@@ -10,7 +10,7 @@ import torch
 
 import distkit
 import distkit.registry
-from distkit._env import LaunchEnv, Launcher
+from distkit.launch._env import LaunchEnv, Launcher
 from distkit.launchers import LauncherFamily
 from distkit.registry import (
     BUILTIN_STRATEGIES,

@@ -78,7 +78,7 @@ def test_spawn_reraises_the_failing_workers_error_with_its_traceback():
     with pytest.raises(ValueError, match="rank one's data is broken") as info:
         distkit.spawn(_fail_on_rank_one, nprocs=2)
     cause = info.value.__cause__
-    assert isinstance(cause, distkit._spawn.RemoteTraceback)
+    assert isinstance(cause, distkit.launch._spawn.RemoteTraceback)
     assert "worker 1" in str(cause) and "in step" in str(cause)  # the worker's own frames
 
 
@@ -106,7 +106,7 @@ def test_spawn_a_worker_failing_before_the_others_meet_ends_the_call_within_seco
         distkit.spawn(_fail_on_rank_one_before_its_trainer, nprocs=2, args=(str(stamp),),
                       timeout=120)  # fmt: skip
     waited = time.time() - float(stamp.read_text())
-    assert waited < distkit._spawn.STOP_AFTER_ERROR_S + 20, f"{waited:.1f}s after the error"
+    assert waited < distkit.launch._spawn.STOP_AFTER_ERROR_S + 20, f"{waited:.1f}s after the error"
     assert "worker 1" in str(info.value.__cause__)
     assert info.value.__notes__ == [
         "distkit.spawn: worker 0, still running 3s after the first error, was stopped"

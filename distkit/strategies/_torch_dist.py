@@ -20,10 +20,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from distkit._env import LaunchEnv
-from distkit._registry_view import auto_strategy_name
 from distkit.errors import ConfigurationError, LauncherMismatchError
 from distkit.faults._channel import SideChannel
+from distkit.launch._env import LaunchEnv
+from distkit.launch._registry_view import auto_strategy_name
 from distkit.strategies._collectives import PendingSum
 from distkit.strategies.base import Topology, TrainOptions
 from distkit.syncbn import convert_to_global_batchnorm, convert_to_masked_sync_batchnorm
@@ -128,7 +128,7 @@ def _next_group_scope(store: dist.Store, scope: str, rank: int) -> dist.Store:
 
 def _cluster_store(env: LaunchEnv, timeout: timedelta) -> dist.Store:
     """The rendezvous of an srun / mpirun job: a store that rank 0 hosts at the address and
-    port :class:`~distkit._env.LaunchEnv` read or derived (no agent runs beside the workers).
+    port :class:`~distkit.launch._env.LaunchEnv` read or derived (no agent runs beside the workers).
 
     Every group of the job gets its own prefix, numbered per rank, as in
     :func:`_attempt_store`.

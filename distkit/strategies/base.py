@@ -23,14 +23,14 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from distkit._env import LaunchEnv
 from distkit._placement import place
-from distkit._registry_view import auto_strategy_name
 from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ConfigurationError, DistkitError
 from distkit.faults import _channel
 from distkit.faults._channel import SideChannel
 from distkit.launch import LaunchRequest
+from distkit.launch._env import LaunchEnv
+from distkit.launch._registry_view import auto_strategy_name
 from distkit.launchers import TORCH_LAUNCHERS, LauncherFamily
 from distkit.precision import Precision, normalize_precision
 from distkit.strategies._collectives import Collectives

@@ -7,10 +7,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from distkit._env import LaunchEnv
-from distkit._registry_view import auto_strategy_name
 from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ConfigurationError, LauncherMismatchError, UnsupportedFeatureError
+from distkit.launch._env import LaunchEnv
+from distkit.launch._registry_view import auto_strategy_name
 from distkit.launchers import SINGLE_PROCESS
 from distkit.strategies.base import Strategy, Topology
 

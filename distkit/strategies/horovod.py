@@ -11,12 +11,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from distkit._env import LaunchEnv
 from distkit._imports import require
-from distkit._registry_view import auto_strategy_name
 from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ConfigurationError, LauncherMismatchError, UnsupportedFeatureError
 from distkit.faults._channel import SideChannel
+from distkit.launch._env import LaunchEnv
+from distkit.launch._registry_view import auto_strategy_name
 from distkit.strategies import _horovod_doctor
 from distkit.strategies._collectives import PendingSum
 from distkit.strategies._horovod_channel import HorovodKVChannel

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from distkit._spawn import torchrun_variables
+from distkit.launch._spawn import torchrun_variables
 
 #: what the fork server imports once, before it forks any rank
 PRELOAD = ["torch", "distkit"]

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from distkit._env import LaunchEnv, Launcher
+from distkit.launch._env import LaunchEnv, Launcher
 from distkit.testing._processes import plain_env, run_on_ranks
 from distkit.testing._promise import Promise, expect, max_abs_diff
 from distkit.testing._target import StrategyUnderTest

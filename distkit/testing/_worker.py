@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from distkit._env import LaunchEnv
+from distkit.launch._env import LaunchEnv
 from distkit.testing._promises import promise_named
 from distkit.testing._target import StrategyUnderTest
 

@@ -10,8 +10,8 @@ import importlib.metadata
 import importlib.util
 from dataclasses import asdict, dataclass
 
-from distkit._registry_view import auto_strategy_name
 from distkit.diagnosis import MachineFacts, StrategyReport
+from distkit.launch._registry_view import auto_strategy_name
 
 APEX_INSTALL = (
     "conda install -c conda-forge nvidia-apex  (or build https://github.com/NVIDIA/apex: "
@@ -68,7 +68,7 @@ def verdict(name: str, machine: MachineFacts, apex: ApexFacts) -> StrategyReport
     elif apex.kind in ("none", "error"):
         why.append("NVIDIA apex is not installed" if apex.kind == "none" else summary)
     if fix is None and not machine.cuda_devices:
-        from distkit._env import LaunchEnv
+        from distkit.launch._env import LaunchEnv
 
         cpu = auto_strategy_name(LaunchEnv(launcher="torchrun"))  # what runs in its place
         fix = (

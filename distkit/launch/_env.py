@@ -20,8 +20,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from distkit._hostlist import expand_hostlist
 from distkit.errors import ConfigurationError
+from distkit.launch._hostlist import expand_hostlist
 
 Launcher = Literal["torchrun", "torch.distributed.launch", "horovodrun", "mpirun", "srun", "none"]
 #: the first port of the range distkit derives a rendezvous port from (srun, mpirun)

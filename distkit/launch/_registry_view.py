@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from distkit._env import LaunchEnv
+    from distkit.launch._env import LaunchEnv
     from distkit.strategies.base import Strategy
 
 

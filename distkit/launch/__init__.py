@@ -1,4 +1,10 @@
-"""The command line ``distkit run`` starts: the strategy's launcher family builds it.
+"""How processes start: what a launcher told this one, and the command ``distkit run`` builds.
+
+The package: :mod:`._env` (the launcher's variables: rank, world, node), :mod:`._hostlist`
+(SLURM's node lists), :mod:`._spawn` (``distkit.spawn``: processes from a notebook or a
+script), :mod:`._registry_view` (the registry's answers for the layers below it); the
+launcher families themselves are :mod:`distkit.launchers` (public: plugins name theirs).
+This module holds the command line ``distkit run`` starts: the strategy's family builds it.
 
 Everything here is a pure function of its arguments (and of the registered strategy classes),
 so the commands ``distkit run`` builds can be checked without starting anything. Which
@@ -12,8 +18,8 @@ import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from distkit._registry_view import registry
 from distkit.errors import ConfigurationError
+from distkit.launch._registry_view import registry
 
 
 @dataclass(frozen=True)
