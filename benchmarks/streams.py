@@ -98,7 +98,7 @@ def _digest_us(items: list[Any], repeats: int = 200) -> float:
     """Digesting ``items`` (one global micro-batch), median in microseconds."""
     import time
 
-    from distkit._stream_share import ItemsDigest
+    from distkit.data._stream_share import ItemsDigest
 
     times = []
     for _ in range(repeats):

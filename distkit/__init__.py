@@ -9,6 +9,7 @@ Importing distkit imports no backend library (Horovod, apex) and changes nothing
 from distkit import callbacks, loggers
 from distkit._version import __version__
 from distkit.callbacks import Callback
+from distkit.data.streams import ShardedStream
 from distkit.errors import (
     ConfigurationError,
     DistkitError,
@@ -26,8 +27,7 @@ from distkit.metrics import Accuracy, ConfusionMatrix, MeanIoU, Metric
 from distkit.registry import BUILTIN_STRATEGIES as _BUILTINS
 from distkit.registry import available_strategies, register_strategy
 from distkit.strategies.base import Strategy, Topology, TrainOptions
-from distkit.streams import ShardedStream
-from distkit.syncbn import GlobalBatchNorm
+from distkit.strategies.syncbn import GlobalBatchNorm
 from distkit.trainer import FitResult, Trainer
 
 # The built-in strategy classes (distkit.DDPStrategy, ...), named by the registry and imported

@@ -8,10 +8,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from distkit._placement import Placement, follow_output
 from distkit._validate import check_instance
 from distkit.batch import batch_size_of, split_batch, to_device
 from distkit.metrics import Metric
+from distkit.strategies._placement import Placement, follow_output
 from distkit.strategies.base import Strategy
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]

@@ -14,16 +14,16 @@ from tqdm.auto import tqdm
 
 from distkit import _comm_probe
 from distkit._checks import check_loss
-from distkit._feed import Feed
 from distkit._losses import LossLedger
 from distkit._nonfinite import NonFiniteWatch
-from distkit._placement import Placement, follow_output
 from distkit.batch import batch_size_of, split_batch, to_device
+from distkit.data._feed import Feed
 from distkit.errors import NonFiniteLossError as NonFiniteLossError  # its old home
 from distkit.faults._progress import Progress
+from distkit.strategies._placement import Placement, follow_output
 from distkit.strategies._steps import GradientClip, StepOutcome
 from distkit.strategies.base import Strategy
-from distkit.syncbn import placeholder_batch
+from distkit.strategies.syncbn import placeholder_batch
 from distkit.timing import EpochTiming, StepTimer
 
 #: the context of a micro-batch that needs none (reusable: it holds no state)

@@ -22,13 +22,13 @@ from distkit._checks import check_fit_args, check_model, check_scheduler, check_
 from distkit._compile import describe as describe_compile
 from distkit._evaluation import LossFn, Metrics, named_metrics
 from distkit._loop import StepFn
-from distkit._placement import Placement
-from distkit._samplers import BatchSamplerPlan, SamplerPlan
-from distkit._stream_spec import StreamSpec, check_stream
 from distkit._validate import check_path
 from distkit.data import GlobalBatchPlan, LoaderSpec
+from distkit.data._samplers import BatchSamplerPlan, SamplerPlan
+from distkit.data._stream_spec import StreamSpec, check_stream
 from distkit.errors import ConfigurationError
 from distkit.metrics import Metric
+from distkit.strategies._placement import Placement
 
 if TYPE_CHECKING:
     from distkit.trainer import Trainer

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from distkit._compile import Compiler
-from distkit._placement import Placement, place
+from distkit.strategies._placement import Placement, place
 from distkit.strategies.base import Strategy
 
 

@@ -15,29 +15,29 @@ from distkit import checkpoint as ckpt
 from distkit._checks import as_score, check_trainer_arguments, seed_generators
 from distkit._compile import check_compile
 from distkit._evaluation import LossFn, Metrics, evaluate_shard
-from distkit._feed import eval_batches, train_feed
 from distkit._fit import FitRun, hyperparams
 from distkit._logging import LogSink, LogWindow, checked_loggers
 from distkit._loop import FitState, LoopSettings, StepFn, TrainLoop
 from distkit._losses import LossLedger
 from distkit._nonfinite import NonFiniteWatch
-from distkit._placement import check_claims, input_device_override
 from distkit._preparation import FitPlan, batch_plan, prepare_evaluate, prepare_fit, samples_of
 from distkit._resume import Run
 from distkit._setups import SetupCache
 from distkit._snapshot import RunSnapshot
-from distkit._stream_spec import StreamSpec, is_stream
 from distkit.callbacks import Callback
 from distkit.callbacks._list import CallbackList
 from distkit.data import LoaderSpec
+from distkit.data._feed import eval_batches, train_feed
+from distkit.data._stream_spec import StreamSpec, is_stream
 from distkit.errors import ConfigurationError, TrainerClosedError
 from distkit.faults._faults import fail_fast
 from distkit.faults._progress import Progress
 from distkit.loggers import Logger
-from distkit.precision import normalize_precision
 from distkit.registry import make_strategy
+from distkit.strategies._placement import check_claims, input_device_override
 from distkit.strategies._steps import GradientClip
 from distkit.strategies.base import Strategy, TrainOptions
+from distkit.strategies.precision import normalize_precision
 
 
 @dataclass

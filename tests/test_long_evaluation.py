@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import IterableDataset
 
 import distkit
-from distkit import _eval_rounds
+from distkit.data import _eval_rounds
 from tests.workloads import make_dataset, make_mlp
 
 pytestmark = [pytest.mark.timeout(120)]

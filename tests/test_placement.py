@@ -18,9 +18,10 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import distkit
-from distkit import _placement
 from distkit._imports import is_importable
-from distkit._placement import (
+from distkit.errors import ConfigurationError
+from distkit.strategies import _placement, _torch_dist
+from distkit.strategies._placement import (
     Claim,
     Placement,
     check_claims,
@@ -28,8 +29,6 @@ from distkit._placement import (
     input_device_override,
     output_device,
 )
-from distkit.errors import ConfigurationError
-from distkit.strategies import _torch_dist
 from distkit.strategies.apex import ApexStrategy
 from distkit.strategies.ddp import DDPStrategy
 from distkit.strategies.dp import DataParallelStrategy

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from distkit.errors import ConfigurationError
-from distkit.precision import Precision, normalize_precision
+from distkit.strategies.precision import Precision, normalize_precision
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -33,8 +33,8 @@ import distkit
 from distkit import _resume
 from distkit import checkpoint as ckpt
 from distkit._preparation import batch_plan
-from distkit._samplers import BatchSamplerPlan, SamplerPlan, draw
 from distkit.data import GlobalBatchPlan, LoaderSpec
+from distkit.data._samplers import BatchSamplerPlan, SamplerPlan, draw
 from distkit.errors import ConfigurationError
 from tests.workloads import make_dataset, make_mlp, max_abs_diff, without_timing
 

@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import IterableDataset
 
 import distkit
-from distkit._stream_share import ItemsDigest
+from distkit.data._stream_share import ItemsDigest
 from distkit.errors import ConfigurationError
 from tests.horovod_runner import ROOT
 from tests.host_syncs import StepSpans, counting

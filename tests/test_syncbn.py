@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from distkit.syncbn import (
+from distkit.strategies.syncbn import (
     GlobalBatchNorm,
     MaskedSyncBatchNorm,
     convert_to_global_batchnorm,

@@ -26,7 +26,7 @@ from distkit.launch._env import LaunchEnv
 from distkit.launch._registry_view import auto_strategy_name
 from distkit.strategies._collectives import PendingSum
 from distkit.strategies.base import Topology, TrainOptions
-from distkit.syncbn import convert_to_global_batchnorm, convert_to_masked_sync_batchnorm
+from distkit.strategies.syncbn import convert_to_global_batchnorm, convert_to_masked_sync_batchnorm
 
 
 def init_process_group(
@@ -296,7 +296,7 @@ def ddp_device_ids(
 def convert_sync_batchnorm(model: nn.Module, device: torch.device) -> nn.Module:
     """torch's SyncBatchNorm on CUDA; on CPU, where torch refuses it, GlobalBatchNorm over gloo.
 
-    Both leave placeholder samples out of their statistics (see :mod:`distkit.syncbn`).
+    Both leave placeholder samples out of their statistics (see :mod:`distkit.strategies.syncbn`).
     """
     if device.type == "cuda":
         return convert_to_masked_sync_batchnorm(model)

@@ -23,7 +23,6 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from distkit._placement import place
 from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ConfigurationError, DistkitError
 from distkit.faults import _channel
@@ -32,8 +31,8 @@ from distkit.launch import LaunchRequest
 from distkit.launch._env import LaunchEnv
 from distkit.launch._registry_view import auto_strategy_name
 from distkit.launchers import TORCH_LAUNCHERS, LauncherFamily
-from distkit.precision import Precision, normalize_precision
 from distkit.strategies._collectives import Collectives
+from distkit.strategies._placement import place
 from distkit.strategies._steps import (
     GradientClip,
     StepOutcome,
@@ -42,6 +41,7 @@ from distkit.strategies._steps import (
     local_norm,
     step_gradients,
 )
+from distkit.strategies.precision import Precision, normalize_precision
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ class Strategy(Collectives, ABC):
     #: the distributions it runs on beyond torch; checkpoints record their versions
     libraries: ClassVar[tuple[str, ...]] = ()
     #: why it cannot train a model the user placed on devices of their own (several GPUs, or
-    #: one that is not this rank's; see :mod:`distkit._placement`); None: it keeps such a
+    #: one that is not this rank's; see :mod:`distkit.strategies._placement`); None: it keeps such a
     #: model where it is (ddp, horovod)
     placement_refusal: ClassVar[str | None] = (
         "this strategy does not declare that it keeps a model where the user placed it (a "

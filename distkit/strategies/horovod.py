@@ -23,7 +23,7 @@ from distkit.strategies._horovod_channel import HorovodKVChannel
 from distkit.strategies._horovod_elastic import elastic_state
 from distkit.strategies._horovodrun import HOROVODRUN
 from distkit.strategies.base import StepOutcome, Strategy, Topology
-from distkit.syncbn import convert_to_global_batchnorm
+from distkit.strategies.syncbn import convert_to_global_batchnorm
 
 
 def _horovod_hint() -> str:

@@ -1,7 +1,8 @@
 """Modern apex (>= 25.07, no ``apex.amp`` / ``apex.parallel``): native torch does the rest.
 
-torch autocast + GradScaler (the strategy's :class:`~distkit.precision.Precision`) and torch
-DDP; apex contributes its fused optimizers, which the strategy swaps in on request.
+torch autocast + GradScaler (the strategy's
+:class:`~distkit.strategies.precision.Precision`) and torch DDP; apex contributes its fused
+optimizers, which the strategy swaps in on request.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from distkit._stream_feed import StreamFeed
+from distkit.data._stream_feed import StreamFeed
 from distkit.strategies.base import Strategy
 
 

@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
-from distkit._stream_spec import StreamSpec
 from distkit.batch import batch_size_of
 from distkit.data import MicroBatch
+from distkit.data._stream_spec import StreamSpec
 from distkit.errors import ConfigurationError
 from distkit.strategies._collectives import PendingSum
 from distkit.strategies.base import Strategy

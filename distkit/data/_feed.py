@@ -13,10 +13,10 @@ from typing import Any, Protocol
 
 import torch
 
-from distkit._eval_rounds import map_rounds, stream_rounds
-from distkit._stream_feed import StreamFeed
-from distkit._stream_spec import StreamSpec
 from distkit.data import GlobalBatchPlan, LoaderSpec, MicroBatch, PlanBatchSampler, reseed_workers
+from distkit.data._eval_rounds import map_rounds, stream_rounds
+from distkit.data._stream_feed import StreamFeed
+from distkit.data._stream_spec import StreamSpec
 from distkit.errors import ConfigurationError
 from distkit.strategies.base import Strategy
 

@@ -11,7 +11,7 @@ with the whole batch would compute it.
 
 A DataLoader's own sampler (``WeightedRandomSampler``, ...) or batch sampler (length
 bucketing, ...) replaces the permutation: every rank draws it alike, and
-:mod:`distkit._samplers` shards its draw by the same rules.
+:mod:`distkit.data._samplers` shards its draw by the same rules.
 
 Evaluation gives rank ``r`` the samples ``r, r + world_size, ...`` with no padding, so metrics
 count every sample exactly once.

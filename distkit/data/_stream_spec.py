@@ -1,5 +1,5 @@
 """Reading a stream the user passed (IterableDataset, DataLoader over one, iterable of batches,
-:class:`~distkit.streams.ShardedStream`) into how each epoch's local batches are made."""
+:class:`~distkit.data.streams.ShardedStream`) into how each epoch's local batches are made."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from distkit._stream_share import DigestCollate, RankShare, ShareRule, stream_seed
 from distkit.data import _WorkerSeeder
+from distkit.data._stream_share import DigestCollate, RankShare, ShareRule, stream_seed
+from distkit.data.streams import ShardedStream
 from distkit.errors import ConfigurationError
-from distkit.streams import ShardedStream
 
 #: DataLoader settings kept from a user's DataLoader (the rest concern sampling)
 _LOADER_KEYS = (
