@@ -17,8 +17,8 @@ from torch import nn
 
 import distkit
 from distkit import checkpoint as ckpt
-from distkit._agreement import COLLECTIVE, Message, _ranks, disagreement, first_difference
 from distkit.errors import RankDisagreementError
+from distkit.runtime._agreement import COLLECTIVE, Message, _ranks, disagreement, first_difference
 from tests.workloads import make_dataset, make_mlp
 
 pytestmark = pytest.mark.timeout(240)

@@ -139,7 +139,7 @@ def test_callbacks_whose_stops_training_differs_between_ranks_are_refused(run_on
 
 
 def test_tagged_sum_is_one_rank_a_plain_sum():
-    from distkit._call_tags import tagged_sum
+    from distkit.runtime._call_tags import tagged_sum
 
     trainer = distkit.Trainer("dp", progress=False)
     assert tagged_sum(trainer.strategy, "stop", [1.0, 2.0]) == [1.0, 2.0]

@@ -17,9 +17,9 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import distkit
-from distkit import _comm_probe
 from distkit._imports import is_importable
-from distkit.timing import COMM_HINT_SHARE, EpochTiming
+from distkit.trainer import _comm_probe
+from distkit.trainer.timing import COMM_HINT_SHARE, EpochTiming
 from tests.horovod_runner import horovodrun_path, run_with_horovodrun
 
 pytestmark = pytest.mark.timeout(180)

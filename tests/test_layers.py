@@ -8,9 +8,7 @@ package ``distkit.a`` too (not of ``distkit`` itself, which every module's impor
 
 Each module belongs to the layer of the longest prefix in :data:`LAYERS` that names it; a
 module may import its own layer and the layers below. A module no prefix names fails the test:
-a new module is placed on purpose. :data:`KNOWN_UPWARD` lists the upward imports the package
-still has while issue 25 moves it into folders; the list may only shrink (an entry that no
-longer exists fails the test too, so the list stays true).
+a new module is placed on purpose.
 """
 
 from __future__ import annotations
@@ -31,28 +29,13 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("launch", ["distkit.launch", "distkit.launchers", "distkit.diagnosis"]),
     ("faults", ["distkit.faults"]),
     ("checkpoint", ["distkit.checkpoint"]),
-    ("strategies", ["distkit.strategies", "distkit._call_tags"]),
-    ("registry", ["distkit.registry", "distkit._plugins"]),
+    ("strategies", ["distkit.strategies"]),
+    ("registry", ["distkit.registry"]),
     ("data", ["distkit.data"]),
-    ("runtime", ["distkit._agreement", "distkit._evaluation", "distkit._saving",
-                 "distkit._resume", "distkit._snapshot", "distkit._setups",
-                 "distkit._preparation", "distkit._compile", "distkit._checks"]),
-    ("trainer", ["distkit.trainer", "distkit._fit", "distkit._loop", "distkit._losses",
-                 "distkit._nonfinite", "distkit._logging", "distkit.timing",
-                 "distkit._comm_probe", "distkit.callbacks", "distkit.loggers"]),
+    ("runtime", ["distkit.runtime"]),
+    ("trainer", ["distkit.trainer", "distkit.callbacks", "distkit.loggers"]),
     ("top", ["distkit.cli", "distkit.doctor", "distkit.testing", "distkit"]),
 ]  # fmt: skip
-
-#: (importer, imported) pairs that point up today; issue 25 removes them one by one
-KNOWN_UPWARD: set[tuple[str, str]] = {
-    # the resume, the snapshot and the preparation read the loop's FitState and the callbacks'
-    # list: they go when everything checkpointed is a Stateful (issue 25, part 2)
-    ("distkit._preparation", "distkit._loop"),
-    ("distkit._resume", "distkit._loop"),
-    ("distkit._snapshot", "distkit._loop"),
-    ("distkit._snapshot", "distkit.callbacks"),
-    ("distkit._snapshot", "distkit.callbacks._list"),
-}
 
 
 def module_name(path: Path) -> str:
@@ -193,19 +176,12 @@ def test_layers_have_no_import_cycle():
 
 
 def test_layers_imports_point_down():
-    up = upward_imports()
-    new = sorted(up - KNOWN_UPWARD)
-    gone = sorted(KNOWN_UPWARD - up)
     names = [name for name, _ in LAYERS]
-
-    def show(pairs: list[tuple[str, str]]) -> str:
-        return "\n".join(
-            f"  {a} ({names[layer_of(a) or 0]}) -> {b} ({names[layer_of(b) or 0]})"
-            for a, b in pairs
-        )
-
-    assert not new, "imports that point up a layer:\n" + show(new)
-    assert not gone, "no longer there, take them out of KNOWN_UPWARD:\n" + show(gone)
+    up = [
+        f"  {a} ({names[layer_of(a) or 0]}) -> {b} ({names[layer_of(b) or 0]})"
+        for a, b in sorted(upward_imports())
+    ]
+    assert not up, "imports that point up a layer:\n" + "\n".join(up)
 
 
 def test_layers_graph_reads_function_level_relative_and_type_checking_imports(tmp_path):

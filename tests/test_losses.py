@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from distkit import _losses
-from distkit._losses import LossLedger, step_mean
+from distkit.trainer import _losses
+from distkit.trainer._losses import LossLedger, step_mean
 
 
 def _ledger(watch: bool = True) -> LossLedger:

@@ -21,8 +21,7 @@ import pytest
 import torch
 
 import distkit
-from distkit import _plugins
-from distkit.registry import StrategyRegistry
+from distkit.registry import StrategyRegistry, _plugins
 from tests.workloads import max_abs_diff
 
 pytestmark = pytest.mark.timeout(240)

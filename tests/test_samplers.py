@@ -30,12 +30,12 @@ from torch.utils.data import (
 from torch.utils.data.distributed import DistributedSampler
 
 import distkit
-from distkit import _resume
 from distkit import checkpoint as ckpt
-from distkit._preparation import batch_plan
 from distkit.data import GlobalBatchPlan, LoaderSpec
 from distkit.data._samplers import BatchSamplerPlan, SamplerPlan, draw
 from distkit.errors import ConfigurationError
+from distkit.runtime import _resume
+from distkit.runtime._preparation import batch_plan
 from tests.workloads import make_dataset, make_mlp, max_abs_diff, without_timing
 
 pytestmark = pytest.mark.timeout(60)

@@ -6,10 +6,10 @@ import torch
 from torch import nn
 
 import distkit
-from distkit._loop import FitState
-from distkit._snapshot import RunSnapshot
 from distkit.callbacks import EarlyStopping
 from distkit.callbacks._list import CallbackList
+from distkit.runtime._fit_state import FitState
+from distkit.runtime._snapshot import RunSnapshot
 from tests.workloads import make_mlp, max_abs_diff, state_of
 
 

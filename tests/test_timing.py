@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 import distkit
-from distkit.timing import PHASES, EpochTiming
+from distkit.trainer.timing import PHASES, EpochTiming
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -96,7 +96,7 @@ def test_timing_cuda_events_are_folded_as_the_gpu_passes_them(monkeypatch):
     """Fake CUDA events (there is no GPU here): a long epoch keeps a bounded number of events,
     folding only those the GPU has passed (query(), which never waits), and the totals are
     the same as reading them all at the end."""
-    from distkit import timing
+    from distkit.trainer import timing
 
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 import distkit
-from distkit import _logging
 from distkit.callbacks import BestCheckpoint, LearningRateMonitor
 from distkit.loggers import CSVLogger, Logger
+from distkit.trainer import _logging
 from tests.workloads import make_dataset, make_mlp
 
 pytestmark = pytest.mark.timeout(300)

@@ -288,7 +288,7 @@ class Strategy(Collectives, ABC):
         """Run ``body`` (a fit's epochs) once (default).
 
         An elastic backend runs it again whenever its group changed, after restoring the
-        last committed ``snapshot`` (a :class:`distkit._snapshot.RunSnapshot`: ``save()``,
+        last committed ``snapshot`` (a :class:`distkit.runtime._snapshot.RunSnapshot`: ``save()``,
         ``restore()``, ``sync(strategy)``) and sending rank 0's to every rank.
         """
         body()

@@ -1,7 +1,7 @@
 """The order of one ``fit``: epochs, steps, validation, logging, callbacks, checkpoints.
 
 The trainer builds a :class:`FitRun` and calls :meth:`FitRun.run`; the micro-batches of an
-epoch are :class:`~distkit._loop.TrainLoop`'s. Everything here happens on every rank in the
+epoch are :class:`~distkit.trainer._loop.TrainLoop`'s. Everything here happens on every rank in the
 same order, so every collective (validation, checkpoints, the stop decision, log points)
 meets its peers.
 """
@@ -17,12 +17,13 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from distkit._call_tags import tagged_sum
-from distkit._checks import step_scheduler
-from distkit._logging import LogSink, LogWindow, StepLogs
-from distkit._loop import FitState, StepResult, TrainLoop, mark_stepped
-from distkit._losses import step_mean
 from distkit.callbacks._list import CallbackList
+from distkit.runtime._call_tags import tagged_sum
+from distkit.runtime._checks import step_scheduler
+from distkit.runtime._fit_state import FitState
+from distkit.trainer._logging import LogSink, LogWindow, StepLogs
+from distkit.trainer._loop import StepResult, TrainLoop, mark_stepped
+from distkit.trainer._losses import step_mean
 
 if TYPE_CHECKING:
     from distkit.trainer import Trainer

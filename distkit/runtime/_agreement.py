@@ -20,10 +20,10 @@ from typing import Any, Generic, TypeVar
 
 from torch import nn
 
-from distkit import _call_tags
-from distkit._call_tags import rank_groups as _groups
-from distkit._call_tags import ranks_text as _ranks
 from distkit.errors import RankDisagreementError
+from distkit.runtime import _call_tags
+from distkit.runtime._call_tags import rank_groups as _groups
+from distkit.runtime._call_tags import ranks_text as _ranks
 from distkit.strategies.base import Strategy
 
 T = TypeVar("T")

@@ -2,7 +2,8 @@
 
 Each ``prepare_*`` runs on every rank before the call's first collective and changes nothing:
 it validates the arguments (so a wrong one fails at the call, not in torch later), finds what
-the call needs, and says which values every rank must agree on (see :mod:`distkit._agreement`).
+the call needs, and says which values every rank must agree on (see
+:mod:`distkit.runtime._agreement`).
 """
 
 from __future__ import annotations
@@ -16,22 +17,22 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from distkit import _agreement, _resume
 from distkit import checkpoint as ckpt
-from distkit._checks import check_fit_args, check_model, check_scheduler, check_validation
-from distkit._compile import describe as describe_compile
-from distkit._evaluation import LossFn, Metrics, named_metrics
-from distkit._loop import StepFn
 from distkit._validate import check_path
 from distkit.data import GlobalBatchPlan, LoaderSpec
 from distkit.data._samplers import BatchSamplerPlan, SamplerPlan
 from distkit.data._stream_spec import StreamSpec, check_stream
 from distkit.errors import ConfigurationError
 from distkit.metrics import Metric
+from distkit.runtime import _agreement, _resume
+from distkit.runtime._checks import check_fit_args, check_model, check_scheduler, check_validation
+from distkit.runtime._compile import describe as describe_compile
+from distkit.runtime._evaluation import LossFn, Metrics, named_metrics
 from distkit.strategies._placement import Placement
 
 if TYPE_CHECKING:
     from distkit.trainer import Trainer
+    from distkit.trainer._loop import StepFn
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,8 @@ This is the one table of backend names. Everything else (``"auto"``, ``distkit r
 ``distkit doctor``, the lazy ``distkit.DDPStrategy`` exports) asks the registered classes.
 Built-ins are ``"module:Class"`` strings imported when first used; plugins come from the
 ``distkit.strategies`` entry points, read when a name is not a built-in (see
-:mod:`distkit._plugins`). A broken plugin is left out with one line naming its distribution;
-it never breaks the other strategies.
+:mod:`distkit.registry._plugins`). A broken plugin is left out with one line naming its
+distribution; it never breaks the other strategies.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
-from distkit import _plugins
 from distkit.errors import ConfigurationError, StrategyPluginError, UnknownStrategyError
 from distkit.launch import _registry_view
 from distkit.launch._env import LaunchEnv
+from distkit.registry import _plugins
 
 if TYPE_CHECKING:
     from distkit.strategies.base import Strategy

@@ -12,7 +12,7 @@ import weakref
 import torch
 from torch import nn
 
-from distkit._compile import Compiler
+from distkit.runtime._compile import Compiler
 from distkit.strategies._placement import Placement, place
 from distkit.strategies.base import Strategy
 

@@ -12,9 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from distkit import _agreement, _resume
 from distkit import checkpoint as ckpt
-from distkit._preparation import prepare_save
+from distkit.runtime import _agreement, _resume
+from distkit.runtime._preparation import prepare_save
 from distkit.strategies.base import Strategy
 
 if TYPE_CHECKING:

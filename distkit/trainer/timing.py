@@ -8,7 +8,7 @@ Communication shows up where the backend does it: DDP and apex all-reduce during
 Horovod waits for its all-reduce in the optimizer step. Every rank waits for the slowest at
 each all-reduce, so stragglers are found from the work before it (data + forward). How
 much of a step the all-reduce itself takes is measured apart, by a probe once per epoch
-(:mod:`distkit._comm_probe`): its share of the step says whether more processes can pay.
+(:mod:`distkit.trainer._comm_probe`): its share of the step says whether more processes can pay.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ class EpochTiming:
         comm_mb: float = 0.0,
     ) -> EpochTiming:
         """``per_rank``: one :meth:`StepTimer.summary` row per rank; ``comm_ms``: the
-        gradients' all-reduce time (:func:`distkit._comm_probe.allreduce_ms`), ``comm_mb``
+        gradients' all-reduce time (:func:`distkit.trainer._comm_probe.allreduce_ms`), ``comm_mb``
         their size."""
         steps = max(float(per_rank[0, -1]), 1.0)
         mean = per_rank.mean(dim=0)

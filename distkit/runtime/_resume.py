@@ -15,10 +15,10 @@ from torch import nn
 from distkit import checkpoint as ckpt
 from distkit import registry
 from distkit._files import mtime_ns
-from distkit._loop import FitState
 from distkit._version import __version__
 from distkit.checkpoint import _shards
 from distkit.errors import ConfigurationError
+from distkit.runtime._fit_state import FitState
 from distkit.strategies.base import Strategy
 
 

@@ -10,20 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from distkit import _agreement, _compile, _resume, _saving
 from distkit import checkpoint as ckpt
-from distkit._checks import as_score, check_trainer_arguments, seed_generators
-from distkit._compile import check_compile
-from distkit._evaluation import LossFn, Metrics, evaluate_shard
-from distkit._fit import FitRun, hyperparams
-from distkit._logging import LogSink, LogWindow, checked_loggers
-from distkit._loop import FitState, LoopSettings, StepFn, TrainLoop
-from distkit._losses import LossLedger
-from distkit._nonfinite import NonFiniteWatch
-from distkit._preparation import FitPlan, batch_plan, prepare_evaluate, prepare_fit, samples_of
-from distkit._resume import Run
-from distkit._setups import SetupCache
-from distkit._snapshot import RunSnapshot
 from distkit.callbacks import Callback
 from distkit.callbacks._list import CallbackList
 from distkit.data import LoaderSpec
@@ -34,10 +21,30 @@ from distkit.faults._faults import fail_fast
 from distkit.faults._progress import Progress
 from distkit.loggers import Logger
 from distkit.registry import make_strategy
+from distkit.runtime import _agreement, _compile, _resume, _saving
+from distkit.runtime._checks import as_score, check_trainer_arguments, seed_generators
+from distkit.runtime._compile import check_compile
+from distkit.runtime._evaluation import LossFn, Metrics, evaluate_shard
+from distkit.runtime._fit_state import FitState
+from distkit.runtime._preparation import (
+    FitPlan,
+    batch_plan,
+    prepare_evaluate,
+    prepare_fit,
+    samples_of,
+)
+from distkit.runtime._resume import Run
+from distkit.runtime._setups import SetupCache
+from distkit.runtime._snapshot import RunSnapshot
 from distkit.strategies._placement import check_claims, input_device_override
 from distkit.strategies._steps import GradientClip
 from distkit.strategies.base import Strategy, TrainOptions
 from distkit.strategies.precision import normalize_precision
+from distkit.trainer._fit import FitRun, hyperparams
+from distkit.trainer._logging import LogSink, LogWindow, checked_loggers
+from distkit.trainer._loop import LoopSettings, StepFn, TrainLoop
+from distkit.trainer._losses import LossLedger
+from distkit.trainer._nonfinite import NonFiniteWatch
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 Reading a loss on the host (``bool(torch.isfinite(loss))``) makes the CPU wait for the GPU
 every step, which empties its queue of kernels. Instead the losses the loop keeps anyway
-(:class:`~distkit._losses.LossLedger`) are read all at once by :meth:`NonFiniteWatch.check`
+(:class:`~distkit.trainer._losses.LossLedger`) are read all at once by :meth:`NonFiniteWatch.check`
 at the trainer's check points (every ``log_every_n_steps`` steps, before a validation or a
 checkpoint, at the end of each epoch and of ``fit``). One small all-reduce
 there tells every rank which rank saw the first non-finite loss, at which step, so that
@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
-from distkit._call_tags import tagged_sum
-from distkit._losses import LossLedger
 from distkit.errors import NonFiniteLossError
+from distkit.runtime._call_tags import tagged_sum
 from distkit.strategies.base import Strategy
+from distkit.trainer._losses import LossLedger
 
 #: how a non-finite value travels in the all-reduce (0: all finite)
 _KINDS = {1.0: "nan", 2.0: "inf", 3.0: "-inf"}

@@ -12,52 +12,26 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from distkit import _comm_probe
-from distkit._checks import check_loss
-from distkit._losses import LossLedger
-from distkit._nonfinite import NonFiniteWatch
 from distkit.batch import batch_size_of, split_batch, to_device
 from distkit.data._feed import Feed
 from distkit.errors import NonFiniteLossError as NonFiniteLossError  # its old home
 from distkit.faults._progress import Progress
+from distkit.runtime._checks import check_loss
+from distkit.runtime._fit_state import FitState as FitState  # its old home
 from distkit.strategies._placement import Placement, follow_output
 from distkit.strategies._steps import GradientClip, StepOutcome
 from distkit.strategies.base import Strategy
 from distkit.strategies.syncbn import placeholder_batch
-from distkit.timing import EpochTiming, StepTimer
+from distkit.trainer import _comm_probe
+from distkit.trainer._losses import LossLedger
+from distkit.trainer._nonfinite import NonFiniteWatch
+from distkit.trainer.timing import EpochTiming, StepTimer
 
 #: the context of a micro-batch that needs none (reusable: it holds no state)
 _NOTHING = contextlib.nullcontext()
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 StepFn = Callable[[nn.Module, Any], torch.Tensor]
-
-
-@dataclass
-class FitState:
-    """Where training stands; everything a resume needs besides model and optimizer."""
-
-    epoch: int = 0  # the epoch in progress (or the next one)
-    position: int = 0  # samples of this epoch already trained, over all ranks
-    #: samples of this epoch this rank trained (None: unknown, resumed at another world size)
-    local_position: int | None = 0
-    global_step: int = 0  # optimizer steps taken (skipped ones included)
-    #: this rank's loss x samples so far in the epoch: a float between epochs, the ledger's
-    #: device total during one (current up to its last fold: read it with settled_loss_sum)
-    loss_sum: float | torch.Tensor = 0.0
-    samples: int = 0  # this rank's real samples so far in the epoch
-    skipped_steps: int = 0  # steps skipped this epoch (non-finite gradients or fp16 overflow)
-    history: list[dict[str, float]] = field(default_factory=list)
-    #: every validation so far (``{"step", "epoch", "val_...": ...}``), the resumed ones too
-    validations: list[dict[str, float]] = field(default_factory=list)
-    #: the epoch's loss ledger while one runs (not saved: loss_sum holds what it folded)
-    ledger: LossLedger | None = field(default=None, repr=False, compare=False)
-
-    def settled_loss_sum(self) -> float:
-        """``loss_sum`` with every loss noted so far folded in (a host read on a GPU)."""
-        if self.ledger is not None:
-            self.ledger.fold()
-        return float(self.loss_sum)
 
 
 @dataclass(frozen=True)

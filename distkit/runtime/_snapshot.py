@@ -3,7 +3,7 @@ after a failed step, and sends from rank 0 to the processes of a changed group.
 
 Unlike a checkpoint it never touches the disk, and it holds objects in place: the model's
 parameters are copied into, the optimizer's state dict object is kept (a backend's wrapper
-may share it), the :class:`~distkit._loop.FitState` is updated field by field.
+may share it), the :class:`~distkit.runtime._fit_state.FitState` is updated field by field.
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from distkit._loop import FitState
-from distkit.callbacks._list import CallbackList
+from distkit.runtime._fit_state import FitState, Stateful
 from distkit.strategies.base import Strategy
 
 _FIELDS = ("epoch", "position", "global_step", "skipped_steps", "history", "validations")
@@ -26,7 +25,7 @@ class RunSnapshot:
 
     def __init__(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-        state: FitState, callbacks: CallbackList,
+        state: FitState, callbacks: Stateful,
     ) -> None:  # fmt: skip
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.state, self.callbacks = state, callbacks
