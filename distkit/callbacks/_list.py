@@ -26,9 +26,12 @@ class CallbackList:
         self.callbacks = list(callbacks)
         for i, callback in enumerate(self.callbacks):
             check_instance(
-                callback, Callback, where=f"callbacks[{i}]", name="distkit.Callback",
+                callback,
+                Callback,
+                where=f"callbacks[{i}]",
+                name="distkit.Callback",
                 fix="subclass distkit.Callback and override the hooks you need",
-            )  # fmt: skip
+            )
         self.keys = _unique_keys(self.callbacks)
 
     def __iter__(self) -> Iterator[Callback]:

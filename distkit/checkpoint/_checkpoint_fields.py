@@ -103,8 +103,7 @@ def _history(field: _Field, value: Any) -> None:
 
 def _rng(field: _Field, value: Any) -> None:
     record = _dict(field, value)
-    _tensor(field / "torch", _entry(record, "torch"), torch.uint8,
-            torch.get_rng_state().numel())  # fmt: skip
+    _tensor(field / "torch", _entry(record, "torch"), torch.uint8, torch.get_rng_state().numel())
     np_state = _dict(field / "numpy", _entry(record, "numpy"))
     _tensor(field / "numpy" / "keys", _entry(np_state, "keys"), torch.int64, _MT_KEYS)
     _int(field / "numpy" / "pos", _entry(np_state, "pos"))

@@ -100,9 +100,12 @@ def train_feed(
     """The feed of a fit's training data: a plan's (map-style data) or a stream's."""
     if isinstance(spec, StreamSpec):
         return StreamFeed(
-            strategy, spec, slots=grad_accum_steps, seed=seed,
+            strategy,
+            spec,
+            slots=grad_accum_steps,
+            seed=seed,
             drop_last=drop_last or spec.drop_last,
-        )  # fmt: skip
+        )
     assert plan is not None, "map-style data has a plan"
     loader, sampler = spec.train_loader(plan, seed=seed + strategy.rank)
     return MapFeed(strategy, loader, sampler, plan)

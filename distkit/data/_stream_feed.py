@@ -85,9 +85,13 @@ class StreamFeed:
         start = (local_position or 0) if spec.self_sharded else position
         self._ended = False
         local = spec.local_batches(
-            world_size=strategy.world_size, rank=strategy.rank, epoch=epoch, start=start,
-            seed=self.seed, worker_seed=seed,
-        )  # fmt: skip
+            world_size=strategy.world_size,
+            rank=strategy.rank,
+            epoch=epoch,
+            start=start,
+            seed=self.seed,
+            worker_seed=seed,
+        )
         return self._steps(local, epoch, fresh=position == 0, start=start)
 
     def _steps(
@@ -124,10 +128,16 @@ class StreamFeed:
                     count = counts[rank][slot]
                     own = slot < len(mine) and count > 0
                     batch = mine[slot] if own else self._stand_in_for(epoch, counts)
-                    yield batch, MicroBatch(
-                        step=step, last_in_step=slot == passes - 1, count=count,
-                        weight=world * count / total, samples=sum(row[slot] for row in counts),
-                    )  # fmt: skip
+                    yield (
+                        batch,
+                        MicroBatch(
+                            step=step,
+                            last_in_step=slot == passes - 1,
+                            count=count,
+                            weight=world * count / total,
+                            samples=sum(row[slot] for row in counts),
+                        ),
+                    )
                 step += 1
             if not more or len(steps) < block:
                 return
@@ -139,8 +149,9 @@ class StreamFeed:
         and the digests of the global micro-batches it holds a batch of (0 where none)."""
         pairs = list(islice(local, self.steps_ahead * self.slots))
         batches = [batch for batch, _ in pairs]
-        table = torch.zeros(self.strategy.world_size, 2, self.steps_ahead * self.slots,
-                            dtype=torch.int64)  # fmt: skip
+        table = torch.zeros(
+            self.strategy.world_size, 2, self.steps_ahead * self.slots, dtype=torch.int64
+        )
         if pairs:
             sizes = [_size(batch, self.spec.what) for batch in batches]
             mine = torch.tensor([sizes, [digest for _, digest in pairs]], dtype=torch.int64)
@@ -221,8 +232,11 @@ class StreamFeed:
         micro-batch differ by at most one sample (a batch, for an iterable of batches), the
         lower ranks holding more, and once one rank's share falls short none has more."""
         world = len(table)
-        columns = [[table[r][i][j] for r in range(world)]
-                   for i in range(self.steps_ahead) for j in range(self.slots)]  # fmt: skip
+        columns = [
+            [table[r][i][j] for r in range(world)]
+            for i in range(self.steps_ahead)
+            for j in range(self.slots)
+        ]
         per_rank = self.spec.batch_size
         for column in columns:
             present = [1 if n else 0 for n in column]
@@ -250,9 +264,13 @@ class StreamFeed:
         if self._stand_in is None:  # resumed past the end of this rank's share: its first
             strategy = self.strategy
             first = self.spec.local_batches(
-                world_size=strategy.world_size, rank=strategy.rank, epoch=epoch, start=0,
-                seed=self.seed, worker_seed=0,
-            )  # fmt: skip
+                world_size=strategy.world_size,
+                rank=strategy.rank,
+                epoch=epoch,
+                start=0,
+                seed=self.seed,
+                worker_seed=0,
+            )
             self._stand_in = next((batch for batch, _ in first), None)
         if self._stand_in is None:
             holders = [r for r, row in enumerate(counts) if sum(row)]

@@ -17,9 +17,13 @@ from distkit.errors import ConfigurationError
 
 #: DataLoader settings kept from a user's DataLoader (the rest concern sampling)
 _LOADER_KEYS = (
-    "num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
+    "num_workers",
+    "collate_fn",
+    "pin_memory",
+    "timeout",
+    "worker_init_fn",
     "multiprocessing_context",
-)  # fmt: skip
+)
 
 
 def is_stream(data: Any) -> bool:
@@ -69,10 +73,15 @@ class StreamSpec:
         # brings its own reading: it is iterated in the main process
         in_main = not isinstance(source, Dataset)
         return cls(
-            source=source, what=what, batch_size=batch, self_sharded=sharded,
-            splits_workers=sharded and data.splits_workers, in_main=in_main,
-            drop_last=drop_last, kwargs=kwargs,
-        )  # fmt: skip
+            source=source,
+            what=what,
+            batch_size=batch,
+            self_sharded=sharded,
+            splits_workers=sharded and data.splits_workers,
+            in_main=in_main,
+            drop_last=drop_last,
+            kwargs=kwargs,
+        )
 
     @property
     def one_shot(self) -> bool:
@@ -101,12 +110,13 @@ class StreamSpec:
         rule = ShareRule(
             world_size=1 if self.self_sharded else world_size,
             rank=0 if self.self_sharded else rank,
-            per_batch=self.batch_size or 1, start=start,
+            per_batch=self.batch_size or 1,
+            start=start,
             items_are_batches=self.batch_size is None,
             split_workers=not self.splits_workers,
             rng_seed=None if self.self_sharded else stream_seed(seed, epoch),
             digest=digest,
-        )  # fmt: skip
+        )
         share = RankShare(self.source, rule)
         if self.in_main:
             return iter(share) if digest else ((batch, 0) for batch in share)

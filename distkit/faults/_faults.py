@@ -87,9 +87,14 @@ def fail_fast(
     watchdog = None
     if channel is not None and (fault_timeout is not None or hang_warning is not None):
         watchdog = Watchdog(
-            channel, rank=strategy.rank, world_size=strategy.world_size, progress=progress,
-            interval=interval, grace=fault_timeout, hang_warning=hang_warning,
-        )  # fmt: skip
+            channel,
+            rank=strategy.rank,
+            world_size=strategy.world_size,
+            progress=progress,
+            interval=interval,
+            grace=fault_timeout,
+            hang_warning=hang_warning,
+        )
         watchdog.start()
     grace = fault_timeout or DEFAULT_TERM_GRACE_S
     on_blocked = functools.partial(_exit_blocked, strategy, progress, grace)

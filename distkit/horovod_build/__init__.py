@@ -191,9 +191,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-verify", action="store_true", help="skip horovodrun --check-build")
     parser.add_argument("--jobs", type=int, metavar="N", help="compile jobs (default: all CPUs)")
     parser.add_argument(
-        "--without-mpi", dest="mpi", action="store_const", const=False, default=None,
+        "--without-mpi",
+        dest="mpi",
+        action="store_const",
+        const=False,
+        default=None,
         help="build Gloo only, even where mpicc is found (default: MPI when mpicc is on PATH)",
-    )  # fmt: skip
+    )
     args = parser.parse_args(argv)
     try:
         wheel = ensure_horovod(

@@ -202,10 +202,20 @@ def run(workdir: Path, np: int, timeout: float, test_timeout: float) -> list[Out
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(workdir), env.get("PYTHONPATH")]))
     cmd = [
-        launcher, "-np", str(np), "-H", f"localhost:{np}", "--gloo",
-        sys.executable, "-m", "distkit.horovod_build.suite", "--rank-run", str(workdir),
-        "--test-timeout", f"{test_timeout:g}",
-    ]  # fmt: skip
+        launcher,
+        "-np",
+        str(np),
+        "-H",
+        f"localhost:{np}",
+        "--gloo",
+        sys.executable,
+        "-m",
+        "distkit.horovod_build.suite",
+        "--rank-run",
+        str(workdir),
+        "--test-timeout",
+        f"{test_timeout:g}",
+    ]
     log = workdir / "horovodrun.log"
     with log.open("w") as fh:
         try:
@@ -261,9 +271,13 @@ def report(outcomes: list[Outcome], seconds: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Command line entry point; 0 when every applicable test passed on every rank."""
     parser = argparse.ArgumentParser(prog="python -m distkit.horovod_build.suite")
-    parser.add_argument("--source", type=Path, metavar="DIR",
-                        help=f"a horovod checkout of {TAG}, or a git clone with the tag "
-                        "(default: download the files from GitHub)")  # fmt: skip
+    parser.add_argument(
+        "--source",
+        type=Path,
+        metavar="DIR",
+        help=f"a horovod checkout of {TAG}, or a git clone with the tag "
+        "(default: download the files from GitHub)",
+    )
     parser.add_argument("--np", type=int, default=2, help="ranks (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds for the whole run")
     parser.add_argument("--test-timeout", type=float, default=300, help="seconds per test")

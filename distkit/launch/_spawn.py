@@ -107,8 +107,9 @@ def spawn(
 
     ctx: Any = mp.get_context(method)
     results = ctx.Queue()
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(minutes=30))  # fmt: skip
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(minutes=30)
+    )
     workers = [
         ctx.Process(
             target=_worker,

@@ -147,8 +147,15 @@ def check_trainer_arguments(args: dict[str, Any]) -> None:
     check_positive("gradient_clip_value", args["gradient_clip_value"])
     for name in ("fault_timeout", "hang_warning", "collective_timeout"):
         check_seconds(name, args[name])
-    lows = {"max_epochs": 0, "batch_size": 1, "grad_accum_steps": 1, "num_workers": 0,
-            "keep_last": 1, "seed": 0, "log_every_n_steps": 1}  # fmt: skip
+    lows = {
+        "max_epochs": 0,
+        "batch_size": 1,
+        "grad_accum_steps": 1,
+        "num_workers": 0,
+        "keep_last": 1,
+        "seed": 0,
+        "log_every_n_steps": 1,
+    }
     check_ints(**{name: (args[name], low) for name, low in lows.items()})
     for name in ("max_steps", "val_every_n_steps"):
         if args[name] is not None:
@@ -167,7 +174,8 @@ def check_trainer_arguments(args: dict[str, Any]) -> None:
     )
     check_flags(**{name: args[name] for name in flags})
     check_path("resume", args["resume"], "'auto', a checkpoint path, or None")
-    check_path("checkpoint_dir", args["checkpoint_dir"],
-               "a folder path (str or os.PathLike) or None")  # fmt: skip
+    check_path(
+        "checkpoint_dir", args["checkpoint_dir"], "a folder path (str or os.PathLike) or None"
+    )
     if str(args["resume"]) == "auto" and args["checkpoint_dir"] is None:
         raise ConfigurationError("resume='auto' needs checkpoint_dir=... to look in")

@@ -28,9 +28,13 @@ def named_metrics(metrics: Metrics | None) -> dict[str, Metric]:
         items = [(type(m).__name__.lower(), m) for m in metrics]
     for name, metric in items:
         check_instance(
-            metric, Metric, where=f"metric {name!r}", name="distkit.metrics.Metric", args="()",
+            metric,
+            Metric,
+            where=f"metric {name!r}",
+            name="distkit.metrics.Metric",
+            args="()",
             fix="use distkit.metrics.Accuracy(), MeanIoU(num_classes), or subclass Metric",
-        )  # fmt: skip
+        )
     return dict(items)
 
 

@@ -67,8 +67,11 @@ def prepare_fit(
     val = None if val_data is None else trainer._loader_spec(val_data, "val_data", shuffle=False)
     if isinstance(val, StreamSpec):
         every = trainer.val_every_n_steps
-        reads, because = (2, f"val_every_n_steps={every}") if every else (
-            trainer.max_epochs, f"max_epochs={trainer.max_epochs}")  # fmt: skip
+        reads, because = (
+            (2, f"val_every_n_steps={every}")
+            if every
+            else (trainer.max_epochs, f"max_epochs={trainer.max_epochs}")
+        )
         check_stream(val, reads=reads, because=because)
     if isinstance(spec, StreamSpec):
         check_stream(spec, reads=trainer.max_epochs, because=f"max_epochs={trainer.max_epochs}")
@@ -152,10 +155,12 @@ def batch_plan(trainer: Trainer, spec: LoaderSpec | StreamSpec) -> GlobalBatchPl
         return None
     strategy = trainer.strategy
     common: dict[str, Any] = {
-        "world_size": strategy.world_size, "rank": strategy.rank,
-        "grad_accum_steps": trainer.grad_accum_steps, "seed": trainer.seed,
+        "world_size": strategy.world_size,
+        "rank": strategy.rank,
+        "grad_accum_steps": trainer.grad_accum_steps,
+        "seed": trainer.seed,
         "drop_last": spec.drop_last or trainer.drop_last,
-    }  # fmt: skip
+    }
     # a user's batch sampler or sampler draws the epoch (the same on every rank)
     if spec.batch_sampler is not None:
         return BatchSamplerPlan(spec.batch_sampler, **common)

@@ -57,9 +57,11 @@ def _version(package: str) -> str | None:
 def rank_state(state: FitState) -> dict[str, Any]:
     """What each rank adds to a checkpoint: its RNG states and partial loss sums."""
     return {
-        "rng": ckpt.rng_state(), "loss_sum": state.settled_loss_sum(), "samples": state.samples,
+        "rng": ckpt.rng_state(),
+        "loss_sum": state.settled_loss_sum(),
+        "samples": state.samples,
         "local_position": state.local_position,
-    }  # fmt: skip
+    }
 
 
 def build_payload(

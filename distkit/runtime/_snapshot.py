@@ -24,9 +24,13 @@ class RunSnapshot:
     """Model, optimizer, scheduler, progress and callback states of one fit."""
 
     def __init__(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-        state: FitState, callbacks: Stateful,
-    ) -> None:  # fmt: skip
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        state: FitState,
+        callbacks: Stateful,
+    ) -> None:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.state, self.callbacks = state, callbacks
         # nothing is copied until an elastic backend asks (its first sync): a fit that is

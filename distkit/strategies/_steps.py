@@ -57,8 +57,9 @@ class GradientClip:
 
 def step_gradients(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The gradients the optimizer's next step applies (None ones left out)."""
-    return [p.grad for group in optimizer.param_groups for p in group["params"]
-            if p.grad is not None]  # fmt: skip
+    return [
+        p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None
+    ]
 
 
 def clip_(grads: list[torch.Tensor], clip: GradientClip, total_norm: torch.Tensor) -> torch.Tensor:

@@ -164,8 +164,9 @@ def _job_store(addr: str, port: int, world_size: int, rank: int, timeout: timede
     """
     key = (addr, port, world_size, rank)
     if key not in _JOB_STORES:
-        store = dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=timeout,
-                              wait_for_workers=False)  # fmt: skip
+        store = dist.TCPStore(
+            addr, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
+        )
         store.add(_JOINED, 1)
         if rank == 0:
             _wait_for_tasks(store, world_size, timeout)
@@ -236,8 +237,9 @@ def _wait_for_tasks(store: dist.Store, world_size: int, timeout: timedelta) -> N
                 f"{world_size} tasks. Under SLURM, start the tasks with srun (`srun python "
                 "train.py`): a `python train.py` in an sbatch script is one process that SLURM "
                 "still calls rank 0 of SLURM_NTASKS. Under mpirun, check -np.",
-                file=sys.stderr, flush=True,
-            )  # fmt: skip
+                file=sys.stderr,
+                flush=True,
+            )
         time.sleep(0.05)
 
 

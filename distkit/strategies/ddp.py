@@ -103,8 +103,9 @@ class DDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
                 f"and this run trains on {self.device}; use comm_hook='fp16' (any backend) or "
                 "no compression"
             )
-        hook = {"fp16": default_hooks.fp16_compress_hook,
-                "bf16": default_hooks.bf16_compress_hook}[str(self.comm_hook)]  # fmt: skip
+        hook = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}[
+            str(self.comm_hook)
+        ]
         wrapped.register_comm_hook(None, hook)
 
     def convert_sync_batchnorm(self, model: nn.Module) -> nn.Module:

@@ -180,9 +180,13 @@ def convert_to_global_batchnorm(module: nn.Module, all_reduce_sum: AllReduceSum)
 
     def make(bn: _BatchNorm) -> nn.Module:
         return GlobalBatchNorm(
-            bn.num_features, all_reduce_sum, bn.eps, bn.momentum, bn.affine,
+            bn.num_features,
+            all_reduce_sum,
+            bn.eps,
+            bn.momentum,
+            bn.affine,
             bn.track_running_stats,
-        )  # fmt: skip
+        )
 
     return replace_batchnorm(module, make, skip=GlobalBatchNorm)
 

@@ -46,16 +46,20 @@ def clipped_fit(target: StrategyUnderTest, batch_size: int) -> dict[str, Any]:
     """The workload with clipping, accumulation and a validation every VAL_EVERY steps."""
     recorder = StepRecorder()
     with target.trainer(
-        batch_size=batch_size, max_epochs=2, seed=3, grad_accum_steps=ACCUMULATE,
-        gradient_clip_norm=CLIP_NORM, val_every_n_steps=VAL_EVERY, callbacks=[recorder],
-    ) as t:  # fmt: skip
+        batch_size=batch_size,
+        max_epochs=2,
+        seed=3,
+        grad_accum_steps=ACCUMULATE,
+        gradient_clip_norm=CLIP_NORM,
+        val_every_n_steps=VAL_EVERY,
+        callbacks=[recorder],
+    ) as t:
         import torch
 
         model = _training._model(0)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         data = _training._dataset()
-        result = t.fit(model, optimizer, data, loss_fn=nn.functional.cross_entropy,
-                       val_data=data)  # fmt: skip
+        result = t.fit(model, optimizer, data, loss_fn=nn.functional.cross_entropy, val_data=data)
         return {
             "weights": t.full_state_dict(),
             "norms": [s["grad_norm"] for s in recorder.steps],
@@ -129,10 +133,12 @@ def _stop_body(target: StrategyUnderTest, workdir: Path) -> Any:
     with target.trainer(callbacks=[_StopOnLastRank()], **options) as t:
         model = _training._model(0)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        result = t.fit(model, optimizer, _training._dataset(),
-                       loss_fn=nn.functional.cross_entropy)  # fmt: skip
-        return {"step": t.global_step, "stopped_early": result.stopped_early,
-                "epochs": len(result.history)}  # fmt: skip
+        result = t.fit(model, optimizer, _training._dataset(), loss_fn=nn.functional.cross_entropy)
+        return {
+            "step": t.global_step,
+            "stopped_early": result.stopped_early,
+            "epochs": len(result.history),
+        }
 
 
 def _verify_stop(results: list[dict[str, Any]], world: int) -> None:
@@ -157,10 +163,12 @@ def _patience_fit(target: StrategyUnderTest, folder: Path, max_epochs: int) -> d
     with target.trainer(checkpoint_dir=folder, resume="auto", callbacks=[stopper], **options) as t:
         model = _training._model(0)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        result = t.fit(model, optimizer, _training._dataset(),
-                       loss_fn=nn.functional.cross_entropy)  # fmt: skip
-        return {"epochs": len(result.history), "stopped_early": result.stopped_early,
-                "wait": stopper.wait}  # fmt: skip
+        result = t.fit(model, optimizer, _training._dataset(), loss_fn=nn.functional.cross_entropy)
+        return {
+            "epochs": len(result.history),
+            "stopped_early": result.stopped_early,
+            "wait": stopper.wait,
+        }
 
 
 def _callback_state_body(target: StrategyUnderTest, workdir: Path) -> Any:

@@ -329,9 +329,16 @@ class Trainer:
         model, compiler = _compile.plan(model, self.compile)
         try:
             result = self._fit(
-                model, optimizer, train_data, loss_fn, val_data, metrics, scheduler, step_fn,
+                model,
+                optimizer,
+                train_data,
+                loss_fn,
+                val_data,
+                metrics,
+                scheduler,
+                step_fn,
                 compiler,
-            )  # fmt: skip
+            )
         except BaseException as exc:
             self.callbacks.call_on_exception(self, exc)
             sink.finalize("interrupted" if isinstance(exc, KeyboardInterrupt) else "failed")
@@ -342,10 +349,17 @@ class Trainer:
         return result
 
     def _fit(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, train_data: Any,
-        loss_fn: LossFn | None, val_data: Any, metrics: Metrics | None, scheduler: Any,
-        step_fn: StepFn | None, compiler: _compile.Compiler | None,
-    ) -> FitResult:  # fmt: skip
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        train_data: Any,
+        loss_fn: LossFn | None,
+        val_data: Any,
+        metrics: Metrics | None,
+        scheduler: Any,
+        step_fn: StepFn | None,
+        compiler: _compile.Compiler | None,
+    ) -> FitResult:
         strategy = self.strategy
 
         # every rank checks its arguments and finds its checkpoint, then all agree (or all
@@ -367,13 +381,24 @@ class Trainer:
         # The wrapped model lives only in frames below this one: on a failure they are
         # cleared, so the process group's connections close at once (see distkit.faults._faults).
         with fail_fast(
-            strategy, fault_timeout=self.fault_timeout, hang_warning=self.hang_warning,
-            progress=self._rank_progress, on_failure=self._close_after_failure,
-        ):  # fmt: skip
+            strategy,
+            fault_timeout=self.fault_timeout,
+            hang_warning=self.hang_warning,
+            progress=self._rank_progress,
+            on_failure=self._close_after_failure,
+        ):
             run = self._train(
-                prepared, payload, model, optimizer, scheduler, loss_fn, step_fn, val_data,
-                metrics, compiler,
-            )  # fmt: skip
+                prepared,
+                payload,
+                model,
+                optimizer,
+                scheduler,
+                loss_fn,
+                step_fn,
+                val_data,
+                metrics,
+                compiler,
+            )
             result = FitResult(
                 history=[dict(record) for record in run.state.history],
                 validations=[dict(v) for v in run.validations],
@@ -383,11 +408,18 @@ class Trainer:
         return result
 
     def _train(
-        self, prepared: FitPlan, payload: dict[str, Any] | None, model: nn.Module,
-        optimizer: torch.optim.Optimizer, scheduler: Any, loss_fn: LossFn | None,
-        step_fn: StepFn | None, val_data: Any, metrics: Metrics | None,
+        self,
+        prepared: FitPlan,
+        payload: dict[str, Any] | None,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        loss_fn: LossFn | None,
+        step_fn: StepFn | None,
+        val_data: Any,
+        metrics: Metrics | None,
         compiler: _compile.Compiler | None,
-    ) -> FitRun:  # fmt: skip
+    ) -> FitRun:
         strategy = self.strategy
         spec = prepared.spec
         wrapped, dist_optimizer = self._setups.setup(model, optimizer, prepared.placement)
@@ -400,10 +432,13 @@ class Trainer:
             seed_generators(self.seed + strategy.rank)
         self._run = Run(model, optimizer, scheduler, state, samples_of(spec))
         settings = LoopSettings(
-            max_epochs=self.max_epochs, seed=self.seed, nonfinite=self.nonfinite,
-            step_scheduler=self.scheduler_interval == "step", progress=self.progress,
+            max_epochs=self.max_epochs,
+            seed=self.seed,
+            nonfinite=self.nonfinite,
+            step_scheduler=self.scheduler_interval == "step",
+            progress=self.progress,
             clip=self.gradient_clip,
-        )  # fmt: skip
+        )
         assert self._sink is not None
         sink = self._sink
         sink.hyperparams(hyperparams(self, model, optimizer, samples_of(spec)))
@@ -414,24 +449,39 @@ class Trainer:
             self._topology = strategy.topology
             plan = batch_plan(self, spec) if runs else prepared.plan
             feed = train_feed(
-                strategy, spec, plan, seed=self.seed, grad_accum_steps=self.grad_accum_steps,
+                strategy,
+                spec,
+                plan,
+                seed=self.seed,
+                grad_accum_steps=self.grad_accum_steps,
                 drop_last=self.drop_last,
-            )  # fmt: skip
+            )
             loop = TrainLoop(
-                strategy=strategy, model=wrapped, optimizer=dist_optimizer,
-                feed=feed, loss_fn=loss_fn, step_fn=step_fn,
-                scheduler=scheduler, settings=settings, rank_progress=self._rank_progress,
-                forward_model=forward, placement=prepared.placement,
+                strategy=strategy,
+                model=wrapped,
+                optimizer=dist_optimizer,
+                feed=feed,
+                loss_fn=loss_fn,
+                step_fn=step_fn,
+                scheduler=scheduler,
+                settings=settings,
+                rank_progress=self._rank_progress,
+                forward_model=forward,
+                placement=prepared.placement,
                 losses=LossLedger(strategy.device, watch=self.nonfinite == "raise"),
                 watch=NonFiniteWatch(self.nonfinite == "raise", self.log_every_n_steps),
-            )  # fmt: skip
+            )
             run = FitRun(
-                trainer=self, loop=loop, state=state, callbacks=self.callbacks, sink=sink,
+                trainer=self,
+                loop=loop,
+                state=state,
+                callbacks=self.callbacks,
+                sink=sink,
                 window=LogWindow(strategy, self.log_every_n_steps),
-                validate=None if val_data is None else (
-                    lambda: self.evaluate(model, val_data, loss_fn=loss_fn, metrics=metrics)
-                ),
-            )  # fmt: skip
+                validate=None
+                if val_data is None
+                else (lambda: self.evaluate(model, val_data, loss_fn=loss_fn, metrics=metrics)),
+            )
             runs.append(run)
             run.run()
 
@@ -488,9 +538,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluate
     def evaluate(
-        self, model: nn.Module, data: Any, loss_fn: LossFn | None = None,
+        self,
+        model: nn.Module,
+        data: Any,
+        loss_fn: LossFn | None = None,
         metrics: Metrics | None = None,
-    ) -> dict[str, float]:  # fmt: skip
+    ) -> dict[str, float]:
         """Loss and metrics over ``data``, each sample counted exactly once over all ranks.
 
         A collective: call it on every rank, with the whole ``data`` (distkit shards it).
@@ -504,9 +557,13 @@ class Trainer:
         )
         wrapped = self._setups.wrapped(model)
         scores = evaluate_shard(
-            strategy, strategy.eval_model(wrapped), eval_batches(strategy, spec, self.seed),
-            loss_fn, named, placement,
-        )  # fmt: skip
+            strategy,
+            strategy.eval_model(wrapped),
+            eval_batches(strategy, spec, self.seed),
+            loss_fn,
+            named,
+            placement,
+        )
         return {key: as_score(key, value) for key, value in scores.items()}
 
     # ------------------------------------------------------------------ helpers
@@ -521,13 +578,20 @@ class Trainer:
     def _loader_spec(self, data: Any, what: str, *, shuffle: bool) -> LoaderSpec | StreamSpec:
         if is_stream(data):
             return StreamSpec.from_data(
-                data, batch_size=self.batch_size, num_workers=self.num_workers,
-                pin_memory=self.strategy.device.type == "cuda", what=what,
-            )  # fmt: skip
+                data,
+                batch_size=self.batch_size,
+                num_workers=self.num_workers,
+                pin_memory=self.strategy.device.type == "cuda",
+                what=what,
+            )
         return LoaderSpec.from_data(
-            data, batch_size=self.batch_size, shuffle=shuffle, num_workers=self.num_workers,
-            pin_memory=self.strategy.device.type == "cuda", what=what,
-        )  # fmt: skip
+            data,
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            num_workers=self.num_workers,
+            pin_memory=self.strategy.device.type == "cuda",
+            what=what,
+        )
 
     def __repr__(self) -> str:
         return f"Trainer(strategy={self.strategy!r}, max_epochs={self.max_epochs})"

@@ -186,8 +186,11 @@ class FitRun:
             return
         hidden = ("epoch", "skipped_steps", "samples_per_s")
         parts = [f"epoch {int(record['epoch']) + 1}/{trainer.max_epochs}"]
-        parts += [f"{k}={v:.4f}" for k, v in record.items()
-                  if k not in hidden and not k.startswith(_TIMING_PREFIX)]  # fmt: skip
+        parts += [
+            f"{k}={v:.4f}"
+            for k, v in record.items()
+            if k not in hidden and not k.startswith(_TIMING_PREFIX)
+        ]
         if record.get("skipped_steps"):
             parts.append(f"skipped_steps={int(record['skipped_steps'])} (non-finite gradients)")
         tqdm.write(" ".join(parts))
@@ -224,15 +227,21 @@ def hyperparams(
     """What the loggers record of a fit's settings, once, before its first step."""
     clip = trainer.gradient_clip
     return {
-        "strategy": trainer.strategy.name, "world_size": trainer.world_size,
-        "batch_size": trainer.batch_size, "grad_accum_steps": trainer.grad_accum_steps,
-        "precision": trainer.strategy.options.precision, "max_epochs": trainer.max_epochs,
-        "max_steps": trainer.max_steps, "seed": trainer.seed, "train_samples": samples,
-        "model": type(model).__name__, "optimizer": type(optimizer).__name__,
+        "strategy": trainer.strategy.name,
+        "world_size": trainer.world_size,
+        "batch_size": trainer.batch_size,
+        "grad_accum_steps": trainer.grad_accum_steps,
+        "precision": trainer.strategy.options.precision,
+        "max_epochs": trainer.max_epochs,
+        "max_steps": trainer.max_steps,
+        "seed": trainer.seed,
+        "train_samples": samples,
+        "model": type(model).__name__,
+        "optimizer": type(optimizer).__name__,
         "lr": optimizer.param_groups[0].get("lr"),
         "gradient_clip_norm": None if clip is None else clip.max_norm,
         "gradient_clip_value": None if clip is None else clip.max_value,
-    }  # fmt: skip
+    }
 
 
 def _lr(optimizer: torch.optim.Optimizer) -> float:

@@ -247,9 +247,12 @@ def checked_loggers(loggers: Iterable[Logger] | None) -> list[Logger]:
     checked = list(loggers)
     for i, logger in enumerate(checked):
         check_instance(
-            logger, Logger, where=f"loggers[{i}]", name="distkit.loggers.Logger",
+            logger,
+            Logger,
+            where=f"loggers[{i}]",
+            name="distkit.loggers.Logger",
             fix="subclass Logger and implement log_metrics(metrics, step)",
-        )  # fmt: skip
+        )
         strict = logger.strict  # a class or instance attribute: __init__ may not have run
         if not isinstance(strict, bool):
             raise ConfigurationError(

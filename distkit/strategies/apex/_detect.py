@@ -55,8 +55,9 @@ def detect_apex() -> ApexInstall:
     """
     spec = importlib.util.find_spec("apex")
     if spec is None:
-        raise ApexNotInstalledError(f"strategy='apex' needs NVIDIA apex, which is not installed. "
-                                    f"{INSTALL_ROUTES}")  # fmt: skip
+        raise ApexNotInstalledError(
+            f"strategy='apex' needs NVIDIA apex, which is not installed. {INSTALL_ROUTES}"
+        )
     location = str(spec.origin or (spec.submodule_search_locations or ["?"])[0])
     version = _version()
     if not any(_spec_exists(name) for name in NVIDIA_MARKERS):

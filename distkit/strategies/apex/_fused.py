@@ -33,10 +33,13 @@ def fused_twin(optimizer: torch.optim.Optimizer, optimizers: ModuleType) -> torc
     elif type(optimizer) is torch.optim.SGD:
         defaults = optimizer.defaults
         fused = optimizers.FusedSGD(
-            groups, lr=defaults["lr"], momentum=defaults["momentum"],
-            dampening=defaults["dampening"], weight_decay=defaults["weight_decay"],
+            groups,
+            lr=defaults["lr"],
+            momentum=defaults["momentum"],
+            dampening=defaults["dampening"],
+            weight_decay=defaults["weight_decay"],
             nesterov=defaults["nesterov"],
-        )  # fmt: skip
+        )
     else:
         raise ConfigurationError(
             f"fused_optimizer=True has no apex twin for {type(optimizer).__name__}; apex fuses "
