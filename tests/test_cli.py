@@ -21,10 +21,10 @@ from distkit.errors import ConfigurationError, MissingDependencyError
 from distkit.launch import LaunchRequest, build_command, describe, thread_env, with_strategy_arg
 from distkit.launch._env import LaunchEnv
 from distkit.registry import StrategyRegistry, available_strategies
-from distkit.strategies import _horovod_doctor
 from distkit.strategies.apex import _doctor as apex_doctor
 from distkit.strategies.ddp import DDPStrategy
 from distkit.strategies.dp import DataParallelStrategy
+from distkit.strategies.horovod import _doctor as _horovod_doctor
 from tests.fakes import FAKE_APEX_DIRS
 
 pytestmark = pytest.mark.timeout(120)

@@ -146,7 +146,7 @@ def _mpirun_cmd(strategy: str) -> list[str]:
 @needs_mpirun
 @pytest.mark.parametrize("strategy", ["ddp", "auto"])
 def test_clusters_mpirun_runs_ddp_as_one_job(tmp_path, one_process, strategy):
-    from distkit.strategies._horovodrun import horovod_has_mpi
+    from distkit.strategies.horovod._horovodrun import horovod_has_mpi
 
     if strategy == "auto" and horovod_has_mpi():
         pytest.skip("this Horovod has MPI: auto picks horovod under mpirun")
@@ -159,7 +159,7 @@ def test_clusters_mpirun_runs_ddp_as_one_job(tmp_path, one_process, strategy):
 @needs_mpirun
 def test_clusters_mpirun_refuses_a_horovod_without_mpi(tmp_path):
     """A Gloo-only Horovod under mpirun would train each process alone: refused, saying why."""
-    from distkit.strategies._horovodrun import horovod_has_mpi
+    from distkit.strategies.horovod._horovodrun import horovod_has_mpi
 
     pytest.importorskip("horovod.torch")
     if horovod_has_mpi():

@@ -542,7 +542,7 @@ def test_the_installed_build_has_the_patches_its_marker_names() -> None:
 def test_doctor_warns_about_a_rendezvous_server_that_keeps_keys() -> None:
     from distkit.diagnosis import MachineFacts
     from distkit.launch._env import LaunchEnv
-    from distkit.strategies import _horovod_doctor as doctor
+    from distkit.strategies.horovod import _doctor as doctor
 
     machine = MachineFacts("py", "2.13.0+cpu", 0, True, False, True, LaunchEnv())
     key = hb.cache_key("0.28.1", "2.13.0+cpu", "cp311", CPU)

@@ -15,8 +15,8 @@ from distkit.faults._progress import (
     describe_stall,
     main_thread_stack,
 )
-from distkit.strategies._horovod_channel import HorovodKVChannel
 from distkit.strategies._torch_dist import StoreChannel
+from distkit.strategies.horovod._channel import HorovodKVChannel
 
 pytestmark = pytest.mark.timeout(60)
 

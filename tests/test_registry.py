@@ -18,9 +18,9 @@ from distkit.registry import (
     auto_strategy_name,
     resolve_strategy_class,
 )
-from distkit.strategies._horovodrun import horovod_has_mpi
 from distkit.strategies.ddp import DDPStrategy
 from distkit.strategies.dp import DataParallelStrategy
+from distkit.strategies.horovod._horovodrun import horovod_has_mpi
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -35,7 +35,8 @@ _HAS_HOROVOD_STRATEGY = importlib.util.find_spec("distkit.strategies.horovod") i
             "horvod",
             "horovod",
             marks=pytest.mark.skipif(
-                not _HAS_HOROVOD_STRATEGY, reason="distkit/strategies/horovod.py not written yet"
+                not _HAS_HOROVOD_STRATEGY,
+                reason="distkit/strategies/horovod/ not written yet",
             ),
         ),
     ],

@@ -18,9 +18,10 @@ from distkit.checkpoint import _shards
 from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ConfigurationError, MissingDependencyError
 from distkit.launchers import TORCH_LAUNCHERS
-from distkit.strategies import _fsdp_state, _torch_dist
+from distkit.strategies import _torch_dist
 from distkit.strategies._steps import GradientClip, clip_, local_norm, step_gradients
 from distkit.strategies.base import StepOutcome, Strategy, Topology
+from distkit.strategies.fsdp import _state as _fsdp_state
 
 ShardPolicy = Callable[[str, nn.Module], bool]
 CHECKPOINTS = ("full", "sharded")

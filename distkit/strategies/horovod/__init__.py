@@ -17,12 +17,12 @@ from distkit.errors import ConfigurationError, LauncherMismatchError, Unsupporte
 from distkit.faults._channel import SideChannel
 from distkit.launch._env import LaunchEnv
 from distkit.launch._registry_view import auto_strategy_name
-from distkit.strategies import _horovod_doctor
 from distkit.strategies._collectives import PendingSum
-from distkit.strategies._horovod_channel import HorovodKVChannel
-from distkit.strategies._horovod_elastic import elastic_state
-from distkit.strategies._horovodrun import HOROVODRUN
 from distkit.strategies.base import StepOutcome, Strategy, Topology
+from distkit.strategies.horovod import _doctor as _horovod_doctor
+from distkit.strategies.horovod._channel import HorovodKVChannel
+from distkit.strategies.horovod._elastic import elastic_state
+from distkit.strategies.horovod._horovodrun import HOROVODRUN
 from distkit.strategies.syncbn import convert_to_global_batchnorm
 
 
