@@ -317,3 +317,35 @@ def test_trainer_cudnn_benchmark_true_switches_it_on_on_cuda(monkeypatch):
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
     distkit.Trainer("dp", progress=False, cudnn_benchmark=True).close()
     assert torch.backends.cudnn.benchmark is True
+
+
+def test_trainer_settings_are_one_frozen_validated_config():
+    """Trainer(...) builds one TrainerConfig; assigning a setting replaces it, validated again
+    (before, trainer.max_epochs = "3" was taken as it was and failed later, or not at all)."""
+    import dataclasses
+    import inspect
+
+    from distkit.runtime._config import TrainerConfig
+
+    trainer = distkit.Trainer("dp", max_epochs=2, seed=7, progress=False)
+    assert isinstance(trainer.config, TrainerConfig)
+    assert (trainer.config.max_epochs, trainer.config.seed) == (2, 7)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        trainer.config.max_epochs = 3  # type: ignore[misc]
+    trainer.max_epochs = 4
+    assert trainer.config.max_epochs == 4 and trainer.max_epochs == 4
+    with pytest.raises(
+        distkit.ConfigurationError, match="max_epochs must be an integer >= 0, got '3'"
+    ):
+        trainer.max_epochs = "3"
+    assert trainer.config.max_epochs == 4
+    with pytest.raises(distkit.ConfigurationError, match="resume='auto' needs checkpoint_dir"):
+        trainer.resume = "auto"
+    # every keyword of Trainer(...) but the objects is a field, with the same default
+    params = inspect.signature(distkit.Trainer).parameters
+    settings = {
+        n: p.default for n, p in params.items() if n not in ("strategy", "callbacks", "loggers")
+    }
+    fields = {f.name: f.default for f in dataclasses.fields(TrainerConfig)}
+    assert settings == fields
+    trainer.close()

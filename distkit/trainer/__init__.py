@@ -22,8 +22,9 @@ from distkit.faults._progress import Progress
 from distkit.loggers import Logger
 from distkit.registry import make_strategy
 from distkit.runtime import _agreement, _compile, _resume, _saving
-from distkit.runtime._checks import as_score, check_trainer_arguments, seed_generators
+from distkit.runtime._checks import as_score, seed_generators
 from distkit.runtime._compile import check_compile
+from distkit.runtime._config import Setting, TrainerConfig
 from distkit.runtime._evaluation import LossFn, Metrics, evaluate_shard
 from distkit.runtime._fit_state import FitState
 from distkit.runtime._preparation import (
@@ -63,6 +64,10 @@ class FitResult:
     history: list[dict[str, float]] = field(default_factory=list)
     validations: list[dict[str, float]] = field(default_factory=list)
     stopped_early: bool = False
+
+
+#: Trainer(...)'s arguments that are not settings (objects, or the strategy to resolve)
+_NOT_SETTINGS = frozenset({"self", "strategy", "callbacks", "loggers"})
 
 
 class Trainer:
@@ -128,7 +133,30 @@ class Trainer:
             its convolution algorithms for each new input shape and keeps the fastest: faster
             for fixed shapes, slower while shapes vary, and not bitwise reproducible). False
             (the default) leaves ``torch.backends.cudnn`` as you set it.
+
+    ``trainer.config`` holds every setting but the strategy, the callbacks and the loggers as
+    one frozen, validated value; ``trainer.max_epochs = 5`` (and the like) replaces it,
+    validated as ``Trainer(...)`` validates its arguments.
     """
+
+    # settings, read from (and written through) self.config
+    max_epochs: Setting[int] = Setting()
+    batch_size: Setting[int] = Setting()
+    seed: Setting[int] = Setting()
+    shuffle: Setting[bool] = Setting()
+    num_workers: Setting[int] = Setting()
+    progress: Setting[bool] = Setting()
+    drop_last: Setting[bool] = Setting()
+    scheduler_interval: Setting[str] = Setting()
+    grad_accum_steps: Setting[int] = Setting()
+    max_steps: Setting[int | None] = Setting()
+    nonfinite: Setting[str] = Setting()
+    checkpoint_every: Setting[int | str] = Setting()
+    resume: Setting[str | os.PathLike[str] | None] = Setting()
+    fault_timeout: Setting[float | None] = Setting()
+    hang_warning: Setting[float | None] = Setting()
+    log_every_n_steps: Setting[int] = Setting()
+    val_every_n_steps: Setting[int | None] = Setting()
 
     def __init__(
         self,
@@ -165,29 +193,14 @@ class Trainer:
         input_device: str | int | torch.device | None = None,
         cudnn_benchmark: bool = False,
     ) -> None:
-        check_trainer_arguments({k: v for k, v in locals().items() if k != "self"})
+        #: every setting above but strategy, callbacks and loggers: one frozen, validated
+        #: value (assigning ``trainer.max_epochs`` etc. replaces it, validated again)
+        self.config = TrainerConfig(**{k: v for k, v in locals().items() if k not in _NOT_SETTINGS})
         self.callbacks = CallbackList(callbacks)
         self.loggers = checked_loggers(loggers)  # rank 0 writes
         self.compile = check_compile(compile)
         self.input_device = input_device_override(input_device)
-        self.max_epochs = max_epochs
-        self.batch_size = batch_size
-        self.seed = seed
-        self.shuffle = shuffle
-        self.num_workers = num_workers
-        self.progress = progress
-        self.drop_last = drop_last
-        self.scheduler_interval = scheduler_interval
-        self.grad_accum_steps = grad_accum_steps
-        self.max_steps = max_steps
-        self.nonfinite = nonfinite
-        self.checkpoint_every = checkpoint_every
-        self.resume = resume
-        self.fault_timeout = fault_timeout
-        self.hang_warning = hang_warning
         self.gradient_clip = GradientClip.from_settings(gradient_clip_norm, gradient_clip_value)
-        self.log_every_n_steps = log_every_n_steps
-        self.val_every_n_steps = val_every_n_steps
         #: set it to True (from a callback, on any rank) to stop every rank after this step
         self.should_stop = False
         self._sink: LogSink | None = None  # the current fit's (None outside fit)

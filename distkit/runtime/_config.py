@@ -1,0 +1,90 @@
+"""A Trainer's settings as one frozen, validated value.
+
+``Trainer(...)`` keeps its keyword arguments and builds a :class:`TrainerConfig` from them;
+the loop's settings, the strategy's options, the hyperparameters sent to the loggers and the
+settings every rank must agree on are all read from it. Changing a setting later
+(``trainer.max_epochs = 5``, as ``examples/mnist.py`` does once it knows its data) replaces
+the whole value through :meth:`TrainerConfig.replace`, validated again, so a setting can never
+hold what ``Trainer(...)`` would have refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar, overload
+
+import torch
+
+from distkit.runtime._checks import check_trainer_arguments
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """Every setting of ``Trainer(...)`` but the strategy, the callbacks and the loggers
+    (objects with state of their own). The fields and their defaults are ``Trainer``'s."""
+
+    max_epochs: int = 1
+    batch_size: int = 32
+    precision: str = "32"
+    grad_accum_steps: int = 1
+    seed: int = 0
+    shuffle: bool = True
+    sync_batchnorm: bool = False
+    find_unused_parameters: bool = False
+    num_workers: int = 0
+    progress: bool = True
+    drop_last: bool = False
+    scheduler_interval: str = "epoch"
+    max_steps: int | None = None
+    checkpoint_dir: str | os.PathLike[str] | None = None
+    checkpoint_every: int | str = "epoch"
+    keep_last: int = 3
+    resume: str | os.PathLike[str] | None = None
+    nonfinite: str = "raise"
+    fault_timeout: float | None = 10.0
+    hang_warning: float | None = 300.0
+    collective_timeout: float | None = None
+    gradient_clip_norm: float | None = None
+    gradient_clip_value: float | None = None
+    log_every_n_steps: int = 50
+    val_every_n_steps: int | None = None
+    compile: bool | dict[str, Any] = False
+    input_device: str | int | torch.device | None = None
+    cudnn_benchmark: bool = False
+
+    def __post_init__(self) -> None:
+        check_trainer_arguments({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+
+    def replace(self, **changes: Any) -> TrainerConfig:
+        """A copy with ``changes``, validated as ``Trainer(...)`` validates its arguments."""
+        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise TypeError(f"TrainerConfig has no setting {', '.join(map(repr, unknown))}")
+        return dataclasses.replace(self, **changes)
+
+
+T = TypeVar("T")
+
+
+class Setting(Generic[T]):
+    """A ``Trainer`` attribute that reads and writes one field of its ``config``."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, trainer: None, owner: type | None = None) -> Setting[T]: ...
+
+    @overload
+    def __get__(self, trainer: object, owner: type | None = None) -> T: ...
+
+    def __get__(self, trainer: object, owner: type | None = None) -> Any:
+        if trainer is None:
+            return self
+        return getattr(trainer.config, self.name)  # type: ignore[attr-defined]
+
+    def __set__(self, trainer: object, value: T) -> None:
+        config = trainer.config  # type: ignore[attr-defined]
+        trainer.config = config.replace(**{self.name: value})  # type: ignore[attr-defined]
