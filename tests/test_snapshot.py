@@ -41,6 +41,43 @@ def test_snapshot_restore_brings_everything_back_and_keeps_shared_objects():
     assert stopper.wait == 0
 
 
+def test_snapshot_and_checkpoint_carry_the_same_fit_state():
+    """One projection of FitState for both: the snapshot once carried fewer fields than a
+    checkpoint (no local_position: a restore left a rank's place in its own stream where
+    the failed step had moved it)."""
+    state = FitState(
+        epoch=2,
+        position=16,
+        local_position=8,
+        global_step=6,
+        skipped_steps=1,
+        loss_sum=3.5,
+        samples=8,
+        history=[{"epoch": 0.0}],
+        validations=[{"step": 4.0}],
+    )
+    snapshot = RunSnapshot(
+        make_mlp(),
+        torch.optim.SGD(make_mlp().parameters(), lr=0.1),
+        None,
+        state,
+        CallbackList(None),
+    )
+    saved = snapshot.capture()
+    assert saved["fit"] == state.shared_state() and saved["local"] == state.rank_state()
+    snapshot.save()
+    state.position, state.local_position, state.samples, state.loss_sum = 24, 12, 12, 5.0
+    state.history.append({"epoch": 1.0})
+    snapshot.restore()
+    assert (state.position, state.local_position, state.samples, state.loss_sum) == (16, 8, 8, 3.5)
+    assert state.history == [{"epoch": 0.0}]
+    other = FitState()
+    other.load_shared_state(saved["fit"])
+    other.load_rank_state(None)  # another rank's view after a sync
+    assert other.shared_state() == state.shared_state()
+    assert (other.local_position, other.samples, other.loss_sum) == (None, 0, 0.0)
+
+
 def test_snapshot_restore_before_any_commit_changes_nothing():
     model = make_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

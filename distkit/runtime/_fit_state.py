@@ -49,3 +49,42 @@ class FitState:
         if self.ledger is not None:
             self.ledger.fold()
         return float(self.loss_sum)
+
+    # The one projection of the state that checkpoints and the elastic snapshot both use:
+    # what every rank holds alike, and what is this rank's own.
+    def shared_state(self) -> dict[str, Any]:
+        """What every rank holds alike (copies)."""
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "global_step": self.global_step,
+            "skipped_steps": self.skipped_steps,
+            "history": [dict(record) for record in self.history],
+            "validations": [dict(record) for record in self.validations],
+        }
+
+    def rank_state(self) -> dict[str, Any]:
+        """This rank's own part: its running loss sums and its place in a stream of its own."""
+        return {
+            "loss_sum": self.settled_loss_sum(),
+            "samples": self.samples,
+            "local_position": self.local_position,
+        }
+
+    def load_shared_state(self, shared: dict[str, Any]) -> None:
+        self.epoch = int(shared["epoch"])
+        self.position = int(shared["position"])
+        self.global_step = int(shared["global_step"])
+        self.skipped_steps = int(shared.get("skipped_steps", 0))
+        self.history = [dict(record) for record in shared.get("history", [])]
+        self.validations = [dict(record) for record in shared.get("validations", [])]
+
+    def load_rank_state(self, mine: dict[str, Any] | None) -> None:
+        """This rank's part, or None where it is not known (another rank's, another world
+        size): the running sums start from zero and the place in an own stream is unknown."""
+        if mine is None:
+            self.loss_sum, self.samples, self.local_position = 0.0, 0, None
+            return
+        self.loss_sum, self.samples = float(mine["loss_sum"]), int(mine["samples"])
+        local = mine.get("local_position")
+        self.local_position = None if local is None else int(local)

@@ -56,12 +56,7 @@ def _version(package: str) -> str | None:
 
 def rank_state(state: FitState) -> dict[str, Any]:
     """What each rank adds to a checkpoint: its RNG states and partial loss sums."""
-    return {
-        "rng": ckpt.rng_state(),
-        "loss_sum": state.settled_loss_sum(),
-        "samples": state.samples,
-        "local_position": state.local_position,
-    }
+    return {"rng": ckpt.rng_state(), **state.rank_state()}
 
 
 def build_payload(
@@ -73,7 +68,7 @@ def build_payload(
 ) -> dict[str, Any]:
     """The checkpoint dict (built on rank 0) from ``run``, every rank's :func:`rank_state`
     and rank 0's :meth:`~distkit.Strategy.checkpoint_state` (``states``)."""
-    state = run.state
+    shared = run.state.shared_state()
     scaler = strategy.state_dict().get("scaler", {})  # GradScaler form, whatever the backend
     return {
         "format": ckpt.FORMAT,
@@ -92,15 +87,12 @@ def build_payload(
         "scaler": scaler,
         "scheduler": run.scheduler.state_dict() if run.scheduler is not None else None,
         "progress": {
-            "epoch": state.epoch,
-            "position": state.position,
-            "global_step": state.global_step,
-            "skipped_steps": state.skipped_steps,
+            **{key: shared[key] for key in ("epoch", "position", "global_step", "skipped_steps")},
             "train_samples": run.train_samples,
         },
         "ranks": ranks,
-        "history": [dict(record) for record in state.history],
-        "validations": [dict(record) for record in state.validations],
+        "history": shared["history"],
+        "validations": shared["validations"],
         "extra": extra or {},
     }
 
@@ -122,24 +114,21 @@ def restore_run(payload: dict[str, Any], strategy: Strategy, scheduler: Any, see
     strategy.load_state_dict({"scaler": payload.get("scaler") or {}})
     if scheduler is not None and payload.get("scheduler") is not None:
         scheduler.load_state_dict(payload["scheduler"])
-    progress = payload["progress"]
-    state = FitState(
-        epoch=int(progress["epoch"]),
-        position=int(progress["position"]),
-        global_step=int(progress["global_step"]),
-        skipped_steps=int(progress.get("skipped_steps", 0)),
-        history=[dict(record) for record in payload.get("history", [])],
-        validations=[dict(record) for record in payload.get("validations", [])],
+    state = FitState()
+    state.load_shared_state(
+        {
+            **payload["progress"],
+            "history": payload.get("history", []),
+            "validations": payload.get("validations", []),
+        }
     )
     ranks = payload.get("ranks") or []
     if len(ranks) == strategy.world_size:
         mine = ranks[strategy.rank]
         ckpt.set_rng_state(mine["rng"])
-        state.loss_sum, state.samples = float(mine["loss_sum"]), int(mine["samples"])
-        local = mine.get("local_position")
-        state.local_position = None if local is None else int(local)
+        state.load_rank_state(mine)
     else:
-        state.local_position = None  # each rank's place in a stream of its own is lost
+        state.load_rank_state(None)  # each rank's place in a stream of its own is lost
         # another world size: the data order is re-cut exactly; per-rank random streams
         # (dropout, augmentation) cannot be carried over, so they are reseeded
         torch.manual_seed(seed + strategy.rank + 1_000_003 * state.global_step)

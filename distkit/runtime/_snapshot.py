@@ -17,8 +17,6 @@ from torch import nn
 from distkit.runtime._fit_state import FitState, Stateful
 from distkit.strategies.base import Strategy
 
-_FIELDS = ("epoch", "position", "global_step", "skipped_steps", "history", "validations")
-
 
 class RunSnapshot:
     """Model, optimizer, scheduler, progress and callback states of one fit."""
@@ -44,8 +42,8 @@ class RunSnapshot:
             "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
             "optimizer": copy.deepcopy(self.optimizer.state_dict()),
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
-            "fit": {name: copy.deepcopy(getattr(state, name)) for name in _FIELDS},
-            "local": {"loss_sum": state.settled_loss_sum(), "samples": state.samples},
+            "fit": state.shared_state(),
+            "local": state.rank_state(),
             "callbacks": self.callbacks.state_dict(),
         }
 
@@ -81,8 +79,6 @@ class RunSnapshot:
         self.optimizer.state = shared_state
         if self.scheduler is not None and saved["scheduler"] is not None:
             self.scheduler.load_state_dict(saved["scheduler"])
-        for name, value in saved["fit"].items():
-            setattr(self.state, name, copy.deepcopy(value))
-        mine = saved["local"] if local else {"loss_sum": 0.0, "samples": 0}
-        self.state.loss_sum, self.state.samples = float(mine["loss_sum"]), int(mine["samples"])
+        self.state.load_shared_state(saved["fit"])
+        self.state.load_rank_state(saved["local"] if local else None)
         self.callbacks.load_state_dict(saved["callbacks"])
