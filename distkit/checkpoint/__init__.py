@@ -28,7 +28,7 @@ from typing import IO, Any, BinaryIO, cast
 import numpy as np
 import torch
 
-from distkit._files import TempFile, mtime_ns, write_text
+from distkit._atomic import TempFile, mtime_ns, write_text
 from distkit.checkpoint import _checkpoint_fields as _fields
 from distkit.checkpoint import _digest, _shards
 from distkit.errors import CheckpointError
@@ -325,7 +325,7 @@ def _require_torch_file(path: Path) -> None:
 
 
 _STEP_FILE = re.compile(r"step-(\d+)\.pt")
-# temp files of distkit._files.TempFile (and of tempfile.mkstemp, which earlier versions used)
+# temp files of distkit._atomic.TempFile (and of tempfile.mkstemp, which earlier versions used)
 _TEMP_FILE = re.compile(r"\.(step-\d+\.pt|latest|write-check)\.\w+\.tmp")
 
 

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, BinaryIO
 
-from distkit._files import TempFile
+from distkit._atomic import TempFile
 from distkit.errors import ConfigurationError
 from distkit.loggers._base import (
     Logger,

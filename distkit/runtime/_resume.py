@@ -14,7 +14,7 @@ from torch import nn
 
 from distkit import checkpoint as ckpt
 from distkit import registry
-from distkit._files import mtime_ns
+from distkit._atomic import mtime_ns
 from distkit._version import __version__
 from distkit.checkpoint import _shards
 from distkit.errors import ConfigurationError
