@@ -16,6 +16,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
+from typing_extensions import override
+
 from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ConfigurationError
 from distkit.launch import LaunchRequest, with_strategy_arg
@@ -84,6 +86,7 @@ class LauncherFamily(ABC):
         """``distkit doctor``'s verdict for a strategy that checks nothing beyond its family."""
         return StrategyReport(name, True, f"runs under {self.launcher}")
 
+    @override
     def __repr__(self) -> str:
         return f"<launcher family {self.launcher}>"
 
@@ -100,13 +103,16 @@ class TorchLaunchers(LauncherFamily):
     launcher = "torchrun"
     args_option = "--torchrun-args"
 
+    @override
     def recognises(self, env: LaunchEnv) -> bool:
         return env.is_torch_launcher or env.launcher == "srun" or own_process_group()
 
+    @override
     def accepts(self, env: LaunchEnv) -> bool:
         # under mpirun, torch.distributed meets at MASTER_ADDR:MASTER_PORT (see distkit.launch._env)
         return self.recognises(env) or env.launcher == "mpirun"
 
+    @override
     def command(
         self, request: LaunchRequest, *, python: str, tools: Mapping[str, str]
     ) -> list[str]:
@@ -130,6 +136,7 @@ class TorchLaunchers(LauncherFamily):
         cmd += ["--nproc_per_node", str(request.nproc_per_node), *request.launcher_args]
         return [*cmd, request.script, *with_strategy_arg(request.script_args, request.strategy)]
 
+    @override
     def help_lines(self, names: Sequence[str]) -> list[str]:
         return [
             f"  {', '.join(names)}:",
@@ -138,6 +145,7 @@ class TorchLaunchers(LauncherFamily):
             "    --master-addr HOST [--master-port P])",
         ]
 
+    @override
     def examples(self, name: str) -> list[str]:
         return [
             f"distkit run --strategy {name} -n 2 train.py --epochs 3",
@@ -146,6 +154,7 @@ class TorchLaunchers(LauncherFamily):
             f'distkit run --strategy {name} -n 2 --torchrun-args="--max-restarts 3" train.py',
         ]
 
+    @override
     def diagnose(self, name: str, machine: MachineFacts) -> StrategyReport:
         gpus = machine.cuda_devices
         if gpus and machine.nccl:
@@ -187,9 +196,11 @@ class SingleProcess(LauncherFamily):
 
     launcher = "python"
 
+    @override
     def recognises(self, env: LaunchEnv) -> bool:
         return not env.is_multiprocess_launcher and not own_process_group()
 
+    @override
     def command(
         self, request: LaunchRequest, *, python: str, tools: Mapping[str, str]
     ) -> list[str]:
@@ -219,12 +230,15 @@ class SingleProcess(LauncherFamily):
             )
         return [python, request.script, *with_strategy_arg(request.script_args, request.strategy)]
 
+    @override
     def help_lines(self, names: Sequence[str]) -> list[str]:
         return [f"  {', '.join(names)}:", "    python script.py ...  (one process; -n must be 1)"]
 
+    @override
     def examples(self, name: str) -> list[str]:
         return [f"distkit run --strategy {name} --dry-run train.py"]
 
+    @override
     def diagnose(self, name: str, machine: MachineFacts) -> StrategyReport:
         return StrategyReport(name, True, "one process")
 

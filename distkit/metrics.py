@@ -10,6 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import torch
+from typing_extensions import override
 
 
 class Metric(ABC):
@@ -57,15 +58,18 @@ class Accuracy(Metric):
         self.top_k = top_k
         self.ignore_index = ignore_index
 
+    @override
     def batch_state(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         topk = output.topk(self.top_k, dim=1).indices  # (N, k, ...)
         hit = (topk == target.unsqueeze(1)).any(dim=1)
         valid = torch.ones_like(hit) if self.ignore_index is None else target != self.ignore_index
         return torch.stack([(hit & valid).sum(), valid.sum()]).double()
 
+    @override
     def state_shape(self) -> tuple[int, ...]:
         return (2,)
 
+    @override
     def compute(self, state: torch.Tensor) -> float:
         correct, total = state.tolist()
         return correct / total if total else float("nan")
@@ -84,6 +88,7 @@ class ConfusionMatrix(Metric):
         self.num_classes = num_classes
         self.ignore_index = ignore_index
 
+    @override
     def batch_state(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         pred = output.argmax(dim=1) if output.dim() == target.dim() + 1 else output
         pred, target = pred.reshape(-1).long(), target.reshape(-1).long()
@@ -94,9 +99,11 @@ class ConfusionMatrix(Metric):
         counts = torch.bincount(index, minlength=self.num_classes**2)
         return counts.reshape(self.num_classes, self.num_classes)
 
+    @override
     def state_shape(self) -> tuple[int, ...]:
         return (self.num_classes, self.num_classes)
 
+    @override
     def compute(self, state: torch.Tensor) -> dict[str, float]:
         return {"matrix_total": float(state.sum())}
 
@@ -108,6 +115,7 @@ class MeanIoU(ConfusionMatrix):
     Reports ``{"miou": ..., "pixel_acc": ...}``.
     """
 
+    @override
     def compute(self, state: torch.Tensor) -> dict[str, float]:
         # in Python floats (float64), not torch ops: legacy apex's O1 patches torch.sum and
         # friends to float32 process-wide, and float32 next to float64 is an error there

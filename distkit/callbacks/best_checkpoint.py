@@ -6,6 +6,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from typing_extensions import override
+
 from distkit._validate import check_ints
 from distkit.callbacks._base import Callback
 from distkit.callbacks._best_files import BestFiles
@@ -47,6 +49,7 @@ class BestCheckpoint(Callback):
         self.keep = keep
         self.kept: list[tuple[float, str]] = []  # (value, file name), best first
 
+    @override
     @property
     def state_key(self) -> str:
         return self._monitor.key
@@ -71,19 +74,23 @@ class BestCheckpoint(Callback):
                 "none: pass Trainer(checkpoint_dir=...)"
             )
 
+    @override
     def on_fit_start(self, trainer: Trainer) -> None:
         self._monitor.start(trainer)
 
+    @override
     def on_validation_end(self, trainer: Trainer, metrics: Mapping[str, float]) -> None:
         value = self._monitor.at_validation(trainer, metrics)
         if value is not None:
             self._consider(trainer, value)
 
+    @override
     def on_epoch_end(self, trainer: Trainer, record: Mapping[str, float]) -> None:
         value = self._monitor.at_epoch_end(trainer, record)
         if value is not None:
             self._consider(trainer, value)
 
+    @override
     def on_fit_end(self, trainer: Trainer, result: FitResult) -> None:
         self._monitor.at_fit_end(trainer)
 
@@ -116,11 +123,14 @@ class BestCheckpoint(Callback):
         own = {name: value for value, name in self.kept}
         return [(own.get(name, value), name) for value, name in ranked]
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         return {"kept": [[value, name] for value, name in self.kept]}
 
+    @override
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.kept = [(float(value), str(name)) for value, name in state.get("kept", [])]
 
+    @override
     def __repr__(self) -> str:
         return f"BestCheckpoint(monitor={self.monitor!r}, mode={self.mode!r}, keep={self.keep})"

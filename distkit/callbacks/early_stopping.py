@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from typing_extensions import override
+
 from distkit._validate import check_ints
 from distkit.callbacks._base import Callback
 from distkit.callbacks._monitor import Monitor
@@ -54,23 +56,28 @@ class EarlyStopping(Callback):
         self.wait = 0  # checks since the last improvement
         self.stopped_step: int | None = None
 
+    @override
     @property
     def state_key(self) -> str:
         return self._monitor.key
 
+    @override
     def on_fit_start(self, trainer: Trainer) -> None:
         self._monitor.start(trainer)
 
+    @override
     def on_validation_end(self, trainer: Trainer, metrics: Mapping[str, float]) -> None:
         value = self._monitor.at_validation(trainer, metrics)
         if value is not None:
             self._check(trainer, value)
 
+    @override
     def on_epoch_end(self, trainer: Trainer, record: Mapping[str, float]) -> None:
         value = self._monitor.at_epoch_end(trainer, record)
         if value is not None:
             self._check(trainer, value)
 
+    @override
     def on_fit_end(self, trainer: Trainer, result: FitResult) -> None:
         self._monitor.at_fit_end(trainer)
 
@@ -83,9 +90,11 @@ class EarlyStopping(Callback):
             self.stopped_step = trainer.global_step
             trainer.should_stop = True
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         return {"best": self.best, "wait": self.wait, "stopped_step": self.stopped_step}
 
+    @override
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         best = state.get("best")
         self.best = None if best is None else float(best)
@@ -93,6 +102,7 @@ class EarlyStopping(Callback):
         stopped = state.get("stopped_step")
         self.stopped_step = None if stopped is None else int(stopped)
 
+    @override
     def __repr__(self) -> str:
         return (
             f"EarlyStopping(monitor={self.monitor!r}, patience={self.patience}, "

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from typing_extensions import override
+
 from distkit.callbacks._base import Callback
 
 if TYPE_CHECKING:
@@ -21,6 +23,7 @@ class LearningRateMonitor(Callback):
 
     stops_training = False
 
+    @override
     def on_train_step_end(self, trainer: Trainer, logs: Mapping[str, Any]) -> None:
         step = int(logs["step"])
         if step % trainer.log_every_n_steps and step != 1:

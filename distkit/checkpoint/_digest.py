@@ -19,6 +19,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import BinaryIO
 
+from typing_extensions import override
+
 ALGORITHM = "sha256"
 #: the zip comment distkit writes: this marker, then the hex digest
 MARKER = b"distkit-sha256:"
@@ -47,9 +49,11 @@ class HashingWriter(io.RawIOBase):
         #: the error a write met (torch.save reports it only as "unexpected pos")
         self.failure: OSError | None = None
 
+    @override
     def writable(self) -> bool:
         return True
 
+    @override
     def write(self, data: bytes | bytearray | memoryview) -> int:  # type: ignore[override]
         view = memoryview(data).cast("B")
         self.hash.update(view)
@@ -61,6 +65,7 @@ class HashingWriter(io.RawIOBase):
             self.failure = exc
             raise
 
+    @override
     def flush(self) -> None:
         self.handle.flush()
 

@@ -36,6 +36,7 @@ from torch.utils.data import (
     Sampler,
     SequentialSampler,
 )
+from typing_extensions import override
 
 from distkit.errors import ConfigurationError
 
@@ -179,6 +180,7 @@ class PlanBatchSampler(Sampler[list[int]]):
         self.epoch = epoch
         self.start = start
 
+    @override
     def __iter__(self) -> Iterator[list[int]]:
         return self.plan.local_batches(self.epoch, self.start)
 
@@ -192,6 +194,7 @@ class ShardSampler(Sampler[int]):
     def __init__(self, num_samples: int, *, world_size: int, rank: int) -> None:
         self._indices = range(rank, num_samples, world_size)
 
+    @override
     def __iter__(self) -> Iterator[int]:
         return iter(self._indices)
 

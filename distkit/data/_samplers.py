@@ -27,6 +27,7 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 import torch
+from typing_extensions import override
 
 from distkit.data import GlobalBatchPlan
 from distkit.errors import ConfigurationError
@@ -200,13 +201,16 @@ class SamplerPlan(GlobalBatchPlan):
         order = [_index(value, "sampler", name) for value in drawn]
         return torch.tensor(order, dtype=torch.int64), digest_of(order)
 
+    @override
     def order(self, epoch: int) -> torch.Tensor:
         """The sampler's order for ``epoch`` (drawn once per epoch)."""
         return self._draws.get(epoch)[0]
 
+    @override
     def fingerprint(self, epoch: int) -> int:
         return self._draws.get(epoch)[1]
 
+    @override
     def _source(self) -> str:
         return f"sampler={type(self.sampler).__name__} ({self.num_samples} per epoch)"
 
@@ -281,6 +285,7 @@ class BatchSamplerPlan(GlobalBatchPlan):
             batches.append(indices)
         return _BatchDraw(batches, self.world_size, self.drop_last)
 
+    @override
     def __len__(self) -> int:
         return self._len
 
@@ -300,6 +305,7 @@ class BatchSamplerPlan(GlobalBatchPlan):
                 "epoch (checkpoint_every='epoch') otherwise."
             ) from None
 
+    @override
     def _layout(self, start: int, epoch: int) -> list[tuple[int, int]]:
         drawn, first = self._first_group(start, epoch)
         return [
@@ -310,19 +316,23 @@ class BatchSamplerPlan(GlobalBatchPlan):
             for group in drawn.groups[first:]
         ]
 
+    @override
     def local_batches(self, epoch: int, start: int = 0) -> Iterator[list[int]]:
         drawn, first = self._first_group(start, epoch)
         for group in drawn.groups[first:]:
             yield group[self.rank] if self.rank < len(group) else group[0][:1]
 
+    @override
     def order(self, epoch: int) -> torch.Tensor:
         """The epoch's indices in the order its global micro-batches take them."""
         groups = self._draws.get(epoch).groups
         return torch.tensor([i for group in groups for batch in group for i in batch])
 
+    @override
     def fingerprint(self, epoch: int) -> int:
         return self._draws.get(epoch).fingerprint
 
+    @override
     def describe(self) -> str:
         name = type(self.batch_sampler).__name__
         return (
@@ -331,6 +341,7 @@ class BatchSamplerPlan(GlobalBatchPlan):
             f"drop_last={self.drop_last}"
         )
 
+    @override
     @property
     def samples_per_epoch(self) -> int | None:
         return None

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import IterableDataset, default_collate, default_convert, get_worker_info
+from typing_extensions import override
 
 from distkit.batch import batch_size_of
 from distkit.errors import ConfigurationError
@@ -65,6 +66,7 @@ class RankShare(IterableDataset[Any]):
         self.source = source
         self.rule = rule
 
+    @override
     def __iter__(self) -> Iterator[Any]:
         rule = self.rule
         if rule.rng_seed is None:

@@ -35,6 +35,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from torch.utils.data import Dataset, IterableDataset
+from typing_extensions import override
 
 from distkit.errors import ConfigurationError
 
@@ -72,8 +73,10 @@ class ShardedStream(IterableDataset[Any]):
         self.stream = stream
         self.splits_workers = splits_workers
 
+    @override
     def __iter__(self) -> Iterator[Any]:
         return iter(self.stream)
 
+    @override
     def __repr__(self) -> str:
         return f"ShardedStream({self.stream!r}, splits_workers={self.splits_workers})"

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from typing_extensions import override
+
 from distkit._validate import check_ints
 from distkit.errors import (
     ConfigurationError,
@@ -53,6 +55,7 @@ class RemoteTraceback(Exception):
         super().__init__(text)
         self.text = text
 
+    @override
     def __str__(self) -> str:
         return self.text
 

@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, BinaryIO
 
+from typing_extensions import override
+
 from distkit._atomic import TempFile
 from distkit.errors import ConfigurationError
 from distkit.loggers._base import (
@@ -70,6 +72,7 @@ class CSVLogger(Logger):
         self._columns: list[str] | None = None  # known once the file is opened
         self._file: IO[str] | None = None
 
+    @override
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         """Write one row (``step`` and the values; missing names stay empty) and flush it."""
         step = check_step(step)
@@ -91,6 +94,7 @@ class CSVLogger(Logger):
         )
         self._file.flush()
 
+    @override
     def finalize(self, status: str) -> None:
         """Close the file (a later ``log_metrics`` reopens it)."""
         if self._file is not None:

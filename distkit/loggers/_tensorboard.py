@@ -12,6 +12,8 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
+from typing_extensions import override
+
 from distkit._imports import require
 from distkit.errors import ConfigurationError, MissingDependencyError
 from distkit.loggers._base import (
@@ -68,6 +70,7 @@ class TensorBoardLogger(Logger):
         check_no_file_in_the_way(call, self.log_dir, "save_dir and name" if name else "save_dir")
         self._writer: Any = None
 
+    @override
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
         """Write ``params`` as a two-column markdown table, text tag ``hparams``, step 0."""
         if not isinstance(params, Mapping):
@@ -77,6 +80,7 @@ class TensorBoardLogger(Logger):
         rows = "".join(f"| {_escape(key)} | {_escape(value)} |\n" for key, value in params.items())
         self._get_writer().add_text("hparams", "| name | value |\n|---|---|\n" + rows, 0)
 
+    @override
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         """Add one scalar per name at ``step``."""
         step = check_step(step)
@@ -85,6 +89,7 @@ class TensorBoardLogger(Logger):
         for key, value in values.items():
             writer.add_scalar(key, value, global_step=step)
 
+    @override
     def finalize(self, status: str) -> None:
         """Flush and close the event file (a later call opens a new one)."""
         if self._writer is not None:

@@ -17,6 +17,8 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from typing_extensions import override
+
 if TYPE_CHECKING:
     from distkit.strategies.base import Strategy
 
@@ -54,6 +56,7 @@ class PluginProblem:
     reason: str
     fix: str = "Fix it"
 
+    @override
     def __str__(self) -> str:
         p = self.plugin
         return (

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
 
 from distkit.errors import ConfigurationError, LauncherMismatchError
 from distkit.faults._channel import SideChannel
@@ -472,12 +473,14 @@ def all_gather_object(obj: Any, world_size: int) -> list[Any]:
 class _AllReduceSum(torch.autograd.Function):
     """Sum over ranks; the gradient of a sum over ranks is the sum of the ranks' gradients."""
 
+    @override
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
         out = tensor.clone()
         dist.all_reduce(out, op=dist.ReduceOp.SUM)
         return out
 
+    @override
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         out = grad.contiguous().clone()

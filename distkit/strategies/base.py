@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from typing_extensions import override
 
 from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ConfigurationError, DistkitError
@@ -211,6 +212,7 @@ class Strategy(Collectives, ABC):
     def local_rank(self) -> int:
         return self.topology.local_rank
 
+    @override
     @property
     def world_size(self) -> int:
         return self.topology.world_size
@@ -219,6 +221,7 @@ class Strategy(Collectives, ABC):
     def device(self) -> torch.device:
         return self.topology.device
 
+    @override
     @property
     def is_main(self) -> bool:
         """Whether this is global rank 0 (the one that logs, prints and saves)."""
@@ -416,6 +419,7 @@ class Strategy(Collectives, ABC):
         """Restore what :meth:`state_dict` returned (or any strategy's, in the neutral form)."""
         self.precision.load_state_dict(state.get("scaler", {}))
 
+    @override
     def __repr__(self) -> str:
         where = (
             "not set up"

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
 
 from distkit.errors import ConfigurationError
 from distkit.launchers import TORCH_LAUNCHERS
@@ -70,13 +71,16 @@ class DDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
             )
         self._ddp_kwargs = ddp_kwargs
 
+    @override
     def _setup_environment(self) -> Topology:
         return self._join_group()
 
+    @override
     def teardown(self) -> None:
         self._leave_group()
         super().teardown()
 
+    @override
     def _setup_model_and_optimizer(
         self, model: nn.Module, optimizer: torch.optim.Optimizer
     ) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -108,13 +112,16 @@ class DDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         ]
         wrapped.register_comm_hook(None, hook)
 
+    @override
     def convert_sync_batchnorm(self, model: nn.Module) -> nn.Module:
         return _torch_dist.convert_sync_batchnorm(model, self.device)
 
+    @override
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
         if isinstance(model, DistributedDataParallel):
             return model.no_sync()
         return contextlib.nullcontext()
 
+    @override
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, DistributedDataParallel) else model

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from typing_extensions import override
 
 from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ConfigurationError, LauncherMismatchError, UnsupportedFeatureError
@@ -34,6 +35,7 @@ class DataParallelStrategy(Strategy):
     launcher = SINGLE_PROCESS
     auto_select = True
 
+    @override
     @classmethod
     def diagnose(cls, machine: MachineFacts) -> StrategyReport:
         n = machine.cuda_devices
@@ -51,6 +53,7 @@ class DataParallelStrategy(Strategy):
         self._requested_ids = None if device_ids is None else list(device_ids)
         self.device_ids: list[int] = []
 
+    @override
     def _setup_environment(self) -> Topology:
         env = LaunchEnv.detect()
         if env.is_multiprocess_launcher and env.world_size > 1:
@@ -86,6 +89,7 @@ class DataParallelStrategy(Strategy):
         """How many devices a forward pass is split over (1 on CPU or one GPU)."""
         return max(1, len(self.device_ids))
 
+    @override
     def _setup_model_and_optimizer(
         self, model: nn.Module, optimizer: torch.optim.Optimizer
     ) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -93,6 +97,7 @@ class DataParallelStrategy(Strategy):
             return model, optimizer
         return nn.DataParallel(model, device_ids=self.device_ids), optimizer
 
+    @override
     def convert_sync_batchnorm(self, model: nn.Module) -> nn.Module:
         if self.replicas == 1:
             return model  # one replica sees the whole batch: BatchNorm is already global
@@ -103,30 +108,38 @@ class DataParallelStrategy(Strategy):
             "with sync_batchnorm=True (one process per GPU, launched with torchrun)."
         )
 
+    @override
     def reduce_loss(self, loss: torch.Tensor, batch_size: int) -> torch.Tensor:
         """Average a loss that DataParallel gathered as one value per replica."""
         if loss.ndim == 0:
             return loss
         return replica_loss_mean(loss, batch_size, self.replicas)
 
+    @override
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, nn.DataParallel) else model
 
+    @override
     def eval_model(self, model: nn.Module) -> nn.Module:
         return model  # no collectives inside DataParallel: keep the multi-GPU split for eval
 
+    @override
     def _all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         return tensor.detach().clone()
 
+    @override
     def _broadcast(self, obj: Any, src: int) -> Any:
         return obj
 
+    @override
     def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.detach().clone().unsqueeze(0)
 
+    @override
     def _all_gather_object(self, obj: Any) -> list[Any]:
         return [obj]
 
+    @override
     def barrier(self) -> None:
         """Nothing to wait for in a single process."""
 

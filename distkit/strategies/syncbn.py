@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
+from typing_extensions import override
 
 AllReduceSum = Callable[[torch.Tensor], torch.Tensor]
 
@@ -63,10 +64,12 @@ class GlobalBatchNorm(_BatchNorm):
         super().__init__(num_features, eps, momentum, affine, track_running_stats)
         self._all_reduce_sum = all_reduce_sum
 
+    @override
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
             raise ValueError(f"expected an input of at least 2 dimensions, got {input.dim()}D")
 
+    @override
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
         if not self.training:
@@ -126,6 +129,7 @@ class MaskedSyncBatchNorm(nn.SyncBatchNorm):
     #: this rank's batch holds no real sample (set by :func:`placeholder_batch`)
     placeholder: bool = False
 
+    @override
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not (self.placeholder and self.training):
             return super().forward(input)

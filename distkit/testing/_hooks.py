@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from torch import nn
+from typing_extensions import override
 
 from distkit.callbacks import Callback
 from distkit.testing import _training
@@ -38,6 +39,7 @@ class StepRecorder(Callback):
     def __init__(self) -> None:
         self.steps: list[dict[str, Any]] = []
 
+    @override
     def on_train_step_end(self, trainer: Any, logs: Mapping[str, Any]) -> None:
         self.steps.append({key: logs[key] for key in ("step", "grad_norm", "skipped")})
 
@@ -121,6 +123,7 @@ def _verify_clipping(results: list[dict[str, Any]], world: int) -> None:
 class _StopOnLastRank(Callback):
     """The last rank asks to stop after step STOP_AT: the others must hear of it."""
 
+    @override
     def on_train_step_end(self, trainer: Any, logs: Mapping[str, Any]) -> None:
         if trainer.rank == trainer.world_size - 1 and logs["step"] == STOP_AT:
             trainer.should_stop = True

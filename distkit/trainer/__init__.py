@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from typing_extensions import override
 
 from distkit import checkpoint as ckpt
 from distkit.callbacks import Callback
@@ -606,5 +607,6 @@ class Trainer:
             what=what,
         )
 
+    @override
     def __repr__(self) -> str:
         return f"Trainer(strategy={self.strategy!r}, max_epochs={self.max_epochs})"

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from typing_extensions import override
 
 from distkit._validate import check_instance
 from distkit.errors import ConfigurationError
@@ -34,6 +35,7 @@ class StepLogs(Mapping[str, Any]):
     def __init__(self, values: dict[str, Any]) -> None:
         self._values = values
 
+    @override
     def __getitem__(self, key: str) -> Any:
         value = self._values[key]
         if isinstance(value, functools.partial):
@@ -43,12 +45,15 @@ class StepLogs(Mapping[str, Any]):
         self._values[key] = value
         return value
 
+    @override
     def __iter__(self) -> Iterator[str]:
         return iter(self._values)
 
+    @override
     def __len__(self) -> int:
         return len(self._values)
 
+    @override
     def __repr__(self) -> str:
         return f"StepLogs({dict(self)!r})"
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from typing_extensions import override
 
 from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ApexNeedsCudaError, DistkitError
@@ -77,6 +78,7 @@ class ApexStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         "DistributedDataParallel expects the whole model there"
     )
 
+    @override
     @classmethod
     def diagnose(cls, machine: MachineFacts) -> StrategyReport:
         """The installed apex, classified by its subpackages (never by running it)."""
@@ -109,6 +111,7 @@ class ApexStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         self._generation: Generation | None = None
 
     # ------------------------------------------------------------------ set-up
+    @override
     def _setup_environment(self) -> Topology:
         _require_cuda()
         self.install = detect_apex()
@@ -134,15 +137,18 @@ class ApexStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         assert self.install is not None  # probed with the generation
         return f"distkit apex ({self.install.version}): {path}"
 
+    @override
     def _precision_name(self) -> str:
         return self.generation.plan.precision
 
+    @override
     def teardown(self) -> None:
         if self._generation is not None:
             self._generation.close()
         self._leave_group()
         super().teardown()
 
+    @override
     def convert_sync_batchnorm(self, model: nn.Module) -> nn.Module:
         # torch's SyncBatchNorm (masked) for both generations, not legacy apex's
         # convert_syncbn_model: apex.parallel.SyncBatchNorm has no way to count a placeholder
@@ -150,6 +156,7 @@ class ApexStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         # wrongly. Converting before amp.initialize keeps the order apex requires.
         return _torch_dist.convert_sync_batchnorm(model, self.device)
 
+    @override
     def _setup_model_and_optimizer(
         self, model: nn.Module, optimizer: torch.optim.Optimizer
     ) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -158,37 +165,47 @@ class ApexStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         return self.generation.setup(model, optimizer)
 
     # ------------------------------------------------------------------ the generation's hooks
+    @override
     def autocast(self) -> contextlib.AbstractContextManager[None]:
         return self.generation.autocast()
 
+    @override
     def backward(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
         self.generation.backward(loss, optimizer)
 
+    @override
     def optimizer_step(
         self, optimizer: torch.optim.Optimizer, *, skip_nonfinite: bool = False
     ) -> StepOutcome:
         return self.generation.optimizer_step(optimizer, skip_nonfinite=skip_nonfinite)
 
+    @override
     def compile_model(
         self, model: nn.Module, compiler: Callable[[nn.Module], nn.Module]
     ) -> nn.Module:
         return self.generation.compile_model(model, compiler)
 
+    @override
     def finalize_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         self.generation.finalize_gradients(optimizer)
 
+    @override
     def clip_gradients(self, optimizer: torch.optim.Optimizer, clip: GradientClip) -> torch.Tensor:
         grads = self.generation.gradients(optimizer)
         return clip_(grads, clip, local_norm(grads, self.device))
 
+    @override
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
         return self.generation.no_sync(model)
 
+    @override
     def unwrap(self, model: nn.Module) -> nn.Module:
         return self.generation.unwrap(model)
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         return self.generation.state_dict()
 
+    @override
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.generation.load_state_dict(state)

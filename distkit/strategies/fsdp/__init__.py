@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from typing_extensions import override
 
 from distkit import checkpoint as ckpt
 from distkit.checkpoint import _shards
@@ -63,6 +64,7 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
     )
     auto_select = False  # strategy="auto" under torchrun stays ddp
 
+    @override
     @classmethod
     def diagnose(cls, machine: MachineFacts) -> StrategyReport:
         report = super().diagnose(machine)
@@ -102,12 +104,14 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         self.timeout = _torch_dist.as_timeout(timeout)
         self._fsdp_kwargs = fsdp_kwargs
 
+    @override
     def _setup_environment(self) -> Topology:
         missing = missing_fsdp2()
         if missing is not None:
             raise MissingDependencyError(f"strategy='fsdp': {missing}. {FSDP_HINT}")
         return self._join_group()
 
+    @override
     def teardown(self) -> None:
         self._leave_group()
         super().teardown()
@@ -115,12 +119,14 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
     def _sharded(self) -> bool:
         return self.world_size > 1
 
+    @override
     def _precision_name(self) -> str:
         # bf16 is FSDP's MixedPrecisionPolicy (bf16 compute, fp32 gradient reduction) when
         # sharded; autocast on top would only cast again
         bf16_policy = self.options.precision == "bf16" and self._sharded()
         return "32" if bf16_policy else self.options.precision
 
+    @override
     def _setup_model_and_optimizer(
         self, model: nn.Module, optimizer: torch.optim.Optimizer
     ) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -146,14 +152,17 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         _fsdp_state.rebind_optimizer(optimizer, replaced)
         return model, optimizer
 
+    @override
     def convert_sync_batchnorm(self, model: nn.Module) -> nn.Module:
         return _torch_dist.convert_sync_batchnorm(model, self.device)
 
+    @override
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
         if hasattr(model, "set_requires_gradient_sync"):  # sharded (an FSDPModule)
             return _local_gradients(model)
         return contextlib.nullcontext()
 
+    @override
     def optimizer_step(
         self, optimizer: torch.optim.Optimizer, *, skip_nonfinite: bool = False
     ) -> StepOutcome:
@@ -161,6 +170,7 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
             return StepOutcome.SKIPPED_NONFINITE
         return super().optimizer_step(optimizer)
 
+    @override
     def clip_gradients(self, optimizer: torch.optim.Optimizer, clip: GradientClip) -> torch.Tensor:
         # each rank holds a slice of every gradient: the norm sums the squares of every slice
         grads = [_local(g) for g in step_gradients(optimizer)]
@@ -175,6 +185,7 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         bad = sum(int(not bool(g.isfinite().all())) for g in local)
         return self.all_reduce(torch.tensor([float(bad)]), op="sum").item() == 0
 
+    @override
     def eval_rounds(self, batches: int) -> int:
         if not self._sharded():
             return batches
@@ -182,25 +193,30 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         return int(self.all_gather(torch.tensor([batches])).max().item())
 
     # ------------------------------------------------------------------ state
+    @override
     def model_state_dict(
         self, model: nn.Module, *, rank0_only: bool = False
     ) -> dict[str, torch.Tensor]:
         return _fsdp_state.full_model_state(model, keep=self.is_main or not rank0_only)
 
+    @override
     def optimizer_state_dict(
         self, optimizer: torch.optim.Optimizer, *, rank0_only: bool = False
     ) -> dict[str, Any]:
         keep = self.is_main or not rank0_only
         return _fsdp_state.full_optimizer_state(optimizer, keep=keep)
 
+    @override
     def load_model_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
         _fsdp_state.load_full_model_state(model, state)
 
+    @override
     def load_optimizer_state_dict(
         self, optimizer: torch.optim.Optimizer, state: dict[str, Any]
     ) -> None:
         _fsdp_state.load_full_optimizer_state(optimizer, state)
 
+    @override
     def checkpoint_state(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, path: Path
     ) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from typing_extensions import override
 
 from distkit._imports import require
 from distkit.diagnosis import MachineFacts, StrategyReport
@@ -58,6 +59,7 @@ class HorovodStrategy(Strategy):
     libraries = ("horovod",)
     placement_refusal = None  # broadcast and all-reduce each tensor where it lives
 
+    @override
     @classmethod
     def diagnose(cls, machine: MachineFacts) -> StrategyReport:
         """The installed Horovod (not imported) and ``horovodrun --check-build``, a few seconds."""
@@ -84,6 +86,7 @@ class HorovodStrategy(Strategy):
             raise ConfigurationError("HorovodStrategy is not set up: call setup_environment()")
         return self._hvd_module
 
+    @override
     def _setup_environment(self) -> Topology:
         env = LaunchEnv.detect()
         if env.is_torch_launcher:
@@ -126,9 +129,11 @@ class HorovodStrategy(Strategy):
                 "limit (your scheduler's, or `timeout` around horovodrun) bounds the wait."
             )
 
+    @override
     def side_channel(self) -> SideChannel | None:
         return self._channel
 
+    @override
     def teardown(self) -> None:
         self._channel = None
         # Horovod stays initialised for the next Trainer in this process, whose hvd.init() is
@@ -140,6 +145,7 @@ class HorovodStrategy(Strategy):
         self._hvd_module = None
         super().teardown()
 
+    @override
     def _setup_model_and_optimizer(
         self, model: nn.Module, optimizer: torch.optim.Optimizer
     ) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -170,10 +176,12 @@ class HorovodStrategy(Strategy):
         return model, distributed
 
     # ------------------------------------------------------------------ elastic (horovodrun)
+    @override
     @property
     def elastic(self) -> bool:
         return self._elastic
 
+    @override
     def run_training(self, body: Callable[[], None], snapshot: Any) -> None:
         if not self._elastic:
             body()
@@ -186,6 +194,7 @@ class HorovodStrategy(Strategy):
         finally:
             self._elastic_state = None
 
+    @override
     def commit(self) -> None:
         if self._elastic_state is not None:
             # saves the run in memory; raises HostsUpdatedInterrupt when hosts changed, which
@@ -197,6 +206,7 @@ class HorovodStrategy(Strategy):
         hvd, device = self._hvd, self.device
         self._topology = Topology(hvd.rank(), hvd.local_rank(), hvd.size(), device)
 
+    @override
     def setup_optimizer(
         self, model: nn.Module, optimizer: torch.optim.Optimizer
     ) -> torch.optim.Optimizer:
@@ -207,12 +217,14 @@ class HorovodStrategy(Strategy):
             "process for the new optimizer."
         )
 
+    @override
     def finalize_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         # Horovod averages in step(): all-reduce now (its documented sequence for clipping),
         # and optimizer_step then steps without a second synchronisation
         optimizer.synchronize()  # type: ignore[attr-defined]
         self.precision.unscale_(optimizer)
 
+    @override
     def optimizer_step(
         self, optimizer: torch.optim.Optimizer, *, skip_nonfinite: bool = False
     ) -> StepOutcome:
@@ -231,11 +243,13 @@ class HorovodStrategy(Strategy):
             # left set, the next step would warn and not synchronise
             optimizer._synchronized = False  # type: ignore[attr-defined]
 
+    @override
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
         # backward_passes_per_step = grad_accum_steps already keeps gradients local until
         # the last micro-batch of a step (or until step() on a short last step).
         return contextlib.nullcontext()
 
+    @override
     def convert_sync_batchnorm(self, model: nn.Module) -> nn.Module:
         # GlobalBatchNorm on CUDA too: hvd.SyncBatchNorm cannot leave a placeholder sample out
         # (it takes no empty batch), and it refuses CPU tensors. Horovod's allreduce is
@@ -245,14 +259,17 @@ class HorovodStrategy(Strategy):
     def _allreduce_sum_differentiable(self, tensor: torch.Tensor) -> torch.Tensor:
         return self._hvd.allreduce(tensor, op=self._hvd.Sum)
 
+    @override
     def is_peer_loss(self, exc: BaseException) -> bool:
         return type(exc).__name__ == "HorovodInternalError" or super().is_peer_loss(exc)
 
+    @override
     def _all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         work = tensor.detach().to(self.device)
         hvd_op = self._hvd.Average if op == "mean" else self._hvd.Sum
         return self._hvd.allreduce(work, op=hvd_op).to(tensor.device)
 
+    @override
     def all_reduce_async(self, tensor: torch.Tensor, *, name: str) -> PendingSum:
         if tensor.device.type != "cpu" or self.world_size == 1:
             return super().all_reduce_async(tensor, name=name)
@@ -260,17 +277,21 @@ class HorovodStrategy(Strategy):
         handle = self._hvd.allreduce_async(tensor.detach().clone(), op=self._hvd.Sum, name=name)
         return _HorovodPending(self._hvd, handle)
 
+    @override
     def _broadcast(self, obj: Any, src: int) -> Any:
         # every rank must pass the same name, or non-root ranks passing None hang
         return self._hvd.broadcast_object(obj, root_rank=src, name="distkit.broadcast")
 
+    @override
     def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         work = tensor.detach().to(self.device).unsqueeze(0)
         return self._hvd.allgather(work).to(tensor.device)
 
+    @override
     def _all_gather_object(self, obj: Any) -> list[Any]:
         return list(self._hvd.allgather_object(obj, name="distkit.allgather_object"))
 
+    @override
     def barrier(self) -> None:
         self._hvd.barrier()
 

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 
+from typing_extensions import override
+
 from distkit._imports import is_importable
 from distkit.errors import ConfigurationError, MissingDependencyError
 from distkit.launch import LaunchRequest, with_strategy_arg
@@ -62,6 +64,7 @@ class Horovodrun(LauncherFamily):
     launcher = "horovodrun"
     args_option = "--horovod-args"
 
+    @override
     def recognises(self, env: LaunchEnv) -> bool:
         if own_process_group():
             return False
@@ -69,11 +72,13 @@ class Horovodrun(LauncherFamily):
         # ddp: a Gloo-only Horovod under mpirun would run every process alone)
         return env.launcher == "horovodrun" or (env.launcher == "mpirun" and horovod_has_mpi())
 
+    @override
     def world_size(self, request: LaunchRequest) -> int:
         if request.hosts:
             return sum(n for _, n in parse_hosts(request.hosts, request.nproc_per_node))
         return super().world_size(request)
 
+    @override
     def command(
         self, request: LaunchRequest, *, python: str, tools: Mapping[str, str]
     ) -> list[str]:
@@ -111,6 +116,7 @@ class Horovodrun(LauncherFamily):
         cmd += [*request.launcher_args, python, request.script]
         return [*cmd, *with_strategy_arg(request.script_args, request.strategy)]
 
+    @override
     def find_tools(self, request: LaunchRequest) -> dict[str, str]:
         from distkit.horovod_build import horovodrun_path
 
@@ -126,6 +132,7 @@ class Horovodrun(LauncherFamily):
         tools = {"horovodrun": horovodrun}
         return tools if controller is None else {**tools, "controller": controller}
 
+    @override
     def help_lines(self, names: Sequence[str]) -> list[str]:
         return [
             f"  {', '.join(names)}:",
@@ -134,6 +141,7 @@ class Horovodrun(LauncherFamily):
             "    -np is the sum of the slots; --gloo unless MPI is built and mpirun is on PATH)",
         ]
 
+    @override
     def examples(self, name: str) -> list[str]:
         return [
             f"distkit run --strategy {name} -n 4 train.py",
