@@ -9,6 +9,45 @@ Contract every strategy keeps (the contract test suite checks it):
       ranks of each rank's gradients, so a per-rank mean loss gives a global mean gradient;
     * inside :meth:`Strategy.no_sync` no gradient communication happens;
     * :meth:`Strategy.unwrap` returns the user's own module.
+
+The lifecycle, in the order the Trainer calls the hooks (every rank calls the same hooks in
+the same order; a hook marked *collective* must be called on every rank, or the others wait):
+
+1. **Start** (``Trainer(...)``): :meth:`connect` (the Trainer's options), then
+   :meth:`setup_environment`: the launcher's variables are read and the process group joined
+   (*collective* where a group forms: ddp, fsdp, apex; ``hvd.init()`` for horovod), which
+   fixes :attr:`topology` (rank, world size, device).
+2. **Set-up**, once per model and optimizer: :meth:`setup` (the model onto this rank's
+   device, :meth:`convert_sync_batchnorm` when asked, then the backend's wrapping:
+   *collective* on ddp and apex (the wrapper broadcasts rank 0's weights), on fsdp (rank
+   0's weights broadcast, then ``fully_shard``) and on horovod (``broadcast_parameters``);
+   dp wraps locally), then
+   :meth:`compile_model` when ``compile=`` is given, and :meth:`setup_optimizer` for a
+   further optimizer on a set-up model. A resume loads the checkpoint afterwards, through
+   :meth:`load_model_state_dict`, :meth:`load_optimizer_state_dict` and
+   :meth:`load_state_dict` (the scaler).
+3. **Each step**, per micro-batch: :meth:`no_sync` around every micro-batch but the step's
+   last, :meth:`autocast` around the forward pass and the loss, :meth:`reduce_loss`, then
+   :meth:`backward` (*collective* on the last micro-batch: ddp and apex all-reduce in their
+   hooks, fsdp reduce-scatters, horovod starts its asynchronous all-reduces); then once per
+   step, only when clipping: :meth:`finalize_gradients` (horovod: *collective*, it waits for
+   its all-reduces; fp16: unscales) and :meth:`clip_gradients` (fsdp: *collective*, the norm
+   sums every rank's slice); then :meth:`optimizer_step` (horovod: *collective* when it
+   all-reduces there), and on an elastic backend :meth:`commit`.
+4. **Evaluation**: :meth:`eval_model` gives the module to run, :meth:`eval_rounds` how many
+   forward passes every rank makes (a backend with collectives in its forward needs the same
+   number on every rank); the sums are combined with :meth:`all_reduce` (*collective*).
+5. **Checkpoints**: :meth:`checkpoint_state` (fsdp: *collective*, a gather to rank 0, or
+   every rank writing its shards) and :meth:`state_dict` (the scaler, in ``GradScaler`` form
+   whatever the backend).
+6. **The fit as a whole** runs inside :meth:`run_training` (horovod elastic: its retry loop
+   and the syncs after a group change, *collective*).
+7. **End** (``trainer.close()``): :meth:`teardown` leaves the process group (when this
+   strategy formed it) and undoes what the backend changed outside the model.
+
+The collectives of :class:`~distkit.strategies._collectives.Collectives` (``all_reduce``,
+``broadcast``, ``all_gather``, ``all_gather_object``, ``barrier``) are collective on every
+backend.
 """
 
 from __future__ import annotations
