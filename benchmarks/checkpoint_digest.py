@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from distkit import checkpoint as ckpt
-from distkit._files import TempFile
+from distkit._atomic import TempFile
 from distkit.checkpoint import _digest
 
 RESULTS = Path(__file__).resolve().parent / "results"
