@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import nn
 
 from distkit import checkpoint as ckpt
@@ -28,11 +27,11 @@ from distkit.runtime import _agreement, _resume
 from distkit.runtime._checks import check_fit_args, check_model, check_scheduler, check_validation
 from distkit.runtime._compile import describe as describe_compile
 from distkit.runtime._evaluation import LossFn, Metrics, named_metrics
+from distkit.runtime._fit_call import FitCall
 from distkit.strategies._placement import Placement
 
 if TYPE_CHECKING:
     from distkit.trainer import Trainer
-    from distkit.trainer._loop import StepFn
 
 
 @dataclass(frozen=True)
@@ -45,26 +44,21 @@ class FitPlan:
     placement: Placement
 
 
-def prepare_fit(
-    trainer: Trainer,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    train_data: Any,
-    loss_fn: LossFn | None,
-    val_data: Any,
-    metrics: Metrics | None,
-    scheduler: Any,
-    step_fn: StepFn | None,
-) -> _agreement.Prepared[FitPlan]:
-    check_fit_args(model, optimizer, loss_fn, step_fn)
+def prepare_fit(trainer: Trainer, call: FitCall) -> _agreement.Prepared[FitPlan]:
+    model, optimizer = call.model, call.optimizer
+    check_fit_args(model, optimizer, call.loss_fn, call.step_fn)
     placement = checked_placement(trainer, model)
-    check_scheduler(scheduler, optimizer, per_step=trainer.scheduler_interval == "step")
-    check_validation(val_data, loss_fn, metrics, trainer.val_every_n_steps)
-    named_metrics(metrics)
+    check_scheduler(call.scheduler, optimizer, per_step=trainer.scheduler_interval == "step")
+    check_validation(call.val_data, call.loss_fn, call.metrics, trainer.val_every_n_steps)
+    named_metrics(call.metrics)
     strategy = trainer.strategy
-    spec = trainer._loader_spec(train_data, "train_data", shuffle=trainer.shuffle)
+    spec = trainer._loader_spec(call.train_data, "train_data", shuffle=trainer.shuffle)
     plan = batch_plan(trainer, spec)
-    val = None if val_data is None else trainer._loader_spec(val_data, "val_data", shuffle=False)
+    val = (
+        None
+        if call.val_data is None
+        else trainer._loader_spec(call.val_data, "val_data", shuffle=False)
+    )
     if isinstance(val, StreamSpec):
         every = trainer.val_every_n_steps
         reads, because = (
@@ -97,7 +91,7 @@ def prepare_fit(
         "val_data samples": "none" if val is None else describe_data(val),
         "model": _agreement.describe_model(model),
         "optimizer": f"{type(optimizer).__name__}, {len(optimizer.param_groups)} group(s)",
-        "scheduler": "none" if scheduler is None else type(scheduler).__name__,
+        "scheduler": "none" if call.scheduler is None else type(call.scheduler).__name__,
         "settings": f"strategy={strategy.name} {strategy.options}, "
         f"max_epochs={trainer.max_epochs}, max_steps={trainer.max_steps}, seed={trainer.seed}, "
         f"scheduler_interval={trainer.scheduler_interval}, nonfinite={trainer.nonfinite}, "

@@ -27,6 +27,7 @@ from distkit.runtime._checks import as_score, seed_generators
 from distkit.runtime._compile import check_compile
 from distkit.runtime._config import Setting, TrainerConfig
 from distkit.runtime._evaluation import LossFn, Metrics, evaluate_shard
+from distkit.runtime._fit_call import FitCall
 from distkit.runtime._fit_state import FitState
 from distkit.runtime._preparation import (
     FitPlan,
@@ -341,18 +342,11 @@ class Trainer:
         sink = self._sink = LogSink(self.loggers, is_main=self.is_main)
         # a model the user compiled: train its module, compiled in the backend's order
         model, compiler = _compile.plan(model, self.compile)
+        call = FitCall(
+            model, optimizer, train_data, loss_fn, val_data, metrics, scheduler, step_fn, compiler
+        )
         try:
-            result = self._fit(
-                model,
-                optimizer,
-                train_data,
-                loss_fn,
-                val_data,
-                metrics,
-                scheduler,
-                step_fn,
-                compiler,
-            )
+            result = self._fit(call)
         except BaseException as exc:
             self.callbacks.call_on_exception(self, exc)
             sink.finalize("interrupted" if isinstance(exc, KeyboardInterrupt) else "failed")
@@ -362,26 +356,13 @@ class Trainer:
         sink.finalize("success")
         return result
 
-    def _fit(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        train_data: Any,
-        loss_fn: LossFn | None,
-        val_data: Any,
-        metrics: Metrics | None,
-        scheduler: Any,
-        step_fn: StepFn | None,
-        compiler: _compile.Compiler | None,
-    ) -> FitResult:
+    def _fit(self, call: FitCall) -> FitResult:
         strategy = self.strategy
 
         # every rank checks its arguments and finds its checkpoint, then all agree (or all
         # raise) before the first collective of the set-up
         def prepare() -> _agreement.Prepared[FitPlan]:
-            return prepare_fit(
-                self, model, optimizer, train_data, loss_fn, val_data, metrics, scheduler, step_fn
-            )
+            return prepare_fit(self, call)
 
         if strategy.elastic:  # a process joining later could not meet this collective
             prepared = prepare().local
@@ -391,7 +372,7 @@ class Trainer:
         self._pending = None
         payload = None if prepared.found is None else prepared.found.payload
         if payload is not None:
-            _resume.load_weights(strategy, payload, model, optimizer)
+            _resume.load_weights(strategy, payload, call.model, call.optimizer)
         # The wrapped model lives only in frames below this one: on a failure they are
         # cleared, so the process group's connections close at once (see distkit.faults._faults).
         with fail_fast(
@@ -401,18 +382,7 @@ class Trainer:
             progress=self._rank_progress,
             on_failure=self._close_after_failure,
         ):
-            run = self._train(
-                prepared,
-                payload,
-                model,
-                optimizer,
-                scheduler,
-                loss_fn,
-                step_fn,
-                val_data,
-                metrics,
-                compiler,
-            )
+            run = self._train(prepared, payload, call)
             result = FitResult(
                 history=[dict(record) for record in run.state.history],
                 validations=[dict(v) for v in run.validations],
@@ -421,23 +391,13 @@ class Trainer:
             self.callbacks.call("on_fit_end", self, result)
         return result
 
-    def _train(
-        self,
-        prepared: FitPlan,
-        payload: dict[str, Any] | None,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scheduler: Any,
-        loss_fn: LossFn | None,
-        step_fn: StepFn | None,
-        val_data: Any,
-        metrics: Metrics | None,
-        compiler: _compile.Compiler | None,
-    ) -> FitRun:
+    def _train(self, prepared: FitPlan, payload: dict[str, Any] | None, call: FitCall) -> FitRun:
         strategy = self.strategy
+        model, optimizer, scheduler = call.model, call.optimizer, call.scheduler
+        loss_fn, val_data, metrics = call.loss_fn, call.val_data, call.metrics
         spec = prepared.spec
         wrapped, dist_optimizer = self._setups.setup(model, optimizer, prepared.placement)
-        forward = self._setups.compiled(model, compiler)
+        forward = self._setups.compiled(model, call.compiler)
         if payload is not None:
             state = _resume.restore_run(payload, strategy, scheduler, self.seed)
             self.callbacks.load_state_dict(payload.get("callbacks") or {})
@@ -476,7 +436,7 @@ class Trainer:
                 optimizer=dist_optimizer,
                 feed=feed,
                 loss_fn=loss_fn,
-                step_fn=step_fn,
+                step_fn=call.step_fn,
                 scheduler=scheduler,
                 settings=settings,
                 rank_progress=self._rank_progress,

@@ -17,6 +17,7 @@ from distkit.data._feed import Feed
 from distkit.errors import NonFiniteLossError as NonFiniteLossError  # its old home
 from distkit.faults._progress import Progress
 from distkit.runtime._checks import check_loss
+from distkit.runtime._fit_call import StepFn
 from distkit.runtime._fit_state import FitState as FitState  # its old home
 from distkit.strategies._placement import Placement, follow_output
 from distkit.strategies._steps import GradientClip, StepOutcome
@@ -31,7 +32,6 @@ from distkit.trainer.timing import EpochTiming, StepTimer
 _NOTHING = contextlib.nullcontext()
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
-StepFn = Callable[[nn.Module, Any], torch.Tensor]
 
 
 @dataclass(frozen=True)
