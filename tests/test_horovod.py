@@ -314,3 +314,15 @@ def test_horovod_checkpoints_port_to_and_from_other_strategies(portability):
                                target, batch, None, world_size=world)  # fmt: skip
         diff = max_abs_diff(resumed[0]["state"], reference["state"])
         assert diff <= 1e-5, f"horovod -> {target}: {diff}"
+
+
+def test_horovod_finalize_gradients_alone_is_refused_naming_the_step_hook():
+    """Horovod's steps run through its one step hook (all-reduce once, clip, step without a
+    second all-reduce); finalize_gradients alone would leave the next step to guess whether
+    the gradients were averaged (it once read Horovod's private _synchronized flag)."""
+    from distkit.errors import UnsupportedFeatureError
+    from distkit.strategies.horovod import HorovodStrategy
+
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    with pytest.raises(UnsupportedFeatureError, match=r"strategy\.step\(optimizer, clip="):
+        HorovodStrategy().finalize_gradients(optimizer)

@@ -30,10 +30,11 @@ the same order; a hook marked *collective* must be called on every rank, or the 
    last, :meth:`autocast` around the forward pass and the loss, :meth:`reduce_loss`, then
    :meth:`backward` (*collective* on the last micro-batch: ddp and apex all-reduce in their
    hooks, fsdp reduce-scatters, horovod starts its asynchronous all-reduces); then once per
-   step, only when clipping: :meth:`finalize_gradients` (horovod: *collective*, it waits for
-   its all-reduces; fp16: unscales) and :meth:`clip_gradients` (fsdp: *collective*, the norm
-   sums every rank's slice); then :meth:`optimizer_step` (horovod: *collective* when it
-   all-reduces there), and on an elastic backend :meth:`commit`.
+   step, :meth:`step` with the step's decisions (clip, skip non-finite): by default, only
+   when clipping, :meth:`finalize_gradients` (fp16: unscales) and :meth:`clip_gradients`
+   (fsdp: *collective*, the norm sums every rank's slice), then :meth:`optimizer_step`;
+   horovod's :meth:`step` is *collective* (it waits for its all-reduces, once, before
+   clipping or in its optimizer's step); then, on an elastic backend, :meth:`commit`.
 4. **Evaluation**: :meth:`eval_model` gives the module to run, :meth:`eval_rounds` how many
    forward passes every rank makes (a backend with collectives in its forward needs the same
    number on every rank); the sums are combined with :meth:`all_reduce` (*collective*).
@@ -281,6 +282,30 @@ class Strategy(Collectives, ABC):
     def backward(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
         """Backpropagate ``loss`` (scaled for fp16)."""
         self.precision.scale(loss).backward()
+
+    def step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        clip: GradientClip | None = None,
+        skip_nonfinite: bool = False,
+    ) -> tuple[StepOutcome, torch.Tensor | None]:
+        """One optimizer step with the step's decisions: what happened, and the gradients'
+        total norm before clipping (None without ``clip``). The loop calls only this.
+
+        Default: :meth:`finalize_gradients` and :meth:`clip_gradients` when clipping, then
+        :meth:`optimizer_step`. A backend whose steps need another order overrides this one
+        hook instead of passing flags between those three (Horovod: all-reduce once, then
+        clip, then step without a second all-reduce).
+        """
+        norm = None
+        if clip is not None:
+            # averaged and unscaled first, so that every rank clips the same gradients,
+            # those one process would have
+            self.finalize_gradients(optimizer)
+            norm = self.clip_gradients(optimizer, clip)
+        # every rank sees the same averaged gradients, so every rank decides alike
+        return self.optimizer_step(optimizer, skip_nonfinite=skip_nonfinite), norm
 
     def optimizer_step(
         self, optimizer: torch.optim.Optimizer, *, skip_nonfinite: bool = False

@@ -220,15 +220,8 @@ class TrainLoop:
 
     def _step(self, state: FitState) -> tuple[StepOutcome, torch.Tensor | None]:
         optimizer, settings = self.optimizer, self.settings
-        norm = None
-        if settings.clip is not None:
-            # averaged and unscaled first (Horovod: synchronize; fp16: unscale_), so that every
-            # rank clips the same gradients, those one process would have
-            self.strategy.finalize_gradients(optimizer)
-            norm = self.strategy.clip_gradients(optimizer, settings.clip)
-        # every rank sees the same averaged gradients, so every rank decides alike
-        outcome = self.strategy.optimizer_step(
-            optimizer, skip_nonfinite=settings.nonfinite == "skip"
+        outcome, norm = self.strategy.step(
+            optimizer, clip=settings.clip, skip_nonfinite=settings.nonfinite == "skip"
         )
         state.global_step += 1
         if not outcome.stepped:

@@ -19,6 +19,7 @@ from distkit.faults._channel import SideChannel
 from distkit.launch._env import LaunchEnv
 from distkit.launch._registry_view import auto_strategy_name
 from distkit.strategies._collectives import PendingSum
+from distkit.strategies._steps import GradientClip
 from distkit.strategies.base import StepOutcome, Strategy, Topology
 from distkit.strategies.horovod import _doctor as _horovod_doctor
 from distkit.strategies.horovod._channel import HorovodKVChannel
@@ -218,30 +219,44 @@ class HorovodStrategy(Strategy):
         )
 
     @override
-    def finalize_gradients(self, optimizer: torch.optim.Optimizer) -> None:
-        # Horovod averages in step(): all-reduce now (its documented sequence for clipping),
-        # and optimizer_step then steps without a second synchronisation
+    def step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        clip: GradientClip | None = None,
+        skip_nonfinite: bool = False,
+    ) -> tuple[StepOutcome, torch.Tensor | None]:
+        if clip is None and not skip_nonfinite and self.precision.scaler is None:
+            return super().optimizer_step(optimizer), None  # DistributedOptimizer.step all-reduces
+        # Clipping, the finiteness check and the scaler must see averaged gradients: all-reduce
+        # once now (Horovod's documented sequence for clipping and for GradScaler), then step
+        # without a second synchronisation.
         optimizer.synchronize()  # type: ignore[attr-defined]
-        self.precision.unscale_(optimizer)
+        norm = None
+        if clip is not None:
+            self.precision.unscale_(optimizer)
+            norm = self.clip_gradients(optimizer, clip)
+        try:
+            with optimizer.skip_synchronize():  # type: ignore[attr-defined]
+                return super().optimizer_step(optimizer, skip_nonfinite=skip_nonfinite), norm
+        finally:
+            # a skipped step never reached DistributedOptimizer.step, which clears this flag;
+            # left set, the next step would warn and not synchronise
+            optimizer._synchronized = False  # type: ignore[attr-defined]
+
+    @override
+    def finalize_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        raise UnsupportedFeatureError(
+            "HorovodStrategy.finalize_gradients: Horovod averages in its optimizer's step, so "
+            "its steps run through strategy.step(optimizer, clip=..., skip_nonfinite=...), "
+            "which all-reduces once before clipping; call that instead"
+        )
 
     @override
     def optimizer_step(
         self, optimizer: torch.optim.Optimizer, *, skip_nonfinite: bool = False
     ) -> StepOutcome:
-        synchronized = bool(getattr(optimizer, "_synchronized", False))  # finalize_gradients
-        if not (skip_nonfinite or synchronized) and self.precision.scaler is None:
-            return super().optimizer_step(optimizer)  # DistributedOptimizer.step all-reduces
-        # The finiteness check and the scaler must see averaged gradients: all-reduce first,
-        # then step without a second synchronisation (Horovod's GradScaler sequence).
-        if not synchronized:
-            optimizer.synchronize()  # type: ignore[attr-defined]
-        try:
-            with optimizer.skip_synchronize():  # type: ignore[attr-defined]
-                return super().optimizer_step(optimizer, skip_nonfinite=skip_nonfinite)
-        finally:
-            # a skipped step never reached DistributedOptimizer.step, which clears this flag;
-            # left set, the next step would warn and not synchronise
-            optimizer._synchronized = False  # type: ignore[attr-defined]
+        return self.step(optimizer, skip_nonfinite=skip_nonfinite)[0]
 
     @override
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
