@@ -31,6 +31,9 @@ from distkit.runtime._fit_call import FitCall
 from distkit.strategies._placement import Placement
 
 if TYPE_CHECKING:
+    from distkit.runtime._fit_state import Stateful
+    from distkit.runtime._resume import Run
+    from distkit.strategies.base import Strategy
     from distkit.trainer import Trainer
 
 
@@ -177,10 +180,13 @@ def prepare_evaluate(
 
 
 def prepare_save(
-    trainer: Trainer, extra: object, path: str | os.PathLike[str] | None
+    strategy: Strategy,
+    run: Run | None,
+    callbacks: Stateful,
+    extra: object,
+    path: str | os.PathLike[str] | None,
 ) -> _agreement.Prepared[dict[str, Any]]:
     """Checks, this rank's state for the file; the local part: the callbacks' states."""
-    run = trainer._run
     if run is None:
         raise ConfigurationError("save_checkpoint needs a model: call fit(...) first")
     if extra is not None and not isinstance(extra, dict):
@@ -190,11 +196,11 @@ def prepare_save(
         )
     if path is not None:
         check_path("path", path, "a file path (str or os.PathLike)")
-        if trainer.is_main and Path(path).is_dir():  # rank 0 writes
+        if strategy.is_main and Path(path).is_dir():  # rank 0 writes
             raise ckpt.CheckpointError(
                 f"{path} is a folder; a checkpoint is a file: pass a path such as "
                 f"{Path(path) / 'model.pt'}"
             )
     shared = _resume.rank_state(run.state)
-    callbacks = trainer.callbacks.state_dict()  # checked on every rank, before any collective
-    return _agreement.Prepared({"global step": str(run.state.global_step)}, callbacks, shared)
+    states = callbacks.state_dict()  # checked on every rank, before any collective
+    return _agreement.Prepared({"global step": str(run.state.global_step)}, states, shared)

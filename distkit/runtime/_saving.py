@@ -18,35 +18,44 @@ from distkit.runtime._preparation import prepare_save
 from distkit.strategies.base import Strategy
 
 if TYPE_CHECKING:
-    from distkit.trainer import Trainer
+    from distkit.runtime._fit_state import Stateful
+    from distkit.runtime._resume import Run
 
 
-def save_to(trainer: Trainer, path: str | os.PathLike[str], extra: dict[str, Any] | None) -> None:
-    """``trainer.save_checkpoint(path, extra)``: the latest fit's run, written atomically."""
-    payload = _payload(trainer, extra, path)
+def save_to(
+    strategy: Strategy,
+    run: Run | None,
+    callbacks: Stateful,
+    path: str | os.PathLike[str],
+    extra: dict[str, Any] | None,
+) -> None:
+    """``trainer.save_checkpoint(path, extra)``: the latest fit's ``run``, written atomically."""
+    payload = _payload(strategy, run, callbacks, extra, path)
     write = lambda ready: ckpt.atomic_save(ready, Path(path))  # noqa: E731
-    _write_on_rank_zero(trainer.strategy, payload, write)
+    _write_on_rank_zero(strategy, payload, write)
 
 
-def save_to_folder(trainer: Trainer) -> None:
-    """The run into ``checkpoint_dir`` as ``step-<global step>.pt`` (keeping the last K)."""
-    folder, run = trainer.checkpoints, trainer._run
-    assert folder is not None and run is not None
+def save_to_folder(
+    strategy: Strategy, run: Run, callbacks: Stateful, folder: ckpt.CheckpointFolder
+) -> None:
+    """``run`` into ``checkpoint_dir`` as ``step-<global step>.pt`` (keeping the last K)."""
     step = run.state.global_step
-    payload = _payload(trainer, None, folder.path_for(step))
-    _write_on_rank_zero(trainer.strategy, payload, lambda ready: folder.save(ready, step))
+    payload = _payload(strategy, run, callbacks, None, folder.path_for(step))
+    _write_on_rank_zero(strategy, payload, lambda ready: folder.save(ready, step))
 
 
 def _payload(
-    trainer: Trainer, extra: dict[str, Any] | None, path: str | os.PathLike[str]
+    strategy: Strategy,
+    run: Run | None,
+    callbacks: Stateful,
+    extra: dict[str, Any] | None,
+    path: str | os.PathLike[str],
 ) -> dict[str, Any] | None:
     """The checkpoint on rank 0 (None elsewhere): a collective that every rank joins."""
-    strategy = trainer.strategy
     callback_states, ranks = _agreement.exchange(
-        strategy, "save_checkpoint", lambda: prepare_save(trainer, extra, path)
+        strategy, "save_checkpoint", lambda: prepare_save(strategy, run, callbacks, extra, path)
     )
-    run = trainer._run
-    assert run is not None
+    assert run is not None  # prepare_save refused a missing run on every rank
     # every rank: gathering (or writing) a sharded model's state is a collective
     states = strategy.checkpoint_state(run.model, run.optimizer, Path(path))
     if not strategy.is_main:

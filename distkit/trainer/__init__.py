@@ -476,7 +476,7 @@ class Trainer:
         weights-only).
         """
         self._require_open("save_checkpoint")
-        _saving.save_to(self, path, extra)
+        _saving.save_to(self.strategy, self._run, self.callbacks, path, extra)
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, Any]:
         """Load a checkpoint onto this rank's device; the next ``fit`` continues from it.
@@ -495,7 +495,8 @@ class Trainer:
 
     def _save_to_folder(self) -> None:
         self._rank_progress.phase = "checkpoint"
-        _saving.save_to_folder(self)
+        assert self.checkpoints is not None and self._run is not None
+        _saving.save_to_folder(self.strategy, self._run, self.callbacks, self.checkpoints)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The latest ``fit``'s model weights as full CPU tensors, the same on every rank.
