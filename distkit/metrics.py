@@ -117,13 +117,10 @@ class MeanIoU(ConfusionMatrix):
 
     @override
     def compute(self, state: torch.Tensor) -> dict[str, float]:
-        # in Python floats (float64), not torch ops: legacy apex's O1 patches torch.sum and
-        # friends to float32 process-wide, and float32 next to float64 is an error there
-        rows = state.double().tolist()
-        tp = [rows[i][i] for i in range(len(rows))]
-        predicted = [sum(column) for column in zip(*rows, strict=True)]
-        union = [sum(row) + predicted[i] - tp[i] for i, row in enumerate(rows)]
-        ious = [tp[i] / union[i] for i in range(len(rows)) if union[i] > 0]
-        miou = sum(ious) / len(ious) if ious else float("nan")
-        total = sum(map(sum, rows))
-        return {"miou": miou, "pixel_acc": sum(tp) / total if total else float("nan")}
+        matrix = state.double()
+        tp = matrix.diag()
+        union = matrix.sum(0) + matrix.sum(1) - tp
+        present = union > 0
+        miou = (tp[present] / union[present]).mean().item() if present.any() else float("nan")
+        total = matrix.sum().item()
+        return {"miou": miou, "pixel_acc": tp.sum().item() / total if total else float("nan")}
