@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from distkit.errors import ConfigurationError, StrategyPluginError, UnknownStrategyError
 from distkit.launch import _registry_view
 from distkit.launch._env import LaunchEnv
+from distkit.launch._registry_view import auto_strategy_name as auto_strategy_name
 from distkit.registry import _plugins
 
 if TYPE_CHECKING:
@@ -339,11 +340,6 @@ def available_strategies() -> list[str]:
     :class:`~distkit.StrategyPluginError` when it is used, naming its distribution.
     """
     return DEFAULT_REGISTRY.names()
-
-
-def auto_strategy_name(env: LaunchEnv) -> str:
-    """The strategy that ``"auto"`` picks for a process launched as ``env`` says."""
-    return DEFAULT_REGISTRY.auto_name(env)
 
 
 def resolve_strategy_class(name: str) -> type[Strategy]:
