@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from tests.horovod_runner import horovodrun_path
+from tests.support.jobs import run_job
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -22,10 +22,11 @@ needs_horovod = pytest.mark.skipif(
 )
 
 
-def _run(cmd: list[str], cwd: Path) -> str:
+def _run(cmd: list[str], cwd: Path, timeout: float = 150) -> str:
+    """The job's output; on a hang, a failure with every process's stacks (run_job)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("OMP_NUM_THREADS", None)  # the examples limit threads themselves under horovodrun
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240, cwd=cwd)
+    proc = run_job(cmd, env=env, timeout=timeout, cwd=cwd)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
     return re.sub(r"^\[\d+\]<std(?:out|err)>:", "", output, flags=re.MULTILINE)

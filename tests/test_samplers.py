@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import random
 from functools import partial
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -32,10 +31,10 @@ from torch.utils.data.distributed import DistributedSampler
 import distkit
 from distkit import checkpoint as ckpt
 from distkit.data import GlobalBatchPlan, LoaderSpec
+from distkit.data._batch_plan import batch_plan
 from distkit.data._samplers import BatchSamplerPlan, SamplerPlan, draw
 from distkit.errors import ConfigurationError
 from distkit.runtime import _resume
-from distkit.runtime._preparation import batch_plan
 from tests.workloads import make_dataset, make_mlp, max_abs_diff, without_timing
 
 pytestmark = pytest.mark.timeout(60)
@@ -513,9 +512,7 @@ def test_loader_spec_train_loader_yields_the_batch_sampler_plans_batches(num_wor
     assert [y.tolist() for _, y in loader] == [[6, 7, 8, 9], [10]]
 
 
-def _trainer_stub(world: int = 2, rank: int = 1) -> Any:
-    strategy = SimpleNamespace(world_size=world, rank=rank)
-    return SimpleNamespace(strategy=strategy, grad_accum_steps=2, seed=4, drop_last=False)
+_PLACE = {"world_size": 2, "rank": 1, "grad_accum_steps": 2, "seed": 4, "drop_last": False}
 
 
 @pytest.mark.parametrize(
@@ -528,7 +525,7 @@ def _trainer_stub(world: int = 2, rank: int = 1) -> Any:
     ids=["shuffle", "sampler", "batch-sampler"],
 )
 def test_batch_plan_follows_the_loaders_sampling(loader, kind):
-    plan = batch_plan(_trainer_stub(), _spec(loader))
+    plan = batch_plan(_spec(loader), **_PLACE)
 
     assert type(plan) is kind
     assert (plan.world_size, plan.rank, plan.grad_accum_steps, plan.seed) == (2, 1, 2, 4)

@@ -20,7 +20,7 @@ from tests.test_clusters import _mpirun, needs_mpirun
 from tests.test_examples_launchers import _run, needs_horovod
 from tests.workloads import max_abs_diff
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(420)  # above two jobs of _run's 150 s: a hang shows its stacks
 
 example_cli = _load("example_cli", "example_cli.py")
 stream_data = _load("stream_data", "stream_data.py")

@@ -325,7 +325,7 @@ def test_trainer_settings_are_one_frozen_validated_config():
     import dataclasses
     import inspect
 
-    from distkit.runtime._config import TrainerConfig
+    from distkit.trainer._config import TrainerConfig
 
     trainer = distkit.Trainer("dp", max_epochs=2, seed=7, progress=False)
     assert isinstance(trainer.config, TrainerConfig)
@@ -346,6 +346,10 @@ def test_trainer_settings_are_one_frozen_validated_config():
     settings = {
         n: p.default for n, p in params.items() if n not in ("strategy", "callbacks", "loggers")
     }
-    fields = {f.name: f.default for f in dataclasses.fields(TrainerConfig)}
+    fields = {f.name: f.default for f in dataclasses.fields(TrainerConfig) if f.init}
     assert settings == fields
+    # what the loop reads is derived once, in the config, and follows a replaced setting
+    assert trainer.config.clip is None and trainer.gradient_clip is None
+    trainer.config = trainer.config.replace(gradient_clip_norm=0.5)
+    assert trainer.gradient_clip is not None and trainer.gradient_clip.max_norm == 0.5
     trainer.close()

@@ -2,6 +2,9 @@
 
 Below the training loop and above the strategies, the data and the checkpoint format:
 
+- :mod:`._runtime`: :class:`Runtime`, one process's part of the job: the strategy set up,
+  models set up once, this rank's place, loader descriptions, evaluation, the fail-fast
+  guard; the Trainer holds one and runs its loop over it;
 - :mod:`._fit_state`: where a fit stands (``FitState``), and the ``Stateful`` protocol for
   what a checkpoint carries besides tensors;
 - :mod:`._setups`: each model and optimizer is set up once per Trainer;
@@ -11,7 +14,7 @@ Below the training loop and above the strategies, the data and the checkpoint fo
 - :mod:`._evaluation`: every sample counted once, whatever the world size;
 - :mod:`._saving`, :mod:`._resume`, :mod:`._snapshot`: checkpoints written, found and
   restored; a fit's state in memory for elastic backends;
-- :mod:`._compile`, :mod:`._checks`: ``torch.compile`` and the Trainer's argument checks.
+- :mod:`._compile`, :mod:`._checks`: ``torch.compile`` and the argument checks.
 
 The next issue makes a public bring-your-own-loop layer of it (``distkit.Runtime``).
 """

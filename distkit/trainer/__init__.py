@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,40 +13,29 @@ from typing_extensions import override
 from distkit import checkpoint as ckpt
 from distkit.callbacks import Callback
 from distkit.callbacks._list import CallbackList
-from distkit.data import LoaderSpec
-from distkit.data._feed import eval_batches, train_feed
-from distkit.data._stream_spec import StreamSpec, is_stream
+from distkit.data._feed import train_feed
 from distkit.errors import ConfigurationError, TrainerClosedError
-from distkit.faults._faults import fail_fast
-from distkit.faults._progress import Progress
 from distkit.loggers import Logger
-from distkit.registry import make_strategy
 from distkit.runtime import _agreement, _compile, _resume, _saving
-from distkit.runtime._checks import as_score, seed_generators
-from distkit.runtime._compile import check_compile
-from distkit.runtime._config import Setting, TrainerConfig
-from distkit.runtime._evaluation import LossFn, Metrics, evaluate_shard
-from distkit.runtime._fit_call import FitCall
+from distkit.runtime._checks import seed_generators
+from distkit.runtime._evaluation import LossFn, Metrics
 from distkit.runtime._fit_state import FitState
-from distkit.runtime._preparation import (
-    FitPlan,
-    batch_plan,
-    prepare_evaluate,
-    prepare_fit,
-    samples_of,
-)
+from distkit.runtime._preparation import samples_of
 from distkit.runtime._resume import Run
-from distkit.runtime._setups import SetupCache
+from distkit.runtime._runtime import Runtime
 from distkit.runtime._snapshot import RunSnapshot
-from distkit.strategies._placement import check_claims, input_device_override
+from distkit.strategies._placement import check_claims
 from distkit.strategies._steps import GradientClip
 from distkit.strategies.base import Strategy, TrainOptions
 from distkit.strategies.precision import normalize_precision
-from distkit.trainer._fit import FitRun, hyperparams
+from distkit.trainer._config import Setting, TrainerConfig
+from distkit.trainer._fit import FitRun, StopRequest, hyperparams
+from distkit.trainer._fit_call import FitCall
 from distkit.trainer._logging import LogSink, LogWindow, checked_loggers
 from distkit.trainer._loop import LoopSettings, StepFn, TrainLoop
 from distkit.trainer._losses import LossLedger
 from distkit.trainer._nonfinite import NonFiniteWatch
+from distkit.trainer._prepare import FitPlan, plan_batches, prepare_fit
 
 
 @dataclass
@@ -200,32 +188,23 @@ class Trainer:
         self.config = TrainerConfig(**{k: v for k, v in locals().items() if k not in _NOT_SETTINGS})
         self.callbacks = CallbackList(callbacks)
         self.loggers = checked_loggers(loggers)  # rank 0 writes
-        self.compile = check_compile(compile)
-        self.input_device = input_device_override(input_device)
-        self.gradient_clip = GradientClip.from_settings(gradient_clip_norm, gradient_clip_value)
-        #: set it to True (from a callback, on any rank) to stop every rank after this step
-        self.should_stop = False
+        self._stop = StopRequest()
         self._sink: LogSink | None = None  # the current fit's (None outside fit)
-        self._rank_progress = Progress()  # where this rank is, for the watchdog's hang reports
-        self._failure_channel: Any = None
         self.checkpoints = (
             None if checkpoint_dir is None else ckpt.CheckpointFolder(checkpoint_dir, keep_last)
         )
-        self.strategy = make_strategy(strategy)
-        self.strategy.connect(
+        #: the strategy, set up, and what lives as long as it does (models set up once, ...)
+        self.runtime = Runtime(
+            strategy,
             TrainOptions(
                 precision=normalize_precision(precision),
                 grad_accum_steps=grad_accum_steps,
                 sync_batchnorm=sync_batchnorm,
                 find_unused_parameters=find_unused_parameters,
                 collective_timeout=collective_timeout,
-            )
+            ),
         )
-        self.strategy.setup_environment()
-        # kept past close(): handlers after a failed fit still ask "am I rank 0?"
-        self._topology = self.strategy.topology
-        self._setups = SetupCache(self.strategy)
-        self._finalizer = weakref.finalize(self, self._setups.shutdown)
+        self.strategy = self.runtime.strategy
         self._run: Run | None = None
         self._pending: _resume.Found | None = None  # a loaded checkpoint for the next fit
         if cudnn_benchmark and self.strategy.device.type == "cuda":
@@ -234,19 +213,44 @@ class Trainer:
     # ------------------------------------------------------------------ topology
     @property
     def rank(self) -> int:
-        return self._topology.rank
+        return self.runtime.rank
 
     @property
     def world_size(self) -> int:
-        return self._topology.world_size
+        return self.runtime.world_size
 
     @property
     def is_main(self) -> bool:
-        return self._topology.rank == 0
+        return self.runtime.is_main
 
     @property
     def device(self) -> torch.device:
-        return self._topology.device
+        return self.runtime.device
+
+    # ------------------------------------------------------------------ derived settings
+    @property
+    def compile(self) -> dict[str, Any] | None:
+        """``compile=`` as ``torch.compile``'s arguments (None: off)."""
+        return self.config.compile_options
+
+    @property
+    def input_device(self) -> torch.device | None:
+        """``input_device=`` as a device (None: the model's own)."""
+        return self.config.input_device_override
+
+    @property
+    def gradient_clip(self) -> GradientClip | None:
+        """The clipping ``gradient_clip_norm`` / ``gradient_clip_value`` ask for (None)."""
+        return self.config.clip
+
+    @property
+    def should_stop(self) -> bool:
+        """Set it to True (from a callback, on any rank) to stop every rank after this step."""
+        return self._stop.requested
+
+    @should_stop.setter
+    def should_stop(self, value: bool) -> None:
+        self._stop.requested = value
 
     @property
     def global_step(self) -> int:
@@ -288,18 +292,11 @@ class Trainer:
 
         A closed trainer cannot fit, evaluate or save: create a new one.
         """
-        return not self._finalizer.alive
+        return self.runtime.closed
 
     def close(self) -> None:
         """Tear the strategy down (destroys a process group distkit created). Idempotent."""
-        self._finalizer()
-
-    def _close_after_failure(self) -> None:
-        # Keep the side channel (for torch.distributed, the rendezvous store, which rank 0
-        # hosts when no torchrun agent does) alive while this trainer lives: peers read the
-        # failure notice from it after our closed connections wake them up.
-        self._failure_channel = self.strategy.side_channel()
-        self.close()
+        self.runtime.close()
 
     def __enter__(self) -> Trainer:
         return self
@@ -357,12 +354,21 @@ class Trainer:
         return result
 
     def _fit(self, call: FitCall) -> FitResult:
-        strategy = self.strategy
+        runtime, strategy = self.runtime, self.strategy
+        config = self.config  # the fit's settings: those it started with, on every rank
 
         # every rank checks its arguments and finds its checkpoint, then all agree (or all
         # raise) before the first collective of the set-up
         def prepare() -> _agreement.Prepared[FitPlan]:
-            return prepare_fit(self, call)
+            return prepare_fit(
+                config,
+                runtime,
+                call,
+                checkpoints=self.checkpoints,
+                pending=self._pending,
+                callbacks=self.callbacks,
+                owner=self,
+            )
 
         if strategy.elastic:  # a process joining later could not meet this collective
             prepared = prepare().local
@@ -375,14 +381,8 @@ class Trainer:
             _resume.load_weights(strategy, payload, call.model, call.optimizer)
         # The wrapped model lives only in frames below this one: on a failure they are
         # cleared, so the process group's connections close at once (see distkit.faults._faults).
-        with fail_fast(
-            strategy,
-            fault_timeout=self.fault_timeout,
-            hang_warning=self.hang_warning,
-            progress=self._rank_progress,
-            on_failure=self._close_after_failure,
-        ):
-            run = self._train(prepared, payload, call)
+        with runtime.guarded(fault_timeout=config.fault_timeout, hang_warning=config.hang_warning):
+            run = self._train(config, prepared, payload, call)
             result = FitResult(
                 history=[dict(record) for record in run.state.history],
                 validations=[dict(v) for v in run.validations],
@@ -391,44 +391,60 @@ class Trainer:
             self.callbacks.call("on_fit_end", self, result)
         return result
 
-    def _train(self, prepared: FitPlan, payload: dict[str, Any] | None, call: FitCall) -> FitRun:
-        strategy = self.strategy
+    def _train(
+        self,
+        config: TrainerConfig,
+        prepared: FitPlan,
+        payload: dict[str, Any] | None,
+        call: FitCall,
+    ) -> FitRun:
+        runtime, strategy = self.runtime, self.strategy
         model, optimizer, scheduler = call.model, call.optimizer, call.scheduler
         loss_fn, val_data, metrics = call.loss_fn, call.val_data, call.metrics
         spec = prepared.spec
-        wrapped, dist_optimizer = self._setups.setup(model, optimizer, prepared.placement)
-        forward = self._setups.compiled(model, call.compiler)
+        wrapped, dist_optimizer = runtime.setups.setup(model, optimizer, prepared.placement)
+        forward = runtime.setups.compiled(model, call.compiler)
         if payload is not None:
-            state = _resume.restore_run(payload, strategy, scheduler, self.seed)
+            state = _resume.restore_run(payload, strategy, scheduler, config.seed)
             self.callbacks.load_state_dict(payload.get("callbacks") or {})
         else:
             state = FitState()
-            seed_generators(self.seed + strategy.rank)
+            seed_generators(config.seed + strategy.rank)
         self._run = Run(model, optimizer, scheduler, state, samples_of(spec))
         settings = LoopSettings(
-            max_epochs=self.max_epochs,
-            seed=self.seed,
-            nonfinite=self.nonfinite,
-            step_scheduler=self.scheduler_interval == "step",
-            progress=self.progress,
-            clip=self.gradient_clip,
+            max_epochs=config.max_epochs,
+            seed=config.seed,
+            nonfinite=config.nonfinite,
+            step_scheduler=config.scheduler_interval == "step",
+            progress=config.progress,
+            clip=config.clip,
         )
         assert self._sink is not None
         sink = self._sink
-        sink.hyperparams(hyperparams(self, model, optimizer, samples_of(spec)))
+        sink.hyperparams(hyperparams(config, runtime, model, optimizer, samples_of(spec)))
         runs: list[FitRun] = []
+        run_state = self._run
+        checkpoints = self.checkpoints
+        save = (
+            None
+            if checkpoints is None
+            else (lambda: _saving.save_to_folder(strategy, run_state, self.callbacks, checkpoints))
+        )
+
+        def validate() -> dict[str, float]:
+            return self.evaluate(model, val_data, loss_fn=loss_fn, metrics=metrics)
 
         def body() -> None:
             # an elastic strategy runs this again in a re-formed group: new rank, new size
-            self._topology = strategy.topology
-            plan = batch_plan(self, spec) if runs else prepared.plan
+            runtime.renew_topology()
+            plan = plan_batches(config, runtime, spec) if runs else prepared.plan
             feed = train_feed(
                 strategy,
                 spec,
                 plan,
-                seed=self.seed,
-                grad_accum_steps=self.grad_accum_steps,
-                drop_last=self.drop_last,
+                seed=config.seed,
+                grad_accum_steps=config.grad_accum_steps,
+                drop_last=config.drop_last,
             )
             loop = TrainLoop(
                 strategy=strategy,
@@ -439,22 +455,24 @@ class Trainer:
                 step_fn=call.step_fn,
                 scheduler=scheduler,
                 settings=settings,
-                rank_progress=self._rank_progress,
+                rank_progress=runtime.progress,
                 forward_model=forward,
                 placement=prepared.placement,
-                losses=LossLedger(strategy.device, watch=self.nonfinite == "raise"),
-                watch=NonFiniteWatch(self.nonfinite == "raise", self.log_every_n_steps),
+                losses=LossLedger(strategy.device, watch=config.nonfinite == "raise"),
+                watch=NonFiniteWatch(config.nonfinite == "raise", config.log_every_n_steps),
             )
             run = FitRun(
-                trainer=self,
+                config=config,
+                runtime=runtime,
+                owner=self,
+                stop=self._stop,
                 loop=loop,
                 state=state,
                 callbacks=self.callbacks,
                 sink=sink,
-                window=LogWindow(strategy, self.log_every_n_steps),
-                validate=None
-                if val_data is None
-                else (lambda: self.evaluate(model, val_data, loss_fn=loss_fn, metrics=metrics)),
+                window=LogWindow(strategy, config.log_every_n_steps),
+                validate=None if val_data is None else validate,
+                save=save,
             )
             runs.append(run)
             run.run()
@@ -493,11 +511,6 @@ class Trainer:
         self._pending = found
         return {key: found.payload.get(key) for key in ("producer", "progress", "extra")}
 
-    def _save_to_folder(self) -> None:
-        self._rank_progress.phase = "checkpoint"
-        assert self.checkpoints is not None and self._run is not None
-        _saving.save_to_folder(self.strategy, self._run, self.callbacks, self.checkpoints)
-
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The latest ``fit``'s model weights as full CPU tensors, the same on every rank.
 
@@ -526,20 +539,16 @@ class Trainer:
         floats (a metric's numpy or tensor scalars are converted).
         """
         self._require_open("evaluate")
-        strategy = self.strategy
-        (named, spec, placement), _ = _agreement.exchange(
-            strategy, "evaluate", lambda: prepare_evaluate(self, model, data, loss_fn, metrics)
-        )
-        wrapped = self._setups.wrapped(model)
-        scores = evaluate_shard(
-            strategy,
-            strategy.eval_model(wrapped),
-            eval_batches(strategy, spec, self.seed),
+        return self.runtime.evaluate(
+            model,
+            data,
             loss_fn,
-            named,
-            placement,
+            metrics,
+            batch_size=self.batch_size,
+            num_workers=self.num_workers,
+            seed=self.seed,
+            input_device=self.input_device,
         )
-        return {key: as_score(key, value) for key, value in scores.items()}
 
     # ------------------------------------------------------------------ helpers
     def _require_open(self, call: str) -> None:
@@ -549,24 +558,6 @@ class Trainer:
                 "trainer closes on close(), at the end of its with-block, and when a "
                 "multi-process fit fails)"
             )
-
-    def _loader_spec(self, data: Any, what: str, *, shuffle: bool) -> LoaderSpec | StreamSpec:
-        if is_stream(data):
-            return StreamSpec.from_data(
-                data,
-                batch_size=self.batch_size,
-                num_workers=self.num_workers,
-                pin_memory=self.strategy.device.type == "cuda",
-                what=what,
-            )
-        return LoaderSpec.from_data(
-            data,
-            batch_size=self.batch_size,
-            shuffle=shuffle,
-            num_workers=self.num_workers,
-            pin_memory=self.strategy.device.type == "cuda",
-            what=what,
-        )
 
     @override
     def __repr__(self) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,22 +21,37 @@ from distkit.callbacks._list import CallbackList
 from distkit.runtime._call_tags import tagged_sum
 from distkit.runtime._checks import step_scheduler
 from distkit.runtime._fit_state import FitState
+from distkit.runtime._runtime import Runtime
+from distkit.trainer._config import TrainerConfig
 from distkit.trainer._logging import LogSink, LogWindow, StepLogs
 from distkit.trainer._loop import StepResult, TrainLoop, mark_stepped
 from distkit.trainer._losses import step_mean
-
-if TYPE_CHECKING:
-    from distkit.trainer import Trainer
 
 #: the epoch record's per-phase timings stay out of the loggers (they are in the report)
 _TIMING_PREFIX = "time_"
 
 
+@dataclass
+class StopRequest:
+    """``trainer.should_stop``: set by a callback on any rank; at each stop point the ranks
+    agree (any rank's request stops every rank) and every rank's flag then says so."""
+
+    requested: bool = False
+
+
 @dataclass(kw_only=True)
 class FitRun:
-    """One ``fit`` after its set-up: runs the epochs and says how training ended."""
+    """One ``fit`` after its set-up: runs the epochs and says how training ended.
 
-    trainer: Trainer
+    It reads the fit's settings from ``config`` (as they were when the fit started) and
+    talks to the backend through ``runtime``; ``owner`` (the Trainer) is only handed to the
+    callbacks, whose hooks take it.
+    """
+
+    config: TrainerConfig
+    runtime: Runtime
+    owner: object
+    stop: StopRequest
     loop: TrainLoop
     state: FitState
     callbacks: CallbackList
@@ -44,6 +59,8 @@ class FitRun:
     window: LogWindow
     #: evaluates the validation data: ``{"loss": ..., <metric>: ...}`` (None: no val_data)
     validate: Callable[[], dict[str, float]] | None
+    #: writes the run into ``checkpoint_dir`` (None: no ``checkpoint_dir``)
+    save: Callable[[], None] | None
     stopped_early: bool = False
     _validated_at: int | None = None  # the global step of the latest validation
     _last_validation: dict[str, float] = field(default_factory=dict)
@@ -61,14 +78,14 @@ class FitRun:
         # the state a fit starts from is on disk already (resumed) or holds nothing trained
         self._saved_at = self.state.global_step
         self._train()
-        if self.trainer.checkpoints is not None and self._saved_at != self.state.global_step:
+        if self.save is not None and self._saved_at != self.state.global_step:
             self._save()
 
     def _train(self) -> None:
-        trainer, state = self.trainer, self.state
+        state = self.state
         self._stop_each_step = self.callbacks.stop_each_step
-        self.callbacks.call("on_fit_start", trainer)
-        while state.epoch < trainer.max_epochs and not self._steps_done():
+        self.callbacks.call("on_fit_start", self.owner)
+        while state.epoch < self.config.max_epochs and not self._steps_done():
             if self.loop.run_epoch(state, self._after_step):
                 self._check_losses()  # the steps since the last check point
                 return  # max_steps or should_stop inside the epoch
@@ -77,28 +94,28 @@ class FitRun:
 
     # ------------------------------------------------------------------ per step
     def _after_step(self, state: FitState, result: StepResult) -> bool:
-        trainer = self.trainer
+        config = self.config
         step = state.global_step
         self.window.add(result.samples)
         logs = self._step_logs(state, result)
-        self.callbacks.call("on_train_step_end", trainer, logs)
+        self.callbacks.call("on_train_step_end", self.owner, logs)
         stop = self._agree_stop() if self._stop_each_step else False
         if self.window.due(step):
             self._check_losses()
             loss, any_stop = self.window.gather(
-                self.loop.losses.take_window(), stop=trainer.should_stop
+                self.loop.losses.take_window(), stop=self.stop.requested
             )
             row = {"train_loss": loss, "lr": logs["lr"], "epoch": state.epoch}
             if "grad_norm" in logs:
                 row["grad_norm"] = logs["grad_norm"]
             self.sink.log(row, step)
             stop = stop or any_stop
-            trainer.should_stop = trainer.should_stop or any_stop
-        val_every = trainer.val_every_n_steps
+            self.stop.requested = self.stop.requested or any_stop
+        val_every = config.val_every_n_steps
         if self.validate is not None and val_every is not None and step % val_every == 0:
             self._validation()
             stop = self._agree_stop() or stop
-        every = trainer.checkpoint_every
+        every = config.checkpoint_every
         if every != "epoch" and step % int(every) == 0:
             self._save_point()
         self.sink.flush()
@@ -125,7 +142,7 @@ class FitRun:
     # ------------------------------------------------------------------ per epoch
     def _end_epoch(self) -> bool:
         """Close the epoch (record, validation, scheduler, reports); True: stop here."""
-        trainer, state, loop = self.trainer, self.state, self.loop
+        config, state, loop = self.config, self.state, self.loop
         self._check_losses()
         record = loop.epoch_record(state)
         if self.validate is not None:
@@ -133,7 +150,7 @@ class FitRun:
                 record.update(self._last_validation)
             else:
                 record.update(self._validation())
-        if loop.scheduler is not None and trainer.scheduler_interval == "epoch":
+        if loop.scheduler is not None and config.scheduler_interval == "epoch":
             mark_stepped(loop.scheduler, loop.optimizer)
             step_scheduler(loop.scheduler, record)
         state.history.append(record)
@@ -144,9 +161,9 @@ class FitRun:
             {k: v for k, v in record.items() if not k.startswith(_TIMING_PREFIX)},
             state.global_step,
         )
-        self.callbacks.call("on_epoch_end", trainer, record)
+        self.callbacks.call("on_epoch_end", self.owner, record)
         self.sink.flush()
-        if trainer.checkpoint_every == "epoch":
+        if config.checkpoint_every == "epoch":
             self._save_point()
         if self._agree_stop():
             self.stopped_early = True
@@ -156,36 +173,37 @@ class FitRun:
     # ------------------------------------------------------------------ helpers
     def _validation(self) -> dict[str, float]:
         assert self.validate is not None
-        trainer, state = self.trainer, self.state
+        state = self.state
         self._check_losses()
-        trainer._rank_progress.phase = "validation"
+        self.runtime.progress.phase = "validation"
         metrics = {f"val_{key}": value for key, value in self.validate().items()}
         self._validated_at, self._last_validation = state.global_step, metrics
         state.validations.append({"step": state.global_step, "epoch": state.epoch, **metrics})
         self.sink.log(metrics, state.global_step)
-        self.callbacks.call("on_validation_end", trainer, metrics)
+        self.callbacks.call("on_validation_end", self.owner, metrics)
         return metrics
 
     def _save_point(self) -> None:
         """A ``checkpoint_every`` point: the checkpoint (with a ``checkpoint_dir``), then the
         strategy's commit (elastic: may re-form the group, raising to run the body again)."""
         self._save()
-        self.trainer.strategy.commit()
+        self.runtime.strategy.commit()
 
     def _save(self) -> None:
         """The losses checked, then the checkpoint (with a ``checkpoint_dir``)."""
         self._check_losses()  # never a checkpoint of parameters trained on a NaN
-        if self.trainer.checkpoints is not None:
-            self.trainer._save_to_folder()
+        if self.save is not None:
+            self.runtime.progress.phase = "checkpoint"
+            self.save()
             self._saved_at = self.state.global_step
 
     def _report(self, record: dict[str, float]) -> None:
         """The epoch's line (and timing table) on rank 0, when ``progress`` is on."""
-        trainer, loop = self.trainer, self.loop
-        if not (trainer.progress and trainer.is_main):
+        loop = self.loop
+        if not (self.config.progress and self.runtime.is_main):
             return
         hidden = ("epoch", "skipped_steps", "samples_per_s")
-        parts = [f"epoch {int(record['epoch']) + 1}/{trainer.max_epochs}"]
+        parts = [f"epoch {int(record['epoch']) + 1}/{self.config.max_epochs}"]
         parts += [
             f"{k}={v:.4f}"
             for k, v in record.items()
@@ -195,7 +213,7 @@ class FitRun:
             parts.append(f"skipped_steps={int(record['skipped_steps'])} (non-finite gradients)")
         tqdm.write(" ".join(parts))
         if loop.timing is not None:
-            tqdm.write(loop.timing.table(trainer.strategy.comm_phase, loop.feed.num_workers))
+            tqdm.write(loop.timing.table(self.runtime.strategy.comm_phase, loop.feed.num_workers))
 
     def _check_losses(self) -> None:
         """A check point: the noted losses folded into the totals, and (``nonfinite="raise"``)
@@ -203,38 +221,41 @@ class FitRun:
         rank (a collective then)."""
         loop = self.loop
         loop.losses.fold()
-        loop.watch.check(self.trainer.strategy, loop.losses, self.state.global_step)
+        loop.watch.check(self.runtime.strategy, loop.losses, self.state.global_step)
 
     def _agree_stop(self) -> bool:
         """Whether any rank set ``should_stop``; afterwards every rank's flag says so."""
-        trainer = self.trainer
         # a host-side sum (a gloo group beside nccl, Horovod's allreduce_async): a callback
         # that may stop after every step costs the device no synchronisation; tagged, so a
         # rank that went into a collective of its own from a callback fails every rank
-        (flags,) = tagged_sum(trainer.strategy, "stop", [float(trainer.should_stop)])
+        (flags,) = tagged_sum(self.runtime.strategy, "stop", [float(self.stop.requested)])
         stop = flags > 0
-        trainer.should_stop = stop
+        self.stop.requested = stop
         return stop
 
     def _steps_done(self) -> bool:
-        limit = self.trainer.max_steps
+        limit = self.config.max_steps
         return limit is not None and self.state.global_step >= limit
 
 
 def hyperparams(
-    trainer: Trainer, model: nn.Module, optimizer: torch.optim.Optimizer, samples: int | None
+    config: TrainerConfig,
+    runtime: Runtime,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    samples: int | None,
 ) -> dict[str, Any]:
     """What the loggers record of a fit's settings, once, before its first step."""
-    clip = trainer.gradient_clip
+    clip = config.clip
     return {
-        "strategy": trainer.strategy.name,
-        "world_size": trainer.world_size,
-        "batch_size": trainer.batch_size,
-        "grad_accum_steps": trainer.grad_accum_steps,
-        "precision": trainer.strategy.options.precision,
-        "max_epochs": trainer.max_epochs,
-        "max_steps": trainer.max_steps,
-        "seed": trainer.seed,
+        "strategy": runtime.strategy.name,
+        "world_size": runtime.world_size,
+        "batch_size": config.batch_size,
+        "grad_accum_steps": config.grad_accum_steps,
+        "precision": runtime.strategy.options.precision,
+        "max_epochs": config.max_epochs,
+        "max_steps": config.max_steps,
+        "seed": config.seed,
         "train_samples": samples,
         "model": type(model).__name__,
         "optimizer": type(optimizer).__name__,

@@ -17,13 +17,13 @@ from distkit.data._feed import Feed
 from distkit.errors import NonFiniteLossError as NonFiniteLossError  # its old home
 from distkit.faults._progress import Progress
 from distkit.runtime._checks import check_loss
-from distkit.runtime._fit_call import StepFn
 from distkit.runtime._fit_state import FitState as FitState  # its old home
 from distkit.strategies._placement import Placement, follow_output
 from distkit.strategies._steps import GradientClip, StepOutcome
 from distkit.strategies.base import Strategy
 from distkit.strategies.syncbn import placeholder_batch
 from distkit.trainer import _comm_probe
+from distkit.trainer._fit_call import StepFn
 from distkit.trainer._losses import LossLedger
 from distkit.trainer._nonfinite import NonFiniteWatch
 from distkit.trainer.timing import EpochTiming, StepTimer

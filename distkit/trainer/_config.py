@@ -11,13 +11,17 @@ hold what ``Trainer(...)`` would have refused.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar, overload
 
 import torch
 
 from distkit.runtime._checks import check_trainer_arguments
+from distkit.runtime._compile import check_compile
+from distkit.strategies._placement import input_device_override
+from distkit.strategies._steps import GradientClip
 
 
 @dataclass(frozen=True)
@@ -54,8 +58,22 @@ class TrainerConfig:
     input_device: str | int | torch.device | None = None
     cudnn_benchmark: bool = False
 
+    # derived from the fields above, once, in __post_init__ (validated there)
+    #: ``compile``'s ``torch.compile`` arguments (None: off)
+    compile_options: dict[str, Any] | None = field(init=False, repr=False, compare=False)
+    #: ``input_device`` as a device (None: the model's own)
+    input_device_override: torch.device | None = field(init=False, repr=False, compare=False)
+    #: the clipping ``gradient_clip_norm`` / ``gradient_clip_value`` ask for (None: none)
+    clip: GradientClip | None = field(init=False, repr=False, compare=False)
+
     def __post_init__(self) -> None:
-        check_trainer_arguments({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+        fields = dataclasses.fields(self)
+        check_trainer_arguments({f.name: getattr(self, f.name) for f in fields if f.init})
+        derive = functools.partial(object.__setattr__, self)  # frozen: set once, here
+        derive("compile_options", check_compile(self.compile))
+        derive("input_device_override", input_device_override(self.input_device))
+        clip = GradientClip.from_settings(self.gradient_clip_norm, self.gradient_clip_value)
+        derive("clip", clip)
 
     def replace(self, **changes: Any) -> TrainerConfig:
         """A copy with ``changes``, validated as ``Trainer(...)`` validates its arguments

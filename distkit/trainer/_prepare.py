@@ -1,0 +1,157 @@
+"""What a ``fit`` checks and finds on every rank before its first collective.
+
+:func:`prepare_fit` validates the call's arguments (so a wrong one fails at the call, not in
+torch later), describes the data and its global batch plan, finds the checkpoint to resume
+from, and says which values every rank must agree on (see :mod:`distkit.runtime._agreement`).
+It changes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from distkit import checkpoint as ckpt
+from distkit.data import GlobalBatchPlan, LoaderSpec
+from distkit.data._batch_plan import batch_plan
+from distkit.data._stream_spec import StreamSpec, check_stream
+from distkit.errors import ConfigurationError
+from distkit.runtime import _agreement, _resume
+from distkit.runtime._checks import check_fit_args, check_scheduler, check_validation
+from distkit.runtime._compile import describe as describe_compile
+from distkit.runtime._evaluation import named_metrics
+from distkit.runtime._preparation import checked_placement, describe_data, samples_of
+from distkit.runtime._runtime import Runtime
+from distkit.strategies._placement import Placement
+from distkit.trainer._config import TrainerConfig
+from distkit.trainer._fit_call import FitCall
+
+
+@dataclass(frozen=True)
+class FitPlan:
+    """What a fit found before agreeing: its data, batch plan, checkpoint and placement."""
+
+    spec: LoaderSpec | StreamSpec
+    plan: GlobalBatchPlan | None  # None for a stream
+    found: _resume.Found | None
+    placement: Placement
+
+
+def read_data(
+    config: TrainerConfig, runtime: Runtime, data: Any, what: str, *, shuffle: bool
+) -> LoaderSpec | StreamSpec:
+    """``data`` as what every rank loads, at the config's batch size and workers."""
+    return runtime.loader_spec(
+        data, what, batch_size=config.batch_size, shuffle=shuffle, num_workers=config.num_workers
+    )
+
+
+def plan_batches(
+    config: TrainerConfig, runtime: Runtime, spec: LoaderSpec | StreamSpec
+) -> GlobalBatchPlan | None:
+    """The global batches of ``spec`` for this rank at the current world size."""
+    return batch_plan(
+        spec,
+        world_size=runtime.world_size,
+        rank=runtime.rank,
+        grad_accum_steps=config.grad_accum_steps,
+        seed=config.seed,
+        drop_last=config.drop_last,
+    )
+
+
+def prepare_fit(
+    config: TrainerConfig,
+    runtime: Runtime,
+    call: FitCall,
+    *,
+    checkpoints: ckpt.CheckpointFolder | None,
+    pending: _resume.Found | None,
+    callbacks: Any,
+    owner: object,
+) -> _agreement.Prepared[FitPlan]:
+    """The fit's checks and findings on this rank.
+
+    Args:
+        checkpoints: the ``checkpoint_dir`` folder (None: none).
+        pending: a checkpoint ``load_checkpoint`` loaded for this fit (it wins over
+            ``resume``).
+        callbacks: the fit's callbacks (a ``CallbackList``): checked, and described for the
+            agreement.
+        owner: what the callbacks are given (the Trainer): their own checks read it.
+    """
+    model, optimizer = call.model, call.optimizer
+    check_fit_args(model, optimizer, call.loss_fn, call.step_fn)
+    placement = checked_placement(runtime, model, config.input_device_override)
+    check_scheduler(call.scheduler, optimizer, per_step=config.scheduler_interval == "step")
+    check_validation(call.val_data, call.loss_fn, call.metrics, config.val_every_n_steps)
+    named_metrics(call.metrics)
+    strategy = runtime.strategy
+    spec = read_data(config, runtime, call.train_data, "train_data", shuffle=config.shuffle)
+    plan = plan_batches(config, runtime, spec)
+    val = (
+        None
+        if call.val_data is None
+        else read_data(config, runtime, call.val_data, "val_data", shuffle=False)
+    )
+    epochs = config.max_epochs
+    if isinstance(val, StreamSpec):
+        every = config.val_every_n_steps
+        reads, because = (
+            (2, f"val_every_n_steps={every}") if every else (epochs, f"max_epochs={epochs}")
+        )
+        check_stream(val, reads=reads, because=because)
+    if isinstance(spec, StreamSpec):
+        check_stream(spec, reads=epochs, because=f"max_epochs={epochs}")
+        if spec.self_sharded and strategy.elastic:
+            raise ConfigurationError(
+                "train_data is a ShardedStream and the strategy is elastic: when the group "
+                "changes, each process's share of a stream that shards itself cannot be "
+                "re-cut. Let distkit shard the stream (pass it without ShardedStream)"
+            )
+    if checkpoints is not None and strategy.is_main:
+        checkpoints.check_writable()  # now, not after the first epoch trained
+    found = pending or _resume.find_resume(
+        config.resume, checkpoints, strategy.device, announce=strategy.is_main
+    )
+    if found is not None:
+        epoch_samples = None if plan is None else plan.samples_per_epoch
+        _resume.check_fits(found, model, optimizer, samples_of(spec), epoch_samples)
+    callbacks.validate(owner)
+    agreed = {
+        "resume from": "no checkpoint" if found is None else found.label,
+        "train_data samples": describe_data(spec),
+        "batch plan": describe_plan(config, spec, plan),
+        "val_data samples": "none" if val is None else describe_data(val),
+        "model": _agreement.describe_model(model),
+        "optimizer": f"{type(optimizer).__name__}, {len(optimizer.param_groups)} group(s)",
+        "scheduler": "none" if call.scheduler is None else type(call.scheduler).__name__,
+        "settings": f"strategy={strategy.name} {strategy.options}, {agreed_settings(config)}",
+        # called on every rank: the same kinds in the same order (some are collectives)
+        "callbacks": callbacks.describe(),
+    }
+    details = {"model": lambda: _agreement.named_shapes(model)}
+    # each rank's devices of a model the user placed: ranks sharing one GPU are refused
+    fit_plan = FitPlan(spec, plan, found, placement)
+    return _agreement.Prepared(agreed, fit_plan, shared=placement.claim(), details=details)
+
+
+def agreed_settings(config: TrainerConfig) -> str:
+    """The loop's settings that every rank must hold alike (the strategy's own options are
+    agreed beside them)."""
+    return (
+        f"max_epochs={config.max_epochs}, max_steps={config.max_steps}, seed={config.seed}, "
+        f"scheduler_interval={config.scheduler_interval}, nonfinite={config.nonfinite}, "
+        f"checkpoint_every={config.checkpoint_every}, clip={config.clip}, "
+        f"log_every_n_steps={config.log_every_n_steps}, "
+        f"val_every_n_steps={config.val_every_n_steps}, "
+        f"compile={describe_compile(config.compile_options)}"
+    )
+
+
+def describe_plan(config: TrainerConfig, spec: LoaderSpec | StreamSpec, plan: Any) -> str:
+    per_step = f"{config.grad_accum_steps} accumulated"
+    if isinstance(spec, StreamSpec):
+        size = "whole batches" if spec.batch_size is None else f"{spec.batch_size} per rank"
+        return f"{size} x {per_step}, a stream, drop_last={spec.drop_last or config.drop_last}"
+    return str(plan.describe())
