@@ -248,7 +248,7 @@ def _legacy_overflow_steps(skip_nonfinite: bool) -> dict:
         import apex
 
         strategy = ApexStrategy()
-        strategy.connect(TrainOptions(precision="fp16"))
+        strategy.start(TrainOptions(precision="fp16"))
         net = make_mlp()
         model, optimizer = strategy.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
         x, y = make_dataset(8).tensors
@@ -265,7 +265,7 @@ def _legacy_overflow_steps(skip_nonfinite: bool) -> dict:
             "stepped": [outcome.value for outcome in stepped],
             "unchanged": unchanged,
             "amp_skips": len(apex.calls_named("amp.skip_step")),
-            "state": strategy.state_dict(),
+            "state": strategy.precision.state_dict(),
         }
         strategy.teardown()
     return out
@@ -284,7 +284,7 @@ def test_apex_legacy_overflow_is_a_skipped_step(run_on_ranks, skip_nonfinite):
     assert result["unchanged"] == [True, False]  # the second step really changed the weights
     assert result["amp_skips"] == 1
     halved_once = {"loss_scaler0": {"loss_scale": 2.0**15, "unskipped": 1}}
-    assert result["state"] == {"scaler": amp_to_grad_scaler(halved_once)}  # no amp form
+    assert result["state"] == amp_to_grad_scaler(halved_once)  # GradScaler form, not amp's
 
 
 # ---------------------------------------------------------------- modern path

@@ -83,7 +83,7 @@ def _on_rank_shard_and_accumulate() -> dict:
     out["grad_inside_no_sync"] = model[0].weight.grad  # nothing reduce-scattered yet
     wrapped(x).sum().backward()
     out["grads_after"] = model[1].weight.grad.full_tensor()
-    out["weights"] = s.model_state_dict(model)
+    out["weights"] = s.state_io.model_state_dict(model)
     trainer.close()
     return out
 

@@ -123,7 +123,7 @@ def _mid_epoch_checkpoint(tmp: Path) -> Path:
 
 def _dp() -> distkit.Strategy:
     strategy = distkit.DataParallelStrategy()
-    strategy.setup_environment()
+    strategy.start()
     return strategy
 
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from distkit.errors import DistkitError, PeerFailureError, PeerStuckError, TrainingInterrupted
+from distkit.faults import _channel
 from distkit.faults._channel import SideChannel, ack_key, progress_key, stack_key
 from distkit.faults._last_resort import exit_now
 from distkit.faults._progress import Position, Progress
@@ -192,7 +193,7 @@ class _Failure:
         side channel answered."""
         raw, reachable = seen, False
         with contextlib.suppress(Exception):  # the channel's host may have gone
-            raw = self.strategy.peer_failure() or seen
+            raw = _channel.peer_failure(self.strategy.side_channel()) or seen
             reachable = self.strategy.side_channel() is not None
         if raw is None:
             return None, reachable
@@ -269,7 +270,7 @@ class _Failure:
         """Leave a notice for the peers; True if it was the job's first."""
         message = json.dumps({"kind": kind, "rank": self.strategy.rank, "text": text})
         try:
-            return self.strategy.announce_failure(message)
+            return _channel.announce_failure(self.strategy.side_channel(), message)
         except Exception:
             return self.strategy.rank == 0  # the channel broke: let rank 0 speak for the job
 
@@ -310,7 +311,7 @@ def _exit_blocked(strategy: Strategy, progress: Progress, grace: float, signum: 
 
     def announce() -> None:  # a thread: a store whose host went away may not answer
         try:
-            announced.append(strategy.announce_failure(message))
+            announced.append(_channel.announce_failure(strategy.side_channel(), message))
         except Exception:
             announced.append(rank == 0)
 

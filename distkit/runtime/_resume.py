@@ -69,7 +69,7 @@ def build_payload(
     """The checkpoint dict (built on rank 0) from ``run``, every rank's :func:`rank_state`
     and rank 0's :meth:`~distkit.Strategy.checkpoint_state` (``states``)."""
     shared = run.state.shared_state()
-    scaler = strategy.state_dict().get("scaler", {})  # GradScaler form, whatever the backend
+    scaler = strategy.precision.state_dict()  # GradScaler form, whatever the backend
     return {
         "format": ckpt.FORMAT,
         "version": ckpt.VERSION,
@@ -104,14 +104,14 @@ def load_weights(
     if _shards.is_sharded(payload):  # read straight into the tensors, whatever their layout
         _shards.load(payload, model, optimizer)
         return
-    strategy.load_model_state_dict(model, ckpt.strip_wrapper_prefix(payload["model"]))
+    strategy.state_io.load_model_state_dict(model, ckpt.strip_wrapper_prefix(payload["model"]))
     if payload.get("optimizer"):
-        strategy.load_optimizer_state_dict(optimizer, payload["optimizer"])
+        strategy.state_io.load_optimizer_state_dict(optimizer, payload["optimizer"])
 
 
 def restore_run(payload: dict[str, Any], strategy: Strategy, scheduler: Any, seed: int) -> FitState:
     """Scaler, scheduler, progress and RNG from ``payload``; call after the strategy's setup."""
-    strategy.load_state_dict({"scaler": payload.get("scaler") or {}})
+    strategy.precision.load_state_dict(payload.get("scaler") or {})
     if scheduler is not None and payload.get("scheduler") is not None:
         scheduler.load_state_dict(payload["scheduler"])
     state = FitState()

@@ -42,8 +42,7 @@ class Runtime:
 
     def __init__(self, strategy: str | Strategy, options: TrainOptions) -> None:
         self.strategy = make_strategy(strategy)
-        self.strategy.connect(options)
-        self.strategy.setup_environment()
+        self.strategy.start(options)
         #: this rank's place; kept past close() (handlers after a failure still ask "am I
         #: rank 0?"), and renewed when an elastic strategy re-forms its group
         self.topology: Topology = self.strategy.topology

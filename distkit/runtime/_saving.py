@@ -57,7 +57,7 @@ def _payload(
     )
     assert run is not None  # prepare_save refused a missing run on every rank
     # every rank: gathering (or writing) a sharded model's state is a collective
-    states = strategy.checkpoint_state(run.model, run.optimizer, Path(path))
+    states = strategy.state_io.checkpoint_state(run.model, run.optimizer, Path(path))
     if not strategy.is_main:
         return None
     payload = _resume.build_payload(strategy, run, extra, ranks, states)

@@ -13,10 +13,11 @@ Contract every strategy keeps (the contract test suite checks it):
 The lifecycle, in the order the Trainer calls the hooks (every rank calls the same hooks in
 the same order; a hook marked *collective* must be called on every rank, or the others wait):
 
-1. **Start** (``Trainer(...)``): :meth:`connect` (the Trainer's options), then
-   :meth:`setup_environment`: the launcher's variables are read and the process group joined
-   (*collective* where a group forms: ddp, fsdp, apex; ``hvd.init()`` for horovod), which
-   fixes :attr:`topology` (rank, world size, device).
+1. **Start** (``Trainer(...)``): :meth:`start` with the Trainer's options: the launcher's
+   variables are read and the process group joined (:meth:`_setup_environment`;
+   *collective* where a group forms: ddp, fsdp, apex; ``hvd.init()`` for horovod), which
+   fixes :attr:`topology` (rank, world size, device), and :meth:`_make_precision` gives the
+   autocast, the loss scaler and the scaler's state (:attr:`precision`).
 2. **Set-up**, once per model and optimizer: :meth:`setup` (the model onto this rank's
    device, :meth:`convert_sync_batchnorm` when asked, then the backend's wrapping:
    *collective* on ddp and apex (the wrapper broadcasts rank 0's weights), on fsdp (rank
@@ -24,8 +25,8 @@ the same order; a hook marked *collective* must be called on every rank, or the 
    dp wraps locally), then
    :meth:`compile_model` when ``compile=`` is given, and :meth:`setup_optimizer` for a
    further optimizer on a set-up model. A resume loads the checkpoint afterwards, through
-   :meth:`load_model_state_dict`, :meth:`load_optimizer_state_dict` and
-   :meth:`load_state_dict` (the scaler).
+   :attr:`state_io` (``load_model_state_dict``, ``load_optimizer_state_dict``) and
+   ``precision.load_state_dict`` (the scaler).
 3. **Each step**, per micro-batch: :meth:`no_sync` around every micro-batch but the step's
    last, :meth:`autocast` around the forward pass and the loss, :meth:`reduce_loss`, then
    :meth:`backward` (*collective* on the last micro-batch: ddp and apex all-reduce in their
@@ -34,31 +35,42 @@ the same order; a hook marked *collective* must be called on every rank, or the 
    when clipping, :meth:`finalize_gradients` (fp16: unscales) and :meth:`clip_gradients`
    (fsdp: *collective*, the norm sums every rank's slice), then :meth:`optimizer_step`;
    horovod's :meth:`step` is *collective* (it waits for its all-reduces, once, before
-   clipping or in its optimizer's step); then, on an elastic backend, :meth:`commit`.
+   clipping or in its optimizer's step); then, at each save point of an elastic backend,
+   ``elastic.commit()`` (*collective*).
 4. **Evaluation**: :meth:`eval_model` gives the module to run, :meth:`eval_rounds` how many
    forward passes every rank makes (a backend with collectives in its forward needs the same
    number on every rank); the sums are combined with :meth:`all_reduce` (*collective*).
-5. **Checkpoints**: :meth:`checkpoint_state` (fsdp: *collective*, a gather to rank 0, or
-   every rank writing its shards) and :meth:`state_dict` (the scaler, in ``GradScaler`` form
-   whatever the backend).
-6. **The fit as a whole** runs inside :meth:`run_training` (horovod elastic: its retry loop
-   and the syncs after a group change, *collective*).
+5. **Checkpoints**: ``state_io.checkpoint_state`` (fsdp: *collective*, a gather to rank 0,
+   or every rank writing its shards) and ``precision.state_dict()`` (the scaler, in
+   ``GradScaler`` form whatever the backend).
+6. **The fit as a whole** runs once, or, where :attr:`elastic` is not None, inside
+   ``elastic.run`` (horovod elastic: its retry loop and the syncs after a group change,
+   *collective*).
 7. **End** (``trainer.close()``): :meth:`teardown` leaves the process group (when this
    strategy formed it) and undoes what the backend changed outside the model.
 
 The collectives of :class:`~distkit.strategies._collectives.Collectives` (``all_reduce``,
 ``broadcast``, ``all_gather``, ``all_gather_object``, ``barrier``) are collective on every
 backend.
+
+What only some backends do differently is an object a strategy hands out
+(:mod:`distkit.strategies.capabilities`): :attr:`state_io` (FSDP gathers and scatters
+shards) and :attr:`elastic` (Horovod elastic); the loss scaler's state is
+:attr:`precision`'s (legacy apex converts amp's form there). Hooks of distkit 0.1 that these
+replaced are forwarded with a DeprecationWarning when called, and refused at class creation
+when a plugin overrides one that is no longer called (see ``docs/plugins.md``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -82,6 +94,7 @@ from distkit.strategies._steps import (
     local_norm,
     step_gradients,
 )
+from distkit.strategies.capabilities import Elastic, StateIO
 from distkit.strategies.precision import Precision, normalize_precision
 
 
@@ -137,6 +150,44 @@ class Strategy(Collectives, ABC):
         self._topology: Topology | None = None
         self._precision: Precision | None = None
 
+    @override
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Plugins written against distkit 0.1's hooks: the state hooks still work (with a
+        DeprecationWarning naming :attr:`state_io`); a hook that is no longer called is
+        refused here, naming what replaced it, rather than silently ignored."""
+        super().__init_subclass__(**kwargs)
+        for name, replacement in _REPLACED.items():
+            if name not in vars(cls):
+                continue
+            where = f"{cls.__module__}.{cls.__qualname__}.{name}"
+            if name in _STATE_IO_HOOKS:
+                warnings.warn(
+                    f"{where} overrides a Strategy hook that distkit replaced by {replacement} "
+                    "(a StateIO your strategy's state_io property returns; see "
+                    "docs/plugins.md); it is still called in this release",
+                    DeprecationWarning,
+                    stacklevel=2,
+                )
+            else:
+                raise TypeError(
+                    f"{where} overrides Strategy.{name}, which distkit no longer calls: use "
+                    f"{replacement} instead (see docs/plugins.md)"
+                )
+
+    if not TYPE_CHECKING:  # for the type checker, a removed name is an error, not an Any
+
+        def __getattr__(self, name: str) -> Any:
+            """The names distkit 0.1 had on every strategy, forwarded with a warning."""
+            forward = _FORWARDS.get(name)
+            if forward is None:
+                raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+            warnings.warn(
+                f"strategy.{name} is deprecated: use {_REPLACED[name]}",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            return functools.partial(forward, self)
+
     # ------------------------------------------------------------------ the class's facts
     @classmethod
     def launch_command(
@@ -166,28 +217,33 @@ class Strategy(Collectives, ABC):
         """Wrap a model that is already on :attr:`device` (and its optimizer) for training."""
 
     # ------------------------------------------------------------------ lifecycle
-    def connect(self, options: TrainOptions) -> None:
-        """Receive the trainer's options; call before :meth:`setup_environment`."""
-        if self._topology is not None and options != self.options:
-            raise ConfigurationError(
-                f"strategy {self.name!r} is already set up with {self.options}; it cannot be "
-                f"reconfigured to {options}. Create a new strategy (or Trainer) instead."
-            )
-        normalize_precision(options.precision)
-        self.options = options
-
-    def setup_environment(self) -> None:
-        """Initialise the backend once; later calls do nothing."""
+    def start(self, options: TrainOptions | None = None) -> None:
+        """Take the Trainer's ``options`` (None: keep those it has), then initialise the
+        backend once (:meth:`_setup_environment`); later calls with the same options do
+        nothing, and different options once started are refused."""
+        if options is not None:
+            if self._topology is not None and options != self.options:
+                raise ConfigurationError(
+                    f"strategy {self.name!r} is already set up with {self.options}; it cannot "
+                    f"be reconfigured to {options}. Create a new strategy (or Trainer) instead."
+                )
+            normalize_precision(options.precision)
+            self.options = options
         if self._topology is None:
             self._topology = self._setup_environment()
-            self._precision = Precision(self._precision_name(), self._topology.device)
+            self._precision = self._make_precision(self._topology.device)
 
-    def _precision_name(self) -> str:
-        """The precision the default autocast/GradScaler hooks run in (default: the trainer's)."""
-        return self.options.precision
+    def _make_precision(self, device: torch.device) -> Precision:
+        """The autocast, loss scaler and scaler state the default hooks use (default: the
+        Trainer's precision on ``device``). A backend that casts or scales its own way
+        returns a :class:`~distkit.strategies.precision.Precision` that says so (FSDP's bf16
+        policy autocasts nothing; legacy apex's scaler state is amp's)."""
+        if _overrides(type(self), "_precision_name"):  # a plugin of distkit 0.1
+            return Precision(self._precision_name(), device)  # type: ignore[attr-defined]
+        return Precision(self.options.precision, device)
 
     def teardown(self) -> None:
-        """Release what :meth:`setup_environment` acquired (default: nothing)."""
+        """Release what :meth:`start` acquired (default: nothing)."""
         self._topology = None
         self._precision = None
 
@@ -200,7 +256,7 @@ class Strategy(Collectives, ABC):
         A model the user placed on devices of their own stays there where the strategy keeps
         such models (:attr:`placement_refusal` is None) and is refused otherwise.
         """
-        self.setup_environment()
+        self.start()
         place(model, self.device, self.name, self.placement_refusal)
         if self.options.sync_batchnorm:
             model = self.convert_sync_batchnorm(model)
@@ -239,7 +295,7 @@ class Strategy(Collectives, ABC):
     def topology(self) -> Topology:
         if self._topology is None:
             raise DistkitError(
-                f"strategy {self.name!r} is not set up yet: call setup_environment() first "
+                f"strategy {self.name!r} is not set up yet: call start() first "
                 "(distkit.Trainer does this when it is created)"
             )
         return self._topology
@@ -270,7 +326,7 @@ class Strategy(Collectives, ABC):
     @property
     def precision(self) -> Precision:
         if self._precision is None:
-            self.setup_environment()
+            self.start()
         assert self._precision is not None
         return self._precision
 
@@ -341,28 +397,23 @@ class Strategy(Collectives, ABC):
         grads = step_gradients(optimizer)
         return clip_(grads, clip, local_norm(grads, self.device))
 
-    # ------------------------------------------------------------------ elastic hooks
+    # ------------------------------------------------------------------ capabilities
     @property
-    def elastic(self) -> bool:
-        """Whether processes may join or leave a running fit (default: no).
+    def elastic(self) -> Elastic | None:
+        """How a fit runs while processes join or leave, or None (default: they cannot).
 
-        Then ``fit`` skips the collectives a joining process could not meet (the ranks'
-        agreement, set-up broadcasts), and :meth:`run_training` synchronises the state.
+        With one, ``fit`` skips the collectives a joining process could not meet (the ranks'
+        agreement, set-up broadcasts) and runs its epochs through :meth:`Elastic.run`.
         """
-        return False
+        return None
 
-    def run_training(self, body: Callable[[], None], snapshot: Any) -> None:
-        """Run ``body`` (a fit's epochs) once (default).
-
-        An elastic backend runs it again whenever its group changed, after restoring the
-        last committed ``snapshot`` (a :class:`distkit.runtime._snapshot.RunSnapshot`: ``save()``,
-        ``restore()``, ``sync(strategy)``) and sending rank 0's to every rank.
-        """
-        body()
-
-    def commit(self) -> None:
-        """A point where an elastic backend saves the run and may take in a changed group
-        (every ``checkpoint_every`` steps, or each epoch's end). Default: nothing."""
+    @property
+    def state_io(self) -> StateIO:
+        """How this backend reads and writes the model's and optimizer's full state, and a
+        checkpoint's entries (default: the module's and optimizer's own; FSDP's gathers)."""
+        if any(_overrides(type(self), name) for name in _STATE_IO_HOOKS):
+            return _LegacyStateIO(self)  # a plugin written against the hooks before it
+        return StateIO(self)
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
         """Context in which ``backward`` accumulates locally without communicating."""
@@ -403,85 +454,12 @@ class Strategy(Collectives, ABC):
         """
         return None
 
-    def announce_failure(self, message: str) -> bool:
-        """Tell the other ranks this one failed; True if no other rank had announced first."""
-        return _channel.announce_failure(self.side_channel(), message)
-
-    def peer_failure(self) -> str | None:
-        """The first failure notice any rank left, if any (polled by the watchdog during fit)."""
-        return _channel.peer_failure(self.side_channel())
-
     def is_peer_loss(self, exc: BaseException) -> bool:
         """Whether ``exc`` only reports that another rank went away (not this rank's fault)."""
         text = str(exc)
         return isinstance(exc, RuntimeError) and any(
             sign in text for sign in ("Connection reset by peer", "Connection closed by peer")
         )
-
-    # ------------------------------------------------------------------ model and optimizer state
-    def model_state_dict(
-        self, model: nn.Module, *, rank0_only: bool = False
-    ) -> dict[str, torch.Tensor]:
-        """The full (unsharded) state of the user's ``model`` as CPU tensors, its own keys.
-
-        A collective where the strategy shards the model: call it on every rank. With
-        ``rank0_only`` the other ranks may get ``{}`` (they need not hold a copy).
-        """
-        if rank0_only and not self.is_main:
-            return {}
-        return {
-            key: value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
-            for key, value in model.state_dict().items()
-        }
-
-    def optimizer_state_dict(
-        self, optimizer: torch.optim.Optimizer, *, rank0_only: bool = False
-    ) -> dict[str, Any]:
-        """The optimizer's full state in torch's own form (keyed by parameter order).
-
-        A collective where the strategy shards it; ``rank0_only`` as in :meth:`model_state_dict`.
-        """
-        if rank0_only and not self.is_main:
-            return {}
-        return optimizer.state_dict()
-
-    def load_model_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
-        """Load a full state (as :meth:`model_state_dict` returns) into the user's ``model``,
-        set up or not. Every rank holds ``state``; no collective."""
-        model.load_state_dict(state)
-
-    def load_optimizer_state_dict(
-        self, optimizer: torch.optim.Optimizer, state: dict[str, Any]
-    ) -> None:
-        """Load a full optimizer state (torch's form) into the user's ``optimizer``."""
-        optimizer.load_state_dict(state)
-
-    def checkpoint_state(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, path: Path
-    ) -> dict[str, Any]:
-        """The ``model`` and ``optimizer`` entries of the checkpoint about to go to ``path``.
-
-        Called on every rank; rank 0's result is written, the others may return ``{}``.
-        Default: :meth:`model_state_dict` (reduced-precision floats as fp32) and
-        :meth:`optimizer_state_dict`, on rank 0.
-        """
-        model_state = self.model_state_dict(model, rank0_only=True)
-        optimizer_state = self.optimizer_state_dict(optimizer, rank0_only=True)
-        if not self.is_main:
-            return {}
-        return {"model": _fp32(model_state), "optimizer": optimizer_state}
-
-    def state_dict(self) -> dict[str, Any]:
-        """Backend state to checkpoint beside the model (default: the precision's scaler).
-
-        The loss scaler goes under ``"scaler"`` in torch ``GradScaler.state_dict()`` form, the
-        checkpoint's neutral form: a backend with a scaler of its own converts it here.
-        """
-        return {"scaler": self.precision.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned (or any strategy's, in the neutral form)."""
-        self.precision.load_state_dict(state.get("scaler", {}))
 
     @override
     def __repr__(self) -> str:
@@ -493,9 +471,120 @@ class Strategy(Collectives, ABC):
         return f"{type(self).__name__}({where})"
 
 
-def _fp32(state: dict[str, Any]) -> dict[str, Any]:
-    half = (torch.float16, torch.bfloat16)
-    return {
-        key: value.float() if isinstance(value, torch.Tensor) and value.dtype in half else value
-        for key, value in state.items()
-    }
+#: the hooks that became :class:`~distkit.strategies.capabilities.StateIO`'s methods
+_STATE_IO_HOOKS = (
+    "model_state_dict",
+    "optimizer_state_dict",
+    "load_model_state_dict",
+    "load_optimizer_state_dict",
+    "checkpoint_state",
+)
+#: hooks removed from Strategy, and what replaced each (for the messages)
+_REPLACED = {
+    **{name: f"strategy.state_io.{name}" for name in _STATE_IO_HOOKS},
+    "connect": "strategy.start(options)",
+    "setup_environment": "strategy.start()",
+    "announce_failure": "distkit.faults._channel.announce_failure(strategy.side_channel(), m)",
+    "peer_failure": "distkit.faults._channel.peer_failure(strategy.side_channel())",
+    "run_training": "strategy.elastic (None, or an Elastic whose run(body, snapshot) runs it)",
+    "commit": "strategy.elastic.commit()",
+    "state_dict": "strategy.precision.state_dict() (the loss scaler, GradScaler form)",
+    "load_state_dict": "strategy.precision.load_state_dict(scaler_state)",
+}
+
+
+def _run_training(strategy: Strategy, body: Callable[[], None], snapshot: Any) -> None:
+    elastic = strategy.elastic
+    if elastic is None:
+        body()
+    else:
+        elastic.run(body, snapshot)
+
+
+def _commit(strategy: Strategy) -> None:
+    elastic = strategy.elastic
+    if elastic is not None:
+        elastic.commit()
+
+
+def _state_hook(name: str) -> Callable[..., Any]:
+    return lambda strategy, *args, **kwargs: getattr(strategy.state_io, name)(*args, **kwargs)
+
+
+#: what each removed name does now, for callers still using it (with a DeprecationWarning)
+_FORWARDS: dict[str, Callable[..., Any]] = {
+    **{name: _state_hook(name) for name in _STATE_IO_HOOKS},
+    "connect": lambda strategy, options: strategy.start(options),
+    "setup_environment": lambda strategy: strategy.start(),
+    "announce_failure": lambda strategy, message: _channel.announce_failure(
+        strategy.side_channel(), message
+    ),
+    "peer_failure": lambda strategy: _channel.peer_failure(strategy.side_channel()),
+    "run_training": _run_training,
+    "commit": _commit,
+    "state_dict": lambda strategy: {"scaler": strategy.precision.state_dict()},
+    "load_state_dict": lambda strategy, state: strategy.precision.load_state_dict(
+        state.get("scaler") or {}
+    ),
+}
+
+
+def _overrides(cls: type, name: str) -> bool:
+    return any(name in vars(klass) for klass in cls.__mro__ if klass is not object)
+
+
+class _LegacyStateIO(StateIO):
+    """State I/O for a plugin that overrides the per-strategy state hooks of distkit 0.1
+    (``model_state_dict`` & co.): its own methods where it has them, the defaults elsewhere."""
+
+    @override
+    def model_state_dict(
+        self, model: nn.Module, *, rank0_only: bool = False
+    ) -> dict[str, torch.Tensor]:
+        own = _own(self.strategy, "model_state_dict")
+        if own is None:
+            return super().model_state_dict(model, rank0_only=rank0_only)
+        return own(model, rank0_only=rank0_only)
+
+    @override
+    def optimizer_state_dict(
+        self, optimizer: torch.optim.Optimizer, *, rank0_only: bool = False
+    ) -> dict[str, Any]:
+        own = _own(self.strategy, "optimizer_state_dict")
+        if own is None:
+            return super().optimizer_state_dict(optimizer, rank0_only=rank0_only)
+        return own(optimizer, rank0_only=rank0_only)
+
+    @override
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
+        own = _own(self.strategy, "load_model_state_dict")
+        if own is None:
+            super().load_model_state_dict(model, state)
+        else:
+            own(model, state)
+
+    @override
+    def load_optimizer_state_dict(
+        self, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        own = _own(self.strategy, "load_optimizer_state_dict")
+        if own is None:
+            super().load_optimizer_state_dict(optimizer, state)
+        else:
+            own(optimizer, state)
+
+    @override
+    def checkpoint_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, path: Path
+    ) -> dict[str, Any]:
+        own = _own(self.strategy, "checkpoint_state")
+        if own is None:
+            return super().checkpoint_state(model, optimizer, path)
+        return own(model, optimizer, path)
+
+
+def _own(strategy: object, name: str) -> Callable[..., Any] | None:
+    """``strategy``'s own method ``name`` (a subclass's), or None where it has none."""
+    if not _overrides(type(strategy), name):
+        return None
+    return getattr(strategy, name)

@@ -26,7 +26,7 @@ def _identical_initial_weights_body(target: StrategyUnderTest, workdir: Path) ->
         model = nn.Linear(4, 1)
         before = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
         set_up(s, model)
-        return {"before": before, "after": s.model_state_dict(model)}
+        return {"before": before, "after": s.state_io.model_state_dict(model)}
 
 
 def _verify_identical_initial_weights(results: list[dict[str, Any]], world: int) -> None:

@@ -478,7 +478,11 @@ class Trainer:
             run.run()
 
         snapshot = RunSnapshot(model, optimizer, scheduler, state, self.callbacks)
-        strategy.run_training(body, snapshot)
+        elastic = strategy.elastic
+        if elastic is None:
+            body()
+        else:  # run again, from the last commit, whenever the group changed
+            elastic.run(body, snapshot)
         return runs[-1]
 
     # ------------------------------------------------------------------ checkpoints
@@ -522,7 +526,7 @@ class Trainer:
         self._require_open("full_state_dict")
         if self._run is None:
             raise ConfigurationError("full_state_dict needs a model: call fit(...) first")
-        return self.strategy.model_state_dict(self._run.model)
+        return self.strategy.state_io.model_state_dict(self._run.model)
 
     # ------------------------------------------------------------------ evaluate
     def evaluate(

@@ -187,7 +187,9 @@ class FitRun:
         """A ``checkpoint_every`` point: the checkpoint (with a ``checkpoint_dir``), then the
         strategy's commit (elastic: may re-form the group, raising to run the body again)."""
         self._save()
-        self.runtime.strategy.commit()
+        elastic = self.runtime.strategy.elastic
+        if elastic is not None:
+            elastic.commit()
 
     def _save(self) -> None:
         """The losses checked, then the checkpoint (with a ``checkpoint_dir``)."""

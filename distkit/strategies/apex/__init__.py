@@ -20,7 +20,6 @@ import importlib
 import warnings
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
 
 import torch
 from torch import nn
@@ -38,6 +37,7 @@ from distkit.strategies.apex._generation import ApexSettings, Generation
 from distkit.strategies.apex.legacy import LegacyApex
 from distkit.strategies.apex.modern import ModernApex
 from distkit.strategies.base import StepOutcome, Strategy, Topology
+from distkit.strategies.precision import Precision
 
 #: the class of each generation :func:`~distkit.strategies.apex._detect.detect_apex` reports
 GENERATIONS: dict[str, Callable[[Strategy, ApexSettings, ApexInstall], Generation]] = {
@@ -138,8 +138,8 @@ class ApexStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         return f"distkit apex ({self.install.version}): {path}"
 
     @override
-    def _precision_name(self) -> str:
-        return self.generation.plan.precision
+    def _make_precision(self, device: torch.device) -> Precision:
+        return self.generation.make_precision(device)
 
     @override
     def teardown(self) -> None:
@@ -201,11 +201,3 @@ class ApexStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
     @override
     def unwrap(self, model: nn.Module) -> nn.Module:
         return self.generation.unwrap(model)
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return self.generation.state_dict()
-
-    @override
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.generation.load_state_dict(state)

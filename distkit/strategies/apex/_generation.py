@@ -5,13 +5,14 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from distkit.strategies._steps import StepOutcome
 from distkit.strategies.apex._levels import ApexPlan
+from distkit.strategies.precision import Precision
 
 
 @dataclass(frozen=True)
@@ -71,9 +72,10 @@ class Generation(Protocol):
 
     def unwrap(self, model: nn.Module) -> nn.Module: ...
 
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def make_precision(self, device: torch.device) -> Precision:
+        """The strategy's precision: autocast, loss scaler, and the scaler's state in
+        ``GradScaler`` form (the checkpoint's neutral form)."""
+        ...
 
     def close(self) -> None:
         """Undo what this generation changed outside the model and optimizer (the Trainer

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from typing_extensions import override
 
 from distkit.errors import UnsupportedFeatureError
 from distkit.strategies import _torch_dist
@@ -25,6 +26,7 @@ from distkit.strategies.apex._generation import ApexSettings
 from distkit.strategies.apex._levels import resolve_plan
 from distkit.strategies.apex._o1_patches import O1Patches
 from distkit.strategies.base import Strategy
+from distkit.strategies.precision import Precision
 
 
 def amp_to_grad_scaler(amp_state: Mapping[str, Any]) -> dict[str, Any]:
@@ -51,6 +53,26 @@ def grad_scaler_to_amp(scaler_state: Mapping[str, Any]) -> dict[str, Any]:
             "unskipped": int(scaler_state.get("_growth_tracker", 0)),
         }
     }
+
+
+class AmpScalerPrecision(Precision):
+    """Legacy apex's precision: amp scales the loss itself, so the scaler state a checkpoint
+    holds is amp's, converted to and from torch's ``GradScaler`` form (any strategy's
+    checkpoint then resumes here, and this one anywhere)."""
+
+    def __init__(self, precision: str, device: torch.device, amp: Any) -> None:
+        super().__init__(precision, device)
+        self._amp = amp
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return amp_to_grad_scaler(self._amp.state_dict())
+
+    @override
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        amp_state = grad_scaler_to_amp(state or {})
+        if amp_state:
+            self._amp.load_state_dict(amp_state)  # after amp.initialize (apex requires it)
 
 
 class LegacyApex:
@@ -162,13 +184,8 @@ class LegacyApex:
             return inner
         return model
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"scaler": amp_to_grad_scaler(self._amp.state_dict())}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        amp_state = grad_scaler_to_amp(state.get("scaler") or {})
-        if amp_state:
-            self._amp.load_state_dict(amp_state)  # after amp.initialize (apex requires it)
+    def make_precision(self, device: torch.device) -> Precision:
+        return AmpScalerPrecision(self.plan.precision, device, self._amp)
 
     def close(self) -> None:
         """Forget O1's patches (they are in place only inside :meth:`autocast`) and empty

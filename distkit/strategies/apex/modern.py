@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import nn
@@ -22,6 +21,7 @@ from distkit.strategies.apex._detect import ApexInstall
 from distkit.strategies.apex._generation import ApexSettings
 from distkit.strategies.apex._levels import resolve_plan
 from distkit.strategies.base import Strategy
+from distkit.strategies.precision import Precision
 
 
 class ModernApex:
@@ -97,11 +97,8 @@ class ModernApex:
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, DistributedDataParallel) else model
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"scaler": self._strategy.precision.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._strategy.precision.load_state_dict(state.get("scaler", {}))
+    def make_precision(self, device: torch.device) -> Precision:
+        return Precision(self.plan.precision, device)  # torch's autocast and GradScaler
 
     def close(self) -> None:
         pass  # fused optimizers and torch's amp: nothing patched outside the model

@@ -22,7 +22,9 @@ from distkit.launchers import TORCH_LAUNCHERS
 from distkit.strategies import _torch_dist
 from distkit.strategies._steps import GradientClip, clip_, local_norm, step_gradients
 from distkit.strategies.base import StepOutcome, Strategy, Topology
+from distkit.strategies.capabilities import StateIO
 from distkit.strategies.fsdp import _state as _fsdp_state
+from distkit.strategies.precision import Precision
 
 ShardPolicy = Callable[[str, nn.Module], bool]
 CHECKPOINTS = ("full", "sharded")
@@ -120,11 +122,11 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         return self.world_size > 1
 
     @override
-    def _precision_name(self) -> str:
+    def _make_precision(self, device: torch.device) -> Precision:
         # bf16 is FSDP's MixedPrecisionPolicy (bf16 compute, fp32 gradient reduction) when
         # sharded; autocast on top would only cast again
         bf16_policy = self.options.precision == "bf16" and self._sharded()
-        return "32" if bf16_policy else self.options.precision
+        return Precision("32" if bf16_policy else self.options.precision, device)
 
     @override
     def _setup_model_and_optimizer(
@@ -193,17 +195,33 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         return int(self.all_gather(torch.tensor([batches])).max().item())
 
     # ------------------------------------------------------------------ state
+    @property
+    @override
+    def state_io(self) -> StateIO:
+        return FSDPStateIO(self)
+
+
+class FSDPStateIO(StateIO):
+    """The full state of a sharded model and optimizer: gathered to full tensors (every read
+    is a collective), loaded by each rank into its shards; checkpoints either gathered into
+    the file (``checkpoint="full"``) or written by every rank as shards beside it."""
+
+    strategy: FSDPStrategy
+
+    def __init__(self, strategy: FSDPStrategy) -> None:
+        super().__init__(strategy)
+
     @override
     def model_state_dict(
         self, model: nn.Module, *, rank0_only: bool = False
     ) -> dict[str, torch.Tensor]:
-        return _fsdp_state.full_model_state(model, keep=self.is_main or not rank0_only)
+        return _fsdp_state.full_model_state(model, keep=self.strategy.is_main or not rank0_only)
 
     @override
     def optimizer_state_dict(
         self, optimizer: torch.optim.Optimizer, *, rank0_only: bool = False
     ) -> dict[str, Any]:
-        keep = self.is_main or not rank0_only
+        keep = self.strategy.is_main or not rank0_only
         return _fsdp_state.full_optimizer_state(optimizer, keep=keep)
 
     @override
@@ -220,16 +238,17 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
     def checkpoint_state(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, path: Path
     ) -> dict[str, Any]:
-        if self.checkpoint == "full":
+        strategy = self.strategy
+        if strategy.checkpoint == "full":
             return super().checkpoint_state(model, optimizer, path)
         # rank 0's path and a fresh name for this save, so that a checkpoint file being
         # replaced keeps its own shards until the new file is in place
-        where, token = self.broadcast((str(path), secrets.token_hex(6)), src=0)
+        where, token = strategy.broadcast((str(path), secrets.token_hex(6)), src=0)
         folder = _shards.folder_for(Path(where), token)
-        if self.is_main:
+        if strategy.is_main:
             _shards.sweep(folder.parent, keep=folder.name, named_by=ckpt.shards_named_by)
-        entries = _shards.save(folder, model, optimizer, self.all_gather_object, self.rank)
-        return entries if self.is_main else {}
+        entries = _shards.save(folder, model, optimizer, strategy.all_gather_object, strategy.rank)
+        return entries if strategy.is_main else {}
 
 
 def _shard_policy(shard: tuple[type[nn.Module], ...] | ShardPolicy | None) -> ShardPolicy:

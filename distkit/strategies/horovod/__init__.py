@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -21,9 +20,10 @@ from distkit.launch._registry_view import auto_strategy_name
 from distkit.strategies._collectives import PendingSum
 from distkit.strategies._steps import GradientClip
 from distkit.strategies.base import StepOutcome, Strategy, Topology
+from distkit.strategies.capabilities import Elastic
 from distkit.strategies.horovod import _doctor as _horovod_doctor
 from distkit.strategies.horovod._channel import HorovodKVChannel
-from distkit.strategies.horovod._elastic import elastic_state
+from distkit.strategies.horovod._elastic import HorovodElastic
 from distkit.strategies.horovod._horovodrun import HOROVODRUN
 from distkit.strategies.syncbn import convert_to_global_batchnorm
 
@@ -79,7 +79,7 @@ class HorovodStrategy(Strategy):
         self._hvd_module: ModuleType | None = None
         self._channel: HorovodKVChannel | None = None
         self._elastic = False  # horovodrun --min-np/--max-np (HOROVOD_ELASTIC=1)
-        self._elastic_state: Any = None  # the running fit's, between commits
+        self._elastic_runner: HorovodElastic | None = None  # set up in an elastic job
 
     @property
     def _hvd(self) -> Any:
@@ -108,6 +108,8 @@ class HorovodStrategy(Strategy):
                 "keep mpirun and use strategy='ddp', or rebuild Horovod with HOROVOD_WITH_MPI=1."
             )
         self._hvd_module = hvd
+        if self._elastic:
+            self._elastic_runner = HorovodElastic(hvd, self, on_reset=self._after_reset)
         if not self._elastic:  # elastic: no collective a joining process could not meet
             # one scope per Horovod group in the launcher's key-value server (rank 0's uuid)
             scope = hvd.broadcast_object(uuid.uuid4().hex, root_rank=0, name="distkit.scope")
@@ -144,6 +146,7 @@ class HorovodStrategy(Strategy):
         # scopes), and then gloo aborts with "Connection refused" (2 in 8 jobs of 20 Trainers
         # here). distkit.horovod_build patches the server; other installs keep the bug.
         self._hvd_module = None
+        self._elastic_runner = None
         super().teardown()
 
     @override
@@ -151,7 +154,7 @@ class HorovodStrategy(Strategy):
         self, model: nn.Module, optimizer: torch.optim.Optimizer
     ) -> tuple[nn.Module, torch.optim.Optimizer]:
         hvd = self._hvd
-        if not self._elastic:  # elastic: run_training's first sync sends rank 0's weights
+        if not self._elastic:  # elastic: the elastic run's first sync sends rank 0's weights
             hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         distributed = hvd.DistributedOptimizer(
             optimizer,
@@ -179,28 +182,8 @@ class HorovodStrategy(Strategy):
     # ------------------------------------------------------------------ elastic (horovodrun)
     @override
     @property
-    def elastic(self) -> bool:
-        return self._elastic
-
-    @override
-    def run_training(self, body: Callable[[], None], snapshot: Any) -> None:
-        if not self._elastic:
-            body()
-            return
-        state = elastic_state(self._hvd, snapshot, self)
-        state.register_reset_callbacks([self._after_reset])
-        self._elastic_state = state
-        try:
-            self._hvd.elastic.run(lambda _state: body())(state)
-        finally:
-            self._elastic_state = None
-
-    @override
-    def commit(self) -> None:
-        if self._elastic_state is not None:
-            # saves the run in memory; raises HostsUpdatedInterrupt when hosts changed, which
-            # run_training's loop turns into a re-formed group and a new run of the body
-            self._elastic_state.commit()
+    def elastic(self) -> Elastic | None:
+        return self._elastic_runner
 
     def _after_reset(self) -> None:
         """Horovod re-formed the group: this process's rank and the world size changed."""

@@ -1,0 +1,124 @@
+"""What only some strategies do differently, as small objects a strategy hands out.
+
+A backend that needs its own way of doing one of these replaces one object instead of
+overriding a group of hooks that must change together:
+
+- :class:`StateIO`: the model's and optimizer's full state, read and written in torch's
+  own form, and the entries of a checkpoint file. Every strategy gets the default from
+  :attr:`Strategy.state_io <distkit.strategies.base.Strategy.state_io>`; FSDP returns one
+  that gathers and scatters shards (its reads are collectives).
+- :class:`Elastic`: a fit whose processes may join or leave while it runs (Horovod elastic
+  under ``horovodrun --min-np``). :attr:`Strategy.elastic
+  <distkit.strategies.base.Strategy.elastic>` is None for every other backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+
+class _HasPlace(Protocol):
+    @property
+    def is_main(self) -> bool: ...
+
+
+class StateIO:
+    """The model's and optimizer's state in full, in torch's own form, as one backend holds
+    them. Default: the module's and optimizer's own ``state_dict`` (the model is whole on
+    every rank).
+
+    Args:
+        strategy: the strategy it serves (read for ``is_main``, and by a subclass for its
+            collectives).
+    """
+
+    def __init__(self, strategy: _HasPlace) -> None:
+        self.strategy = strategy
+
+    def model_state_dict(
+        self, model: nn.Module, *, rank0_only: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """The full (unsharded) state of the user's ``model`` as CPU tensors, its own keys.
+
+        A collective where the strategy shards the model: call it on every rank. With
+        ``rank0_only`` the other ranks may get ``{}`` (they need not hold a copy).
+        """
+        if rank0_only and not self.strategy.is_main:
+            return {}
+        return {
+            key: value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
+            for key, value in model.state_dict().items()
+        }
+
+    def optimizer_state_dict(
+        self, optimizer: torch.optim.Optimizer, *, rank0_only: bool = False
+    ) -> dict[str, Any]:
+        """The optimizer's full state in torch's own form (keyed by parameter order).
+
+        A collective where the strategy shards it; ``rank0_only`` as in
+        :meth:`model_state_dict`.
+        """
+        if rank0_only and not self.strategy.is_main:
+            return {}
+        return optimizer.state_dict()
+
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
+        """Load a full state (as :meth:`model_state_dict` returns) into the user's ``model``,
+        set up or not. Every rank holds ``state``; no collective."""
+        model.load_state_dict(state)
+
+    def load_optimizer_state_dict(
+        self, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        """Load a full optimizer state (torch's form) into the user's ``optimizer``."""
+        optimizer.load_state_dict(state)
+
+    def checkpoint_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, path: Path
+    ) -> dict[str, Any]:
+        """The ``model`` and ``optimizer`` entries of the checkpoint about to go to ``path``.
+
+        Called on every rank; rank 0's result is written, the others may return ``{}``.
+        Default: :meth:`model_state_dict` (reduced-precision floats as fp32) and
+        :meth:`optimizer_state_dict`, on rank 0.
+        """
+        model_state = self.model_state_dict(model, rank0_only=True)
+        optimizer_state = self.optimizer_state_dict(optimizer, rank0_only=True)
+        if not self.strategy.is_main:
+            return {}
+        return {"model": fp32(model_state), "optimizer": optimizer_state}
+
+
+@runtime_checkable
+class Elastic(Protocol):
+    """A fit whose processes may join or leave while it runs.
+
+    With one, ``fit`` skips the collectives a joining process could not meet (the ranks'
+    agreement, set-up broadcasts) and runs its epochs through :meth:`run`.
+    """
+
+    def run(self, body: Callable[[], None], snapshot: Any) -> None:
+        """Run ``body`` (a fit's epochs); whenever the group changed, run it again after
+        restoring the last committed ``snapshot`` (a
+        :class:`distkit.runtime._snapshot.RunSnapshot`: ``save()``, ``restore()``,
+        ``sync(strategy)``) and sending rank 0's to every rank (*collective*)."""
+        ...
+
+    def commit(self) -> None:
+        """A point where the run is saved in memory and a changed group may be taken in
+        (every ``checkpoint_every`` steps, or each epoch's end; *collective*)."""
+        ...
+
+
+def fp32(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with its reduced-precision float tensors as fp32 (the checkpoint's form)."""
+    half = (torch.float16, torch.bfloat16)
+    return {
+        key: value.float() if isinstance(value, torch.Tensor) and value.dtype in half else value
+        for key, value in state.items()
+    }
