@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from distkit.errors import DistkitError
 
 if TYPE_CHECKING:
-    from distkit.launchers import LauncherFamily
+    from distkit.launch.families import LauncherFamily
     from distkit.registry import StrategyRegistry
     from distkit.strategies.base import Strategy
 

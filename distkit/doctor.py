@@ -16,7 +16,7 @@ from typing import Any
 
 from distkit.diagnosis import MachineFacts, StrategyReport, collect_machine
 from distkit.errors import DistkitError
-from distkit.launchers import SingleProcess
+from distkit.launch.families import SingleProcess
 from distkit.registry import DEFAULT_REGISTRY, StrategyRegistry
 
 

@@ -538,7 +538,7 @@ def test_check_fits_bounds_a_position_by_the_samplers_epoch():
         "model": model.state_dict(),
         "progress": {"epoch": 0, "position": 24, "train_samples": 20},
     }
-    found = _resume.Found("step-3.pt (step 3)", payload)
+    found = _resume.LoadedCheckpoint("step-3.pt (step 3)", payload)
 
     _resume.check_fits(found, model, optimizer, 20, 29)  # a sampler drawing 29 per epoch
     _resume.check_fits(found, model, optimizer, 20, None)  # a batch sampler's: its plan checks

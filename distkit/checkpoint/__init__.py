@@ -9,7 +9,7 @@ with a scaler of its own converts to and from it in its ``state_dict`` hooks).
 
 A sharded checkpoint (``FSDPStrategy(checkpoint="sharded")``) keeps the model and optimizer
 tensors in a folder beside the file, and only their names, shapes and dtypes in it (see
-``distkit.checkpoint._shards``).
+``distkit.checkpoint._shard_files``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 
 from distkit._atomic import TempFile, mtime_ns, write_text
 from distkit.checkpoint import _checkpoint_fields as _fields
-from distkit.checkpoint import _digest, _shards
+from distkit.checkpoint import _digest, _shard_files
 from distkit.errors import CheckpointError
 
 FORMAT = "distkit-checkpoint"
@@ -260,7 +260,7 @@ def _verify_shards(path: Path, payload: dict[str, Any]) -> None:
             "it: copy the checkpoint file together with that folder (or resume from another "
             "checkpoint)"
         )
-    digests = payload.get(_shards.DIGESTS)
+    digests = payload.get(_shard_files.DIGESTS)
     if digests is None:
         if payload.get(INTEGRITY):
             raise CheckpointError(f"{path} is damaged: its shards have no digests recorded")
@@ -422,5 +422,5 @@ class CheckpointFolder:
 
 def shards_named_by(path: Path) -> str | None:
     """The shards folder the checkpoint file ``path`` names (None: a file of one piece)."""
-    named = load(path, verify=False).get(_shards.KEY)
+    named = load(path, verify=False).get(_shard_files.KEY)
     return None if named is None else str(named)

@@ -71,7 +71,7 @@ def build_command(
         request: what to start.
         python: the interpreter every rank runs.
         tools: what the launcher family found on this machine
-            (:meth:`LauncherFamily.find_tools <distkit.launchers.LauncherFamily.find_tools>`);
+            (:meth:`LauncherFamily.find_tools <distkit.launch.families.LauncherFamily.find_tools>`);
             None checks the options without it.
 
     Raises:

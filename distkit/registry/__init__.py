@@ -385,7 +385,7 @@ class _DefaultRegistryView:
         ]
 
     def multi_process(self) -> list[str]:
-        from distkit.launchers import SingleProcess
+        from distkit.launch.families import SingleProcess
 
         return [
             name

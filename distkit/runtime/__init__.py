@@ -14,7 +14,7 @@ Below the training loop and above the strategies, the data and the checkpoint fo
 - :mod:`._evaluation`: every sample counted once, whatever the world size;
 - :mod:`._saving`, :mod:`._resume`, :mod:`._snapshot`: checkpoints written, found and
   restored; a fit's state in memory for elastic backends;
-- :mod:`._compile`, :mod:`._checks`: ``torch.compile`` and the argument checks.
+- :mod:`._compile`, :mod:`._arguments`: ``torch.compile`` and the argument checks.
 
 The next issue makes a public bring-your-own-loop layer of it (``distkit.Runtime``).
 """

@@ -38,7 +38,7 @@ FIXES = {
 
 
 @dataclass(frozen=True)
-class Prepared(Generic[T]):
+class Proposal(Generic[T]):
     """What a rank prepared for a call: ``agreed`` must match on every rank, ``shared`` is
     sent to every rank, ``local`` stays here."""
 
@@ -61,7 +61,7 @@ class Message:
 
 
 def exchange(
-    strategy: Strategy, call: str, prepare: Callable[[], Prepared[T]]
+    strategy: Strategy, call: str, prepare: Callable[[], Proposal[T]]
 ) -> tuple[T, list[Any]]:
     """``prepare()`` here, then agree with every rank; returns (local, every rank's shared).
 
@@ -141,7 +141,7 @@ def _explain(messages: Sequence[Message], detail: str = "") -> str:
     return f"{disagreement(messages)}{detail}{fix}"
 
 
-def _detail(strategy: Strategy, messages: Sequence[Message], prepared: Prepared[Any]) -> str:
+def _detail(strategy: Strategy, messages: Sequence[Message], prepared: Proposal[Any]) -> str:
     """For agreed keys that differ and have details, where they first differ (a 2nd gather).
 
     Every rank reaches this with the same messages, so all of them take part or none.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -10,6 +11,7 @@ from torch import nn
 
 from distkit._validate import check_instance
 from distkit.batch import batch_size_of, split_batch, to_device
+from distkit.errors import ConfigurationError
 from distkit.metrics import Metric
 from distkit.strategies._placement import Placement, follow_output
 from distkit.strategies.base import Strategy
@@ -98,3 +100,15 @@ def evaluate_shard(
         else:
             scores[name] = value
     return scores
+
+
+def as_score(name: str, value: object) -> float:
+    """A metric's value as a plain float (numpy scalars, ints and 1-element tensors too)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value.item())
+    if isinstance(value, numbers.Real):  # numpy's number types register as Real
+        return float(value)
+    raise ConfigurationError(
+        f"metric {name!r} returned a {type(value).__name__} ({value!r:.60}); Metric.compute "
+        "must return a number or a dict of numbers"
+    )

@@ -24,13 +24,13 @@ from distkit.data._stream_spec import StreamSpec
 from distkit.errors import ConfigurationError
 from distkit.metrics import Metric
 from distkit.runtime import _agreement, _resume
-from distkit.runtime._checks import check_model
+from distkit.runtime._arguments import check_model
 from distkit.runtime._evaluation import LossFn, Metrics, named_metrics
 from distkit.strategies._placement import Placement
 
 if TYPE_CHECKING:
     from distkit.runtime._fit_state import Stateful
-    from distkit.runtime._resume import Run
+    from distkit.runtime._resume import LatestFit
     from distkit.runtime._runtime import Runtime
     from distkit.strategies.base import Strategy
 
@@ -70,7 +70,7 @@ def prepare_evaluate(
     loss_fn: LossFn | None,
     metrics: Metrics | None,
     input_device: torch.device | None,
-) -> _agreement.Prepared[tuple[dict[str, Metric], LoaderSpec | StreamSpec, Placement]]:
+) -> _agreement.Proposal[tuple[dict[str, Metric], LoaderSpec | StreamSpec, Placement]]:
     """``evaluate``'s checks; ``read()`` describes its data (after the other checks)."""
     check_model(model)
     placement = checked_placement(runtime, model, input_device)
@@ -79,16 +79,16 @@ def prepare_evaluate(
         raise ConfigurationError("evaluate needs a loss_fn, metrics, or both")
     spec = read()
     agreed = {"data samples": describe_data(spec), "metrics": ", ".join(named) or "none"}
-    return _agreement.Prepared(agreed, (named, spec, placement))
+    return _agreement.Proposal(agreed, (named, spec, placement))
 
 
 def prepare_save(
     strategy: Strategy,
-    run: Run | None,
+    run: LatestFit | None,
     callbacks: Stateful,
     extra: object,
     path: str | os.PathLike[str] | None,
-) -> _agreement.Prepared[dict[str, Any]]:
+) -> _agreement.Proposal[dict[str, Any]]:
     """Checks, this rank's state for the file; the local part: the callbacks' states."""
     if run is None:
         raise ConfigurationError("save_checkpoint needs a model: call fit(...) first")
@@ -106,4 +106,4 @@ def prepare_save(
             )
     shared = _resume.rank_state(run.state)
     states = callbacks.state_dict()  # checked on every rank, before any collective
-    return _agreement.Prepared({"global step": str(run.state.global_step)}, states, shared)
+    return _agreement.Proposal({"global step": str(run.state.global_step)}, states, shared)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import random
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -16,14 +18,14 @@ from distkit import checkpoint as ckpt
 from distkit import registry
 from distkit._atomic import mtime_ns
 from distkit._version import __version__
-from distkit.checkpoint import _shards
+from distkit.checkpoint import _shard_files
 from distkit.errors import ConfigurationError
 from distkit.runtime._fit_state import FitState
 from distkit.strategies.base import Strategy
 
 
 @dataclass
-class Run:
+class LatestFit:
     """The objects of a trainer's latest ``fit``, for save_checkpoint / load_checkpoint."""
 
     model: nn.Module  # the user's, unwrapped (a wrapper is never kept beyond the set-up cache)
@@ -35,14 +37,14 @@ class Run:
 
 
 @dataclass(frozen=True)
-class Found:
+class LoadedCheckpoint:
     """A checkpoint to resume from, and how to name it in messages."""
 
     label: str  # the file name and its step, e.g. "step-000000004.pt (step 4)"
     payload: dict[str, Any]
 
     @classmethod
-    def of(cls, path: str | os.PathLike[str], payload: dict[str, Any]) -> Found:
+    def of(cls, path: str | os.PathLike[str], payload: dict[str, Any]) -> LoadedCheckpoint:
         step = payload.get("progress", {}).get("global_step")
         return cls(f"{Path(path).name} (step {step})", payload)
 
@@ -61,7 +63,7 @@ def rank_state(state: FitState) -> dict[str, Any]:
 
 def build_payload(
     strategy: Strategy,
-    run: Run,
+    run: LatestFit,
     extra: dict[str, Any] | None,
     ranks: list[dict[str, Any]],
     states: dict[str, Any],
@@ -101,8 +103,8 @@ def load_weights(
     strategy: Strategy, payload: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer
 ) -> None:
     """Model and optimizer state into the user's (unwrapped) objects, set up or not."""
-    if _shards.is_sharded(payload):  # read straight into the tensors, whatever their layout
-        _shards.load(payload, model, optimizer)
+    if _shard_files.is_sharded(payload):  # read straight into the tensors, whatever their layout
+        _shard_files.load(payload, model, optimizer)
         return
     strategy.state_io.load_model_state_dict(model, ckpt.strip_wrapper_prefix(payload["model"]))
     if payload.get("optimizer"):
@@ -144,7 +146,7 @@ def find_resume(
     device: torch.device,
     *,
     announce: bool = True,
-) -> Found | None:
+) -> LoadedCheckpoint | None:
     """The checkpoint to resume from: a path, the newest one in ``folder`` that loads and
     verifies ("auto"), or none.
 
@@ -157,13 +159,13 @@ def find_resume(
     if resume is None:
         return None
     if str(resume) != "auto":
-        return Found.of(resume, ckpt.load(resume, map_location=device))
+        return LoadedCheckpoint.of(resume, ckpt.load(resume, map_location=device))
     if folder is None:
         return None
     skipped: list[str] = []
     for path in reversed(folder.checkpoints()):
         try:
-            found = Found.of(path, ckpt.load(path, map_location=device))
+            found = LoadedCheckpoint.of(path, ckpt.load(path, map_location=device))
         except ckpt.CheckpointError as exc:  # fall back to the previous complete one
             skipped.append(str(exc))
             continue
@@ -200,7 +202,7 @@ def _compare_with_pointer(folder: ckpt.CheckpointFolder, chosen: Path) -> None:
 
 
 def check_fits(
-    found: Found,
+    found: LoadedCheckpoint,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     train_samples: int | None = None,
@@ -238,7 +240,7 @@ def check_fits(
         )
 
 
-def _check_model_fits(found: Found, model: nn.Module) -> None:
+def _check_model_fits(found: LoadedCheckpoint, model: nn.Module) -> None:
     saved = ckpt.strip_wrapper_prefix(found.payload["model"])
     current = model.state_dict()
     problems = [
@@ -259,7 +261,7 @@ def _check_model_fits(found: Found, model: nn.Module) -> None:
         )
 
 
-def _check_optimizer_fits(found: Found, optimizer: torch.optim.Optimizer) -> None:
+def _check_optimizer_fits(found: LoadedCheckpoint, optimizer: torch.optim.Optimizer) -> None:
     state = found.payload.get("optimizer")
     if not state:
         return
@@ -288,3 +290,10 @@ def _check_optimizer_fits(found: Found, optimizer: torch.optim.Optimizer) -> Non
             f"{found.label} holds optimizer state for parameter groups of sizes {sizes}; this "
             f"optimizer's are {my_sizes}. {fix}"
         )
+
+
+def seed_generators(seed: int) -> None:
+    """A fit that starts afresh: torch, numpy and random seeded (``seed + rank``)."""
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)

@@ -25,8 +25,7 @@ from distkit.faults._faults import fail_fast
 from distkit.faults._progress import Progress
 from distkit.registry import make_strategy
 from distkit.runtime import _agreement
-from distkit.runtime._checks import as_score
-from distkit.runtime._evaluation import LossFn, Metrics, evaluate_shard
+from distkit.runtime._evaluation import LossFn, Metrics, as_score, evaluate_shard
 from distkit.runtime._preparation import prepare_evaluate
 from distkit.runtime._setups import SetupCache
 from distkit.strategies.base import Strategy, Topology, TrainOptions
@@ -145,7 +144,7 @@ class Runtime:
         same plain floats on every rank. A collective (the ranks agree on the call first)."""
         strategy = self.strategy
 
-        def prepare() -> _agreement.Prepared[Any]:
+        def prepare() -> _agreement.Proposal[Any]:
             def read() -> LoaderSpec | StreamSpec:
                 return self.loader_spec(
                     data, "val_data", batch_size=batch_size, shuffle=False, num_workers=num_workers

@@ -19,12 +19,12 @@ from distkit.strategies.base import Strategy
 
 if TYPE_CHECKING:
     from distkit.runtime._fit_state import Stateful
-    from distkit.runtime._resume import Run
+    from distkit.runtime._resume import LatestFit
 
 
 def save_to(
     strategy: Strategy,
-    run: Run | None,
+    run: LatestFit | None,
     callbacks: Stateful,
     path: str | os.PathLike[str],
     extra: dict[str, Any] | None,
@@ -36,7 +36,7 @@ def save_to(
 
 
 def save_to_folder(
-    strategy: Strategy, run: Run, callbacks: Stateful, folder: ckpt.CheckpointFolder
+    strategy: Strategy, run: LatestFit, callbacks: Stateful, folder: ckpt.CheckpointFolder
 ) -> None:
     """``run`` into ``checkpoint_dir`` as ``step-<global step>.pt`` (keeping the last K)."""
     step = run.state.global_step
@@ -46,7 +46,7 @@ def save_to_folder(
 
 def _payload(
     strategy: Strategy,
-    run: Run | None,
+    run: LatestFit | None,
     callbacks: Stateful,
     extra: dict[str, Any] | None,
     path: str | os.PathLike[str],

@@ -83,7 +83,7 @@ from distkit.faults._channel import SideChannel
 from distkit.launch import LaunchRequest
 from distkit.launch._env import LaunchEnv
 from distkit.launch._registry_view import auto_strategy_name
-from distkit.launchers import TORCH_LAUNCHERS, LauncherFamily
+from distkit.launch.families import TORCH_LAUNCHERS, LauncherFamily
 from distkit.strategies._collectives import Collectives
 from distkit.strategies._placement import place
 from distkit.strategies._steps import (

@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from distkit.errors import ConfigurationError
-from distkit.launchers import TORCH_LAUNCHERS
+from distkit.launch.families import TORCH_LAUNCHERS
 from distkit.strategies import _torch_dist
 from distkit.strategies.base import Strategy, Topology
 

@@ -12,7 +12,7 @@ from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ConfigurationError, LauncherMismatchError, UnsupportedFeatureError
 from distkit.launch._env import LaunchEnv
 from distkit.launch._registry_view import auto_strategy_name
-from distkit.launchers import SINGLE_PROCESS
+from distkit.launch.families import SINGLE_PROCESS
 from distkit.strategies.base import Strategy, Topology
 
 

@@ -17,11 +17,10 @@ from distkit.data._feed import train_feed
 from distkit.errors import ConfigurationError, TrainerClosedError
 from distkit.loggers import Logger
 from distkit.runtime import _agreement, _compile, _resume, _saving
-from distkit.runtime._checks import seed_generators
 from distkit.runtime._evaluation import LossFn, Metrics
 from distkit.runtime._fit_state import FitState
 from distkit.runtime._preparation import samples_of
-from distkit.runtime._resume import Run
+from distkit.runtime._resume import LatestFit
 from distkit.runtime._runtime import Runtime
 from distkit.runtime._snapshot import RunSnapshot
 from distkit.strategies._placement import check_claims
@@ -29,13 +28,13 @@ from distkit.strategies._steps import GradientClip
 from distkit.strategies.base import Strategy, TrainOptions
 from distkit.strategies.precision import normalize_precision
 from distkit.trainer._config import Setting, TrainerConfig
-from distkit.trainer._fit import FitRun, StopRequest, hyperparams
+from distkit.trainer._epoch_loop import EpochLoop, StopRequest, hyperparams
 from distkit.trainer._fit_call import FitCall
 from distkit.trainer._logging import LogSink, LogWindow, checked_loggers
-from distkit.trainer._loop import LoopSettings, StepFn, TrainLoop
 from distkit.trainer._losses import LossLedger
 from distkit.trainer._nonfinite import NonFiniteWatch
 from distkit.trainer._prepare import FitPlan, plan_batches, prepare_fit
+from distkit.trainer._step_loop import StepFn, StepLoop, StepLoopSettings
 
 
 @dataclass
@@ -205,8 +204,10 @@ class Trainer:
             ),
         )
         self.strategy = self.runtime.strategy
-        self._run: Run | None = None
-        self._pending: _resume.Found | None = None  # a loaded checkpoint for the next fit
+        self._run: LatestFit | None = None
+        self._pending: _resume.LoadedCheckpoint | None = (
+            None  # a loaded checkpoint for the next fit
+        )
         if cudnn_benchmark and self.strategy.device.type == "cuda":
             torch.backends.cudnn.benchmark = True
 
@@ -359,7 +360,7 @@ class Trainer:
 
         # every rank checks its arguments and finds its checkpoint, then all agree (or all
         # raise) before the first collective of the set-up
-        def prepare() -> _agreement.Prepared[FitPlan]:
+        def prepare() -> _agreement.Proposal[FitPlan]:
             return prepare_fit(
                 config,
                 runtime,
@@ -397,7 +398,7 @@ class Trainer:
         prepared: FitPlan,
         payload: dict[str, Any] | None,
         call: FitCall,
-    ) -> FitRun:
+    ) -> EpochLoop:
         runtime, strategy = self.runtime, self.strategy
         model, optimizer, scheduler = call.model, call.optimizer, call.scheduler
         loss_fn, val_data, metrics = call.loss_fn, call.val_data, call.metrics
@@ -409,9 +410,9 @@ class Trainer:
             self.callbacks.load_state_dict(payload.get("callbacks") or {})
         else:
             state = FitState()
-            seed_generators(config.seed + strategy.rank)
-        self._run = Run(model, optimizer, scheduler, state, samples_of(spec))
-        settings = LoopSettings(
+            _resume.seed_generators(config.seed + strategy.rank)
+        self._run = LatestFit(model, optimizer, scheduler, state, samples_of(spec))
+        settings = StepLoopSettings(
             max_epochs=config.max_epochs,
             seed=config.seed,
             nonfinite=config.nonfinite,
@@ -422,7 +423,7 @@ class Trainer:
         assert self._sink is not None
         sink = self._sink
         sink.hyperparams(hyperparams(config, runtime, model, optimizer, samples_of(spec)))
-        runs: list[FitRun] = []
+        runs: list[EpochLoop] = []
         run_state = self._run
         checkpoints = self.checkpoints
         save = (
@@ -446,7 +447,7 @@ class Trainer:
                 grad_accum_steps=config.grad_accum_steps,
                 drop_last=config.drop_last,
             )
-            loop = TrainLoop(
+            loop = StepLoop(
                 strategy=strategy,
                 model=wrapped,
                 optimizer=dist_optimizer,
@@ -461,7 +462,7 @@ class Trainer:
                 losses=LossLedger(strategy.device, watch=config.nonfinite == "raise"),
                 watch=NonFiniteWatch(config.nonfinite == "raise", config.log_every_n_steps),
             )
-            run = FitRun(
+            run = EpochLoop(
                 config=config,
                 runtime=runtime,
                 owner=self,
@@ -507,7 +508,9 @@ class Trainer:
         any. Returns ``{"producer", "progress", "extra"}`` from the file.
         """
         self._require_open("load_checkpoint")
-        found = _resume.Found.of(path, ckpt.load(path, map_location=self.strategy.device))
+        found = _resume.LoadedCheckpoint.of(
+            path, ckpt.load(path, map_location=self.strategy.device)
+        )
         if self._run is not None:
             run = self._run
             _resume.check_fits(found, run.model, run.optimizer)

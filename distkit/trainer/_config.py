@@ -18,7 +18,7 @@ from typing import Any, Generic, TypeVar, overload
 
 import torch
 
-from distkit.runtime._checks import check_trainer_arguments
+from distkit.runtime._arguments import check_trainer_arguments
 from distkit.runtime._compile import check_compile
 from distkit.strategies._placement import input_device_override
 from distkit.strategies._steps import GradientClip

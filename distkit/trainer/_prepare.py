@@ -17,7 +17,7 @@ from distkit.data._batch_plan import batch_plan
 from distkit.data._stream_spec import StreamSpec, check_stream
 from distkit.errors import ConfigurationError
 from distkit.runtime import _agreement, _resume
-from distkit.runtime._checks import check_fit_args, check_scheduler, check_validation
+from distkit.runtime._arguments import check_fit_args, check_scheduler, check_validation
 from distkit.runtime._compile import describe as describe_compile
 from distkit.runtime._evaluation import named_metrics
 from distkit.runtime._preparation import checked_placement, describe_data, samples_of
@@ -33,7 +33,7 @@ class FitPlan:
 
     spec: LoaderSpec | StreamSpec
     plan: GlobalBatchPlan | None  # None for a stream
-    found: _resume.Found | None
+    found: _resume.LoadedCheckpoint | None
     placement: Placement
 
 
@@ -66,10 +66,10 @@ def prepare_fit(
     call: FitCall,
     *,
     checkpoints: ckpt.CheckpointFolder | None,
-    pending: _resume.Found | None,
+    pending: _resume.LoadedCheckpoint | None,
     callbacks: Any,
     owner: object,
-) -> _agreement.Prepared[FitPlan]:
+) -> _agreement.Proposal[FitPlan]:
     """The fit's checks and findings on this rank.
 
     Args:
@@ -133,7 +133,7 @@ def prepare_fit(
     details = {"model": lambda: _agreement.named_shapes(model)}
     # each rank's devices of a model the user placed: ranks sharing one GPU are refused
     fit_plan = FitPlan(spec, plan, found, placement)
-    return _agreement.Prepared(agreed, fit_plan, shared=placement.claim(), details=details)
+    return _agreement.Proposal(agreed, fit_plan, shared=placement.claim(), details=details)
 
 
 def agreed_settings(config: TrainerConfig) -> str:

@@ -27,7 +27,7 @@ from typing_extensions import override
 
 from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ApexNeedsCudaError, DistkitError
-from distkit.launchers import TORCH_LAUNCHERS
+from distkit.launch.families import TORCH_LAUNCHERS
 from distkit.strategies import _torch_dist
 from distkit.strategies._steps import GradientClip, clip_, local_norm
 from distkit.strategies.apex import _doctor

@@ -15,10 +15,10 @@ from torch import nn
 from typing_extensions import override
 
 from distkit import checkpoint as ckpt
-from distkit.checkpoint import _shards
+from distkit.checkpoint import _shard_files
 from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ConfigurationError, MissingDependencyError
-from distkit.launchers import TORCH_LAUNCHERS
+from distkit.launch.families import TORCH_LAUNCHERS
 from distkit.strategies import _torch_dist
 from distkit.strategies._steps import GradientClip, clip_, local_norm, step_gradients
 from distkit.strategies.base import StepOutcome, Strategy, Topology
@@ -244,10 +244,12 @@ class FSDPStateIO(StateIO):
         # rank 0's path and a fresh name for this save, so that a checkpoint file being
         # replaced keeps its own shards until the new file is in place
         where, token = strategy.broadcast((str(path), secrets.token_hex(6)), src=0)
-        folder = _shards.folder_for(Path(where), token)
+        folder = _shard_files.folder_for(Path(where), token)
         if strategy.is_main:
-            _shards.sweep(folder.parent, keep=folder.name, named_by=ckpt.shards_named_by)
-        entries = _shards.save(folder, model, optimizer, strategy.all_gather_object, strategy.rank)
+            _shard_files.sweep(folder.parent, keep=folder.name, named_by=ckpt.shards_named_by)
+        entries = _shard_files.save(
+            folder, model, optimizer, strategy.all_gather_object, strategy.rank
+        )
         return entries if strategy.is_main else {}
 
 

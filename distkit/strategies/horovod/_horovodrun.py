@@ -18,7 +18,7 @@ from distkit._imports import is_importable
 from distkit.errors import ConfigurationError, MissingDependencyError
 from distkit.launch import LaunchRequest, with_strategy_arg
 from distkit.launch._env import LaunchEnv
-from distkit.launchers import LauncherFamily, own_process_group
+from distkit.launch.families import LauncherFamily, own_process_group
 
 CONTROLLER_FLAGS = ("--gloo", "--mpi", "--jsrun")  # horovodrun's controller switches
 

@@ -1,9 +1,9 @@
 """The order of one ``fit``: epochs, steps, validation, logging, callbacks, checkpoints.
 
-The trainer builds a :class:`FitRun` and calls :meth:`FitRun.run`; the micro-batches of an
-epoch are :class:`~distkit.trainer._loop.TrainLoop`'s. Everything here happens on every rank in the
-same order, so every collective (validation, checkpoints, the stop decision, log points)
-meets its peers.
+The trainer builds an :class:`EpochLoop` and calls :meth:`EpochLoop.run`; the micro-batches
+and steps of an epoch are :class:`~distkit.trainer._step_loop.StepLoop`'s. Everything here
+happens on every rank in the same order, so every collective (validation, checkpoints, the
+stop decision, log points) meets its peers.
 """
 
 from __future__ import annotations
@@ -19,13 +19,12 @@ from tqdm.auto import tqdm
 
 from distkit.callbacks._list import CallbackList
 from distkit.runtime._call_tags import tagged_sum
-from distkit.runtime._checks import step_scheduler
 from distkit.runtime._fit_state import FitState
 from distkit.runtime._runtime import Runtime
 from distkit.trainer._config import TrainerConfig
 from distkit.trainer._logging import LogSink, LogWindow, StepLogs
-from distkit.trainer._loop import StepResult, TrainLoop, mark_stepped
 from distkit.trainer._losses import step_mean
+from distkit.trainer._step_loop import StepLoop, StepResult, mark_stepped
 
 #: the epoch record's per-phase timings stay out of the loggers (they are in the report)
 _TIMING_PREFIX = "time_"
@@ -40,7 +39,7 @@ class StopRequest:
 
 
 @dataclass(kw_only=True)
-class FitRun:
+class EpochLoop:
     """One ``fit`` after its set-up: runs the epochs and says how training ended.
 
     It reads the fit's settings from ``config`` (as they were when the fit started) and
@@ -52,7 +51,7 @@ class FitRun:
     runtime: Runtime
     owner: object
     stop: StopRequest
-    loop: TrainLoop
+    loop: StepLoop
     state: FitState
     callbacks: CallbackList
     sink: LogSink
@@ -270,3 +269,12 @@ def hyperparams(
 def _lr(optimizer: torch.optim.Optimizer) -> float:
     lr = optimizer.param_groups[0].get("lr", float("nan"))
     return float(lr)
+
+
+def step_scheduler(scheduler: Any, record: dict[str, float]) -> None:
+    """The epoch's scheduler step (ReduceLROnPlateau gets the validation loss, else the
+    training loss)."""
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        scheduler.step(record.get("val_loss", record["train_loss"]))
+    else:
+        scheduler.step()

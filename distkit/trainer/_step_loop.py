@@ -16,7 +16,7 @@ from distkit.batch import batch_size_of, split_batch, to_device
 from distkit.data._feed import Feed
 from distkit.errors import NonFiniteLossError as NonFiniteLossError  # its old home
 from distkit.faults._progress import Progress
-from distkit.runtime._checks import check_loss
+from distkit.runtime._arguments import check_loss
 from distkit.runtime._fit_state import FitState as FitState  # its old home
 from distkit.strategies._placement import Placement, follow_output
 from distkit.strategies._steps import GradientClip, StepOutcome
@@ -35,7 +35,7 @@ LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
-class LoopSettings:
+class StepLoopSettings:
     """The trainer's settings that one epoch of training reads."""
 
     max_epochs: int
@@ -58,7 +58,7 @@ class StepResult:
 
 
 @dataclass(kw_only=True)
-class TrainLoop:
+class StepLoop:
     """Everything one ``fit`` trains with; :meth:`run_epoch` trains one (partial) epoch."""
 
     strategy: Strategy
@@ -68,7 +68,7 @@ class TrainLoop:
     loss_fn: LossFn | None
     step_fn: StepFn | None
     scheduler: Any
-    settings: LoopSettings
+    settings: StepLoopSettings
     #: what forward passes run through: ``model`` compiled (``Trainer(compile=...)``) or None
     forward_model: nn.Module | None = None
     #: where the model is: each batch goes to its input device, and where the user placed
@@ -77,9 +77,9 @@ class TrainLoop:
     rank_progress: Progress = field(default_factory=Progress)  # read by the watchdog thread
     timer: StepTimer | None = None  # the current epoch's
     timing: EpochTiming | None = None  # the last finished epoch's, over all ranks
-    #: the training losses, summed at check points (see _losses); FitRun folds and reads them
+    #: the training losses, summed at check points (see _losses); EpochLoop folds and reads them
     losses: LossLedger
-    #: ``nonfinite="raise"``'s check of the noted losses, at FitRun's check points
+    #: ``nonfinite="raise"``'s check of the noted losses, at EpochLoop's check points
     watch: NonFiniteWatch = field(default_factory=lambda: NonFiniteWatch(enabled=False, every=1))
 
     def run_epoch(

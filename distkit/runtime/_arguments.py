@@ -1,12 +1,9 @@
-"""Argument checks and small set-up steps of the trainer, with errors that say the fix."""
+"""Argument checks of the Trainer and its calls, each error naming what was given and the fix."""
 
 from __future__ import annotations
 
-import numbers
-import random
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -53,19 +50,6 @@ def check_fit_args(model: object, optimizer: object, loss_fn: object, step_fn: o
             f"the optimizer holds {foreign} tensor(s) that are not parameters of the model; "
             "build it from this model: optimizer = SGD(model.parameters(), ...)"
         )
-
-
-def seed_generators(seed: int) -> None:
-    torch.manual_seed(seed)
-    np.random.seed(seed % 2**32)
-    random.seed(seed)
-
-
-def step_scheduler(scheduler: Any, record: dict[str, float]) -> None:
-    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-        scheduler.step(record.get("val_loss", record["train_loss"]))
-    else:
-        scheduler.step()
 
 
 def check_scheduler(scheduler: object, optimizer: torch.optim.Optimizer, *, per_step: bool) -> None:
@@ -127,18 +111,6 @@ def check_loss(loss: object, source: str) -> None:
             "the model: compute it from the model's output, without .item(), .detach() or "
             "torch.no_grad()"
         )
-
-
-def as_score(name: str, value: object) -> float:
-    """A metric's value as a plain float (numpy scalars, ints and 1-element tensors too)."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return float(value.item())
-    if isinstance(value, numbers.Real):  # numpy's number types register as Real
-        return float(value)
-    raise ConfigurationError(
-        f"metric {name!r} returned a {type(value).__name__} ({value!r:.60}); Metric.compute "
-        "must return a number or a dict of numbers"
-    )
 
 
 def check_trainer_arguments(args: dict[str, Any]) -> None:
