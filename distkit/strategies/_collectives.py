@@ -103,7 +103,7 @@ class Collectives:
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """``obj`` as rank ``src`` holds it, on every rank (any picklable object)."""
-        self._check_rank(src, "src")
+        _require_rank(src, "src", self.world_size)
         return self._broadcast(obj, src)
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -115,12 +115,6 @@ class Collectives:
         """Every rank's picklable object, in rank order."""
         return self._all_gather_object(obj)
 
-    def _check_rank(self, value: int, what: str) -> None:
-        if not 0 <= value < self.world_size:
-            raise ConfigurationError(
-                f"{what}={value} is not a rank; allowed 0..{self.world_size - 1}"
-            )
-
     @contextlib.contextmanager
     def main_process_first(self) -> Iterator[None]:
         """Rank 0 runs the block first (e.g. to download or cache), then the others."""
@@ -129,6 +123,11 @@ class Collectives:
         yield
         if self.is_main:
             self.barrier()
+
+
+def _require_rank(value: int, what: str, world_size: int) -> None:
+    if not 0 <= value < world_size:
+        raise ConfigurationError(f"{what}={value} is not a rank; allowed 0..{world_size - 1}")
 
 
 def _require_tensor(value: object, what: str) -> None:

@@ -69,7 +69,6 @@ import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -78,13 +77,19 @@ from typing_extensions import override
 
 from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ConfigurationError, DistkitError
-from distkit.faults import _channel
 from distkit.faults._channel import SideChannel
 from distkit.launch import LaunchRequest
 from distkit.launch._env import LaunchEnv
 from distkit.launch._registry_view import auto_strategy_name
 from distkit.launch.families import TORCH_LAUNCHERS, LauncherFamily
 from distkit.strategies._collectives import Collectives
+from distkit.strategies._legacy_hooks import (
+    FORWARDS,
+    REPLACED,
+    STATE_IO_HOOKS,
+    LegacyStateIO,
+    overrides,
+)
 from distkit.strategies._placement import place
 from distkit.strategies._steps import (
     GradientClip,
@@ -156,11 +161,11 @@ class Strategy(Collectives, ABC):
         DeprecationWarning naming :attr:`state_io`); a hook that is no longer called is
         refused here, naming what replaced it, rather than silently ignored."""
         super().__init_subclass__(**kwargs)
-        for name, replacement in _REPLACED.items():
+        for name, replacement in REPLACED.items():
             if name not in vars(cls):
                 continue
             where = f"{cls.__module__}.{cls.__qualname__}.{name}"
-            if name in _STATE_IO_HOOKS:
+            if name in STATE_IO_HOOKS:
                 warnings.warn(
                     f"{where} overrides a Strategy hook that distkit replaced by {replacement} "
                     "(a StateIO your strategy's state_io property returns; see "
@@ -178,11 +183,11 @@ class Strategy(Collectives, ABC):
 
         def __getattr__(self, name: str) -> Any:
             """The names distkit 0.1 had on every strategy, forwarded with a warning."""
-            forward = _FORWARDS.get(name)
+            forward = FORWARDS.get(name)
             if forward is None:
                 raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
             warnings.warn(
-                f"strategy.{name} is deprecated: use {_REPLACED[name]}",
+                f"strategy.{name} is deprecated: use {REPLACED[name]}",
                 DeprecationWarning,
                 stacklevel=2,
             )
@@ -238,7 +243,7 @@ class Strategy(Collectives, ABC):
         Trainer's precision on ``device``). A backend that casts or scales its own way
         returns a :class:`~distkit.strategies.precision.Precision` that says so (FSDP's bf16
         policy autocasts nothing; legacy apex's scaler state is amp's)."""
-        if _overrides(type(self), "_precision_name"):  # a plugin of distkit 0.1
+        if overrides(type(self), "_precision_name"):  # a plugin of distkit 0.1
             return Precision(self._precision_name(), device)  # type: ignore[attr-defined]
         return Precision(self.options.precision, device)
 
@@ -411,8 +416,8 @@ class Strategy(Collectives, ABC):
     def state_io(self) -> StateIO:
         """How this backend reads and writes the model's and optimizer's full state, and a
         checkpoint's entries (default: the module's and optimizer's own; FSDP's gathers)."""
-        if any(_overrides(type(self), name) for name in _STATE_IO_HOOKS):
-            return _LegacyStateIO(self)  # a plugin written against the hooks before it
+        if any(overrides(type(self), name) for name in STATE_IO_HOOKS):
+            return LegacyStateIO(self)  # a plugin written against the hooks before it
         return StateIO(self)
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
@@ -469,122 +474,3 @@ class Strategy(Collectives, ABC):
             else (f"rank={self.rank}/{self.world_size}, device={self.device}")
         )
         return f"{type(self).__name__}({where})"
-
-
-#: the hooks that became :class:`~distkit.strategies.capabilities.StateIO`'s methods
-_STATE_IO_HOOKS = (
-    "model_state_dict",
-    "optimizer_state_dict",
-    "load_model_state_dict",
-    "load_optimizer_state_dict",
-    "checkpoint_state",
-)
-#: hooks removed from Strategy, and what replaced each (for the messages)
-_REPLACED = {
-    **{name: f"strategy.state_io.{name}" for name in _STATE_IO_HOOKS},
-    "connect": "strategy.start(options)",
-    "setup_environment": "strategy.start()",
-    "announce_failure": "distkit.faults._channel.announce_failure(strategy.side_channel(), m)",
-    "peer_failure": "distkit.faults._channel.peer_failure(strategy.side_channel())",
-    "run_training": "strategy.elastic (None, or an Elastic whose run(body, snapshot) runs it)",
-    "commit": "strategy.elastic.commit()",
-    "state_dict": "strategy.precision.state_dict() (the loss scaler, GradScaler form)",
-    "load_state_dict": "strategy.precision.load_state_dict(scaler_state)",
-}
-
-
-def _run_training(strategy: Strategy, body: Callable[[], None], snapshot: Any) -> None:
-    elastic = strategy.elastic
-    if elastic is None:
-        body()
-    else:
-        elastic.run(body, snapshot)
-
-
-def _commit(strategy: Strategy) -> None:
-    elastic = strategy.elastic
-    if elastic is not None:
-        elastic.commit()
-
-
-def _state_hook(name: str) -> Callable[..., Any]:
-    return lambda strategy, *args, **kwargs: getattr(strategy.state_io, name)(*args, **kwargs)
-
-
-#: what each removed name does now, for callers still using it (with a DeprecationWarning)
-_FORWARDS: dict[str, Callable[..., Any]] = {
-    **{name: _state_hook(name) for name in _STATE_IO_HOOKS},
-    "connect": lambda strategy, options: strategy.start(options),
-    "setup_environment": lambda strategy: strategy.start(),
-    "announce_failure": lambda strategy, message: _channel.announce_failure(
-        strategy.side_channel(), message
-    ),
-    "peer_failure": lambda strategy: _channel.peer_failure(strategy.side_channel()),
-    "run_training": _run_training,
-    "commit": _commit,
-    "state_dict": lambda strategy: {"scaler": strategy.precision.state_dict()},
-    "load_state_dict": lambda strategy, state: strategy.precision.load_state_dict(
-        state.get("scaler") or {}
-    ),
-}
-
-
-def _overrides(cls: type, name: str) -> bool:
-    return any(name in vars(klass) for klass in cls.__mro__ if klass is not object)
-
-
-class _LegacyStateIO(StateIO):
-    """State I/O for a plugin that overrides the per-strategy state hooks of distkit 0.1
-    (``model_state_dict`` & co.): its own methods where it has them, the defaults elsewhere."""
-
-    @override
-    def model_state_dict(
-        self, model: nn.Module, *, rank0_only: bool = False
-    ) -> dict[str, torch.Tensor]:
-        own = _own(self.strategy, "model_state_dict")
-        if own is None:
-            return super().model_state_dict(model, rank0_only=rank0_only)
-        return own(model, rank0_only=rank0_only)
-
-    @override
-    def optimizer_state_dict(
-        self, optimizer: torch.optim.Optimizer, *, rank0_only: bool = False
-    ) -> dict[str, Any]:
-        own = _own(self.strategy, "optimizer_state_dict")
-        if own is None:
-            return super().optimizer_state_dict(optimizer, rank0_only=rank0_only)
-        return own(optimizer, rank0_only=rank0_only)
-
-    @override
-    def load_model_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
-        own = _own(self.strategy, "load_model_state_dict")
-        if own is None:
-            super().load_model_state_dict(model, state)
-        else:
-            own(model, state)
-
-    @override
-    def load_optimizer_state_dict(
-        self, optimizer: torch.optim.Optimizer, state: dict[str, Any]
-    ) -> None:
-        own = _own(self.strategy, "load_optimizer_state_dict")
-        if own is None:
-            super().load_optimizer_state_dict(optimizer, state)
-        else:
-            own(optimizer, state)
-
-    @override
-    def checkpoint_state(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, path: Path
-    ) -> dict[str, Any]:
-        own = _own(self.strategy, "checkpoint_state")
-        if own is None:
-            return super().checkpoint_state(model, optimizer, path)
-        return own(model, optimizer, path)
-
-
-def _own(strategy: object, name: str) -> Callable[..., Any] | None:
-    """``strategy``'s own method ``name`` (a subclass's), or None where it has none."""
-    if not _overrides(type(strategy), name):
-        return None
-    return getattr(strategy, name)
