@@ -13,28 +13,23 @@ from typing_extensions import override
 from distkit import checkpoint as ckpt
 from distkit.callbacks import Callback
 from distkit.callbacks._list import CallbackList
-from distkit.data._feed import train_feed
 from distkit.errors import ConfigurationError, TrainerClosedError
 from distkit.loggers import Logger
 from distkit.runtime import _agreement, _compile, _resume, _saving
 from distkit.runtime._evaluation import LossFn, Metrics
-from distkit.runtime._fit_state import FitState
-from distkit.runtime._preparation import samples_of
 from distkit.runtime._resume import LatestFit
 from distkit.runtime._runtime import Runtime
-from distkit.runtime._snapshot import RunSnapshot
 from distkit.strategies._placement import check_claims
 from distkit.strategies._steps import GradientClip
 from distkit.strategies.base import Strategy, TrainOptions
 from distkit.strategies.precision import normalize_precision
 from distkit.trainer._config import Setting, TrainerConfig
-from distkit.trainer._epoch_loop import EpochLoop, StopRequest, hyperparams
+from distkit.trainer._epoch_loop import StopRequest
+from distkit.trainer._fit import train
 from distkit.trainer._fit_call import FitCall
-from distkit.trainer._logging import LogSink, LogWindow, checked_loggers
-from distkit.trainer._losses import LossLedger
-from distkit.trainer._nonfinite import NonFiniteWatch
-from distkit.trainer._prepare import FitPlan, plan_batches, prepare_fit
-from distkit.trainer._step_loop import StepFn, StepLoop, StepLoopSettings
+from distkit.trainer._logging import LogSink, checked_loggers
+from distkit.trainer._prepare import FitPlan, prepare_fit
+from distkit.trainer._step_loop import StepFn
 
 
 @dataclass
@@ -383,7 +378,20 @@ class Trainer:
         # The wrapped model lives only in frames below this one: on a failure they are
         # cleared, so the process group's connections close at once (see distkit.faults._faults).
         with runtime.guarded(fault_timeout=config.fault_timeout, hang_warning=config.hang_warning):
-            run = self._train(config, prepared, payload, call)
+            assert self._sink is not None  # fit() opened it
+            run = train(
+                config,
+                runtime,
+                prepared,
+                payload,
+                call,
+                callbacks=self.callbacks,
+                checkpoints=self.checkpoints,
+                sink=self._sink,
+                stop=self._stop,
+                owner=self,
+                keep=self._keep,
+            )
             result = FitResult(
                 history=[dict(record) for record in run.state.history],
                 validations=[dict(v) for v in run.validations],
@@ -392,99 +400,8 @@ class Trainer:
             self.callbacks.call("on_fit_end", self, result)
         return result
 
-    def _train(
-        self,
-        config: TrainerConfig,
-        prepared: FitPlan,
-        payload: dict[str, Any] | None,
-        call: FitCall,
-    ) -> EpochLoop:
-        runtime, strategy = self.runtime, self.strategy
-        model, optimizer, scheduler = call.model, call.optimizer, call.scheduler
-        loss_fn, val_data, metrics = call.loss_fn, call.val_data, call.metrics
-        spec = prepared.spec
-        wrapped, dist_optimizer = runtime.setups.setup(model, optimizer, prepared.placement)
-        forward = runtime.setups.compiled(model, call.compiler)
-        if payload is not None:
-            state = _resume.restore_run(payload, strategy, scheduler, config.seed)
-            self.callbacks.load_state_dict(payload.get("callbacks") or {})
-        else:
-            state = FitState()
-            _resume.seed_generators(config.seed + strategy.rank)
-        self._run = LatestFit(model, optimizer, scheduler, state, samples_of(spec))
-        settings = StepLoopSettings(
-            max_epochs=config.max_epochs,
-            seed=config.seed,
-            nonfinite=config.nonfinite,
-            step_scheduler=config.scheduler_interval == "step",
-            progress=config.progress,
-            clip=config.clip,
-        )
-        assert self._sink is not None
-        sink = self._sink
-        sink.hyperparams(hyperparams(config, runtime, model, optimizer, samples_of(spec)))
-        runs: list[EpochLoop] = []
-        run_state = self._run
-        checkpoints = self.checkpoints
-        save = (
-            None
-            if checkpoints is None
-            else (lambda: _saving.save_to_folder(strategy, run_state, self.callbacks, checkpoints))
-        )
-
-        def validate() -> dict[str, float]:
-            return self.evaluate(model, val_data, loss_fn=loss_fn, metrics=metrics)
-
-        def body() -> None:
-            # an elastic strategy runs this again in a re-formed group: new rank, new size
-            runtime.renew_topology()
-            plan = plan_batches(config, runtime, spec) if runs else prepared.plan
-            feed = train_feed(
-                strategy,
-                spec,
-                plan,
-                seed=config.seed,
-                grad_accum_steps=config.grad_accum_steps,
-                drop_last=config.drop_last,
-            )
-            loop = StepLoop(
-                strategy=strategy,
-                model=wrapped,
-                optimizer=dist_optimizer,
-                feed=feed,
-                loss_fn=loss_fn,
-                step_fn=call.step_fn,
-                scheduler=scheduler,
-                settings=settings,
-                rank_progress=runtime.progress,
-                forward_model=forward,
-                placement=prepared.placement,
-                losses=LossLedger(strategy.device, watch=config.nonfinite == "raise"),
-                watch=NonFiniteWatch(config.nonfinite == "raise", config.log_every_n_steps),
-            )
-            run = EpochLoop(
-                config=config,
-                runtime=runtime,
-                owner=self,
-                stop=self._stop,
-                loop=loop,
-                state=state,
-                callbacks=self.callbacks,
-                sink=sink,
-                window=LogWindow(strategy, config.log_every_n_steps),
-                validate=None if val_data is None else validate,
-                save=save,
-            )
-            runs.append(run)
-            run.run()
-
-        snapshot = RunSnapshot(model, optimizer, scheduler, state, self.callbacks)
-        elastic = strategy.elastic
-        if elastic is None:
-            body()
-        else:  # run again, from the last commit, whenever the group changed
-            elastic.run(body, snapshot)
-        return runs[-1]
+    def _keep(self, run: LatestFit) -> None:
+        self._run = run  # trainer.model, .global_step, ... and save_checkpoint read it
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(

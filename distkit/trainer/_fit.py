@@ -1,0 +1,147 @@
+"""A fit's training, once its call is prepared and agreed: set up, resumed or seeded, run.
+
+:func:`train` sets the model and optimizer up through the runtime, restores the checkpoint's
+run (or seeds this rank's generators), and runs the epochs: once, or, on an elastic backend,
+again from the last commit whenever the group changed (a new rank and world size, so a new
+batch plan). It takes the fit's settings, the runtime and what the Trainer holds for the fit;
+never the Trainer (``owner`` is only handed to the callbacks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from distkit import checkpoint as ckpt
+from distkit.callbacks._list import CallbackList
+from distkit.data._feed import train_feed
+from distkit.runtime import _resume, _saving
+from distkit.runtime._fit_state import FitState
+from distkit.runtime._preparation import samples_of
+from distkit.runtime._resume import LatestFit
+from distkit.runtime._runtime import Runtime
+from distkit.runtime._snapshot import RunSnapshot
+from distkit.trainer._config import TrainerConfig
+from distkit.trainer._epoch_loop import EpochLoop, StopRequest, hyperparams
+from distkit.trainer._fit_call import FitCall
+from distkit.trainer._logging import LogSink, LogWindow
+from distkit.trainer._losses import LossLedger
+from distkit.trainer._nonfinite import NonFiniteWatch
+from distkit.trainer._prepare import FitPlan, plan_batches
+from distkit.trainer._step_loop import StepLoop, StepLoopSettings
+
+
+def train(
+    config: TrainerConfig,
+    runtime: Runtime,
+    prepared: FitPlan,
+    payload: dict[str, Any] | None,
+    call: FitCall,
+    *,
+    callbacks: CallbackList,
+    checkpoints: ckpt.CheckpointFolder | None,
+    sink: LogSink,
+    stop: StopRequest,
+    owner: object,
+    keep: Callable[[LatestFit], None],
+) -> EpochLoop:
+    """Train ``call``'s model as ``prepared`` says; returns the last (elastic: latest)
+    epoch loop, which holds the fit's state and how it ended.
+
+    Args:
+        payload: the checkpoint to resume from (its weights already loaded), or None.
+        keep: receives the fit's :class:`LatestFit` before the first step (the Trainer
+            keeps it for ``save_checkpoint``, ``global_step`` and the like).
+    """
+    strategy = runtime.strategy
+    model, optimizer, scheduler = call.model, call.optimizer, call.scheduler
+    loss_fn, val_data, metrics = call.loss_fn, call.val_data, call.metrics
+    spec = prepared.spec
+    wrapped, dist_optimizer = runtime.setups.setup(model, optimizer, prepared.placement)
+    forward = runtime.setups.compiled(model, call.compiler)
+    if payload is not None:
+        state = _resume.restore_run(payload, strategy, scheduler, config.seed)
+        callbacks.load_state_dict(payload.get("callbacks") or {})
+    else:
+        state = FitState()
+        _resume.seed_generators(config.seed + strategy.rank)
+    latest = LatestFit(model, optimizer, scheduler, state, samples_of(spec))
+    keep(latest)
+    settings = StepLoopSettings(
+        max_epochs=config.max_epochs,
+        seed=config.seed,
+        nonfinite=config.nonfinite,
+        step_scheduler=config.scheduler_interval == "step",
+        progress=config.progress,
+        clip=config.clip,
+    )
+    sink.hyperparams(hyperparams(config, runtime, model, optimizer, samples_of(spec)))
+    runs: list[EpochLoop] = []
+    folder = checkpoints
+    save = (
+        None
+        if folder is None
+        else (lambda: _saving.save_to_folder(strategy, latest, callbacks, folder))
+    )
+
+    def validate() -> dict[str, float]:
+        return runtime.evaluate(
+            model,
+            val_data,
+            loss_fn,
+            metrics,
+            batch_size=config.batch_size,
+            num_workers=config.num_workers,
+            seed=config.seed,
+            input_device=config.input_device_override,
+        )
+
+    def body() -> None:
+        # an elastic strategy runs this again in a re-formed group: new rank, new size
+        runtime.renew_topology()
+        plan = plan_batches(config, runtime, spec) if runs else prepared.plan
+        feed = train_feed(
+            strategy,
+            spec,
+            plan,
+            seed=config.seed,
+            grad_accum_steps=config.grad_accum_steps,
+            drop_last=config.drop_last,
+        )
+        loop = StepLoop(
+            strategy=strategy,
+            model=wrapped,
+            optimizer=dist_optimizer,
+            feed=feed,
+            loss_fn=loss_fn,
+            step_fn=call.step_fn,
+            scheduler=scheduler,
+            settings=settings,
+            rank_progress=runtime.progress,
+            forward_model=forward,
+            placement=prepared.placement,
+            losses=LossLedger(strategy.device, watch=config.nonfinite == "raise"),
+            watch=NonFiniteWatch(config.nonfinite == "raise", config.log_every_n_steps),
+        )
+        run = EpochLoop(
+            config=config,
+            runtime=runtime,
+            owner=owner,
+            stop=stop,
+            loop=loop,
+            state=state,
+            callbacks=callbacks,
+            sink=sink,
+            window=LogWindow(strategy, config.log_every_n_steps),
+            validate=None if val_data is None else validate,
+            save=save,
+        )
+        runs.append(run)
+        run.run()
+
+    elastic = strategy.elastic
+    if elastic is None:
+        body()
+    else:  # run again, from the last commit, whenever the group changed
+        elastic.run(body, RunSnapshot(model, optimizer, scheduler, state, callbacks))
+    return runs[-1]
