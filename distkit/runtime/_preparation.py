@@ -31,18 +31,18 @@ from distkit.strategies._placement import Placement
 if TYPE_CHECKING:
     from distkit.runtime._fit_state import Stateful
     from distkit.runtime._resume import LatestFit
-    from distkit.runtime._runtime import Runtime
+    from distkit.runtime._setups import SetupCache
     from distkit.strategies.base import Strategy
 
 
 def checked_placement(
-    runtime: Runtime, model: nn.Module, input_device: torch.device | None
+    setups: SetupCache, model: nn.Module, input_device: torch.device | None
 ) -> Placement:
     """Where ``model`` is against this rank's device, with ``input_device`` (the Trainer's
     ``input_device=``); raises where the strategy cannot train it there, or where
     ``input_device`` is given for a model distkit places itself."""
-    strategy = runtime.strategy
-    placement = runtime.setups.placement(model)
+    strategy = setups.strategy
+    placement = setups.placement(model)
     placement.check(strategy.name, strategy.placement_refusal)
     if input_device is not None and not placement.user_placed:
         raise ConfigurationError(
@@ -64,7 +64,7 @@ def describe_data(spec: LoaderSpec | StreamSpec) -> str:
 
 
 def prepare_evaluate(
-    runtime: Runtime,
+    setups: SetupCache,
     model: nn.Module,
     read: Callable[[], LoaderSpec | StreamSpec],
     loss_fn: LossFn | None,
@@ -73,7 +73,7 @@ def prepare_evaluate(
 ) -> _agreement.Proposal[tuple[dict[str, Metric], LoaderSpec | StreamSpec, Placement]]:
     """``evaluate``'s checks; ``read()`` describes its data (after the other checks)."""
     check_model(model)
-    placement = checked_placement(runtime, model, input_device)
+    placement = checked_placement(setups, model, input_device)
     named = named_metrics(metrics)
     if loss_fn is None and not named:
         raise ConfigurationError("evaluate needs a loss_fn, metrics, or both")

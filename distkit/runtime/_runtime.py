@@ -150,7 +150,7 @@ class Runtime:
                     data, "val_data", batch_size=batch_size, shuffle=False, num_workers=num_workers
                 )
 
-            return prepare_evaluate(self, model, read, loss_fn, metrics, input_device)
+            return prepare_evaluate(self.setups, model, read, loss_fn, metrics, input_device)
 
         (named, spec, placement), _ = _agreement.exchange(strategy, "evaluate", prepare)
         scores = evaluate_shard(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,8 +19,8 @@ from typing_extensions import override
 from distkit.faults import _channel
 from distkit.strategies.capabilities import StateIO
 
-if TYPE_CHECKING:
-    from distkit.strategies.base import Strategy
+#: a Strategy (annotated loosely: this module sits below the interface it adapts)
+Strategy = Any
 
 
 #: the hooks that became :class:`~distkit.strategies.capabilities.StateIO`'s methods

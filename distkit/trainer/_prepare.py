@@ -82,7 +82,7 @@ def prepare_fit(
     """
     model, optimizer = call.model, call.optimizer
     check_fit_args(model, optimizer, call.loss_fn, call.step_fn)
-    placement = checked_placement(runtime, model, config.input_device_override)
+    placement = checked_placement(runtime.setups, model, config.input_device_override)
     check_scheduler(call.scheduler, optimizer, per_step=config.scheduler_interval == "step")
     check_validation(call.val_data, call.loss_fn, call.metrics, config.val_every_n_steps)
     named_metrics(call.metrics)
