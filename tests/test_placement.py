@@ -338,7 +338,7 @@ def _train_as_placed(batch_size: int, strategy: str = "ddp") -> dict[str, object
         settings = {"batch_size": batch_size, "progress": False}
         with distkit.Trainer(strategy, **settings) as trainer:
             _train(trainer, model)
-            wrapped = trainer._setups.wrapped(model)
+            wrapped = trainer.runtime.setups.wrapped(model)
             scores = trainer.evaluate(model, _data(), loss_fn=MSE)
     return {
         "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
