@@ -15,8 +15,8 @@ from torch import nn
 
 import distkit
 from distkit import checkpoint as ckpt
-from tests.fakes import use_fake_apex
-from tests.workloads import make_dataset, max_abs_diff, without_timing
+from tests.support.checkpoint_runs import make_source_checkpoint, on_rank, plain_model, train_run
+from tests.support.workloads import make_dataset, max_abs_diff, without_timing
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -141,44 +141,17 @@ def test_checkpoint_rng_state_restores_from_a_checkpoint_loaded_onto_a_gpu():
 
 
 # ---------------------------------------------------------------- training runs
-def _dropout_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(0.3), nn.Linear(16, 3))
-
-
-def _train(strategy: str, batch_size: int, folder: str | None = None, *, max_steps=None,
-           resume=None, every=3, epochs: int = 2, model: str = "dropout") -> dict:  # fmt: skip
-    """Train 2 epochs on 64 samples (8 steps per epoch at global batch 8)."""
-    if strategy == "apex":
-        import distkit.strategies.apex as apex_strategy
-
-        apex_strategy._require_cuda = lambda: None  # FAKE CUDA (fake apex is on the path)
-    trainer = distkit.Trainer(
-        strategy, batch_size=batch_size, max_epochs=epochs, seed=11, progress=False,
-        checkpoint_dir=folder, checkpoint_every=every, max_steps=max_steps, resume=resume,
-    )  # fmt: skip
-    net = _dropout_model() if model == "dropout" else _plain_model()
-    optimizer = torch.optim.Adam(net.parameters(), lr=0.01)
-    result = trainer.fit(net, optimizer, make_dataset(64), loss_fn=nn.functional.cross_entropy)
-    out = {"state": trainer.full_state_dict(),  # full tensors whatever the strategy (fsdp shards)
-           "history": result.history, "rank": trainer.rank}  # fmt: skip
-    trainer.close()
-    return out
-
-
-def _plain_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
-
-
+# the runs (train_run, on_rank, make_source_checkpoint): tests/support/checkpoint_runs.py
 @pytest.mark.parametrize(
     ("strategy", "world", "batch"), [("dp", 1, 8), ("ddp", 2, 4), ("fsdp", 2, 4)]
 )
 def test_checkpoint_resume_mid_epoch_is_exact(strategy, world, batch, tmp_path, run_on_ranks):
     """Interrupted at step 5 (mid epoch 0), resumed: equal to an uninterrupted run, dropout on."""
-    whole = run_on_ranks(_train, strategy, batch, world_size=world)[0]
+    whole = run_on_ranks(train_run, strategy, batch, world_size=world)[0]
     folder = str(tmp_path / "ckpt")
-    run_on_ranks(partial(_train, max_steps=5, every=5), strategy, batch, folder, world_size=world)
+    run_on_ranks(
+        partial(train_run, max_steps=5, every=5), strategy, batch, folder, world_size=world
+    )
     saved = ckpt.load(ckpt.CheckpointFolder(folder).latest())
     assert saved["progress"] == {
         "epoch": 0,
@@ -189,7 +162,7 @@ def test_checkpoint_resume_mid_epoch_is_exact(strategy, world, batch, tmp_path, 
     }
     assert not any(key.startswith("module.") for key in saved["model"])
     resumed = run_on_ranks(
-        partial(_train, resume="auto"), strategy, batch, folder, world_size=world
+        partial(train_run, resume="auto"), strategy, batch, folder, world_size=world
     )
     assert max_abs_diff(resumed[0]["state"], whole["state"]) <= 1e-6
     assert without_timing(resumed[0]["history"]) == without_timing(whole["history"])
@@ -197,7 +170,7 @@ def test_checkpoint_resume_mid_epoch_is_exact(strategy, world, batch, tmp_path, 
 
 def test_checkpoint_resume_skips_a_corrupt_latest_file(tmp_path, run_on_ranks):
     folder = tmp_path / "ckpt"
-    run_on_ranks(partial(_train, max_steps=6, every=3), "dp", 8, str(folder), world_size=1)
+    run_on_ranks(partial(train_run, max_steps=6, every=3), "dp", 8, str(folder), world_size=1)
     newest = ckpt.CheckpointFolder(folder).latest()
     assert newest is not None and newest.name == "step-000000006.pt"
     newest.write_bytes(newest.read_bytes()[:100])  # as if the disk lost it
@@ -211,7 +184,7 @@ def test_checkpoint_resume_skips_a_corrupt_latest_file(tmp_path, run_on_ranks):
 
 def test_checkpoint_save_and_load_by_hand(tmp_path):
     trainer = distkit.Trainer("dp", batch_size=8, max_epochs=1, seed=11, progress=False)
-    net = _plain_model()
+    net = plain_model()
     optimizer = torch.optim.Adam(net.parameters(), lr=0.01)
     trainer.fit(net, optimizer, make_dataset(64), loss_fn=nn.functional.cross_entropy)
     trainer.save_checkpoint(tmp_path / "hand.pt", extra={"note": "hello", "best": 0.5})
@@ -228,34 +201,19 @@ def test_checkpoint_save_and_load_by_hand(tmp_path):
 SOURCES_AND_TARGETS = [("dp", 1, 8), ("ddp", 2, 4), ("apex", 2, 4), ("fsdp", 2, 4)]
 
 
-def _on_rank(strategy: str, *args, **kwargs) -> dict:
-    if strategy == "apex":
-        with use_fake_apex("legacy"):
-            return _train(strategy, *args, **kwargs)
-    return _train(strategy, *args, **kwargs)
-
-
-def make_source_checkpoint(strategy: str, world: int, batch: int, folder: Path, run) -> Path:
-    run(partial(_on_rank, max_steps=5, every=5, model="plain"), strategy, batch, str(folder),
-        world_size=world)  # fmt: skip
-    path = ckpt.CheckpointFolder(folder).latest()
-    assert path is not None
-    return path
-
-
 def test_checkpoint_portability_matrix(tmp_path, run_on_ranks):
     """Saved under any strategy and world size, resumed under any other: same final weights.
 
-    The apex cases use the FAKE legacy apex package and FAKE CUDA (see tests/fakes).
+    The apex cases use the FAKE legacy apex package and FAKE CUDA (see tests/support/fakes).
     """
-    reference = _train("dp", 8, model="plain")
+    reference = train_run("dp", 8, model="plain")
     sources = {
         name: make_source_checkpoint(name, world, batch, tmp_path / name, run_on_ranks)
         for name, world, batch in SOURCES_AND_TARGETS
     }
     for source, path in sources.items():
         for target, world, batch in SOURCES_AND_TARGETS:
-            resumed = run_on_ranks(partial(_on_rank, resume=str(path), model="plain"), target,
+            resumed = run_on_ranks(partial(on_rank, resume=str(path), model="plain"), target,
                                    batch, None, world_size=world)  # fmt: skip
             diff = max_abs_diff(resumed[0]["state"], reference["state"])
             assert diff <= 1e-5, f"{source} -> {target}: max diff {diff}"

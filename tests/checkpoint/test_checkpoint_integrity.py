@@ -24,7 +24,8 @@ import distkit
 from distkit import checkpoint as ckpt
 from distkit.checkpoint import _digest
 from distkit.strategies.fsdp import FSDPStrategy
-from tests.workloads import make_dataset, make_mlp, max_abs_diff, without_timing
+from tests.support.paths import ROOT
+from tests.support.workloads import make_dataset, make_mlp, max_abs_diff, without_timing
 
 pytestmark = [pytest.mark.timeout(300)]
 TOL = 1e-6
@@ -254,7 +255,7 @@ import torch
 from torch import nn
 import distkit
 from distkit import checkpoint as ckpt
-from tests.workloads import make_dataset, make_mlp
+from tests.support.workloads import make_dataset, make_mlp
 
 folder = sys.argv[1]
 net = make_mlp()
@@ -280,8 +281,7 @@ def test_checkpoint_write_that_runs_out_of_room_names_the_file_and_keeps_the_old
     import sys
 
     folder = tmp_path / "ckpt"
-    root = Path(__file__).resolve().parent.parent
-    done = subprocess.run([sys.executable, "-c", _FULL_DISK, str(folder)], cwd=root,
+    done = subprocess.run([sys.executable, "-c", _FULL_DISK, str(folder)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     line = next(x for x in done.stdout.splitlines() if x.startswith("ERROR"))

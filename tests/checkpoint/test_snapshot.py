@@ -10,7 +10,7 @@ from distkit.callbacks import EarlyStopping
 from distkit.callbacks._list import CallbackList
 from distkit.runtime._fit_state import FitState
 from distkit.runtime._snapshot import RunSnapshot
-from tests.workloads import make_mlp, max_abs_diff, state_of
+from tests.support.workloads import make_mlp, max_abs_diff, state_of
 
 
 def _step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

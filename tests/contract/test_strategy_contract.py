@@ -20,18 +20,19 @@ import distkit
 import distkit.testing
 from distkit._imports import is_importable
 from distkit.testing._horovodrun import horovodrun_path
-from tests.fakes import use_fake_apex
+from tests.support.fakes import use_fake_apex
 
 pytestmark = pytest.mark.timeout(300)
 
 
 @contextlib.contextmanager
 def _fake_legacy_apex_and_cuda() -> Iterator[None]:
-    """On each rank: FAKE legacy apex (tests/fakes) and FAKE CUDA, as tests/test_apex.py does.
+    """On each rank: FAKE legacy apex (tests/support/fakes) and FAKE CUDA, as
+    tests/strategies/test_apex.py does.
 
     NVIDIA apex is CUDA-only and not on PyPI, so the apex backend runs the contract against
     the fake legacy package (its DDP really averages over gloo) on CPU, the strategy's CUDA
-    probe patched out. Real apex runs only on CUDA machines (tests/test_apex.py).
+    probe patched out. Real apex runs only on CUDA machines (tests/strategies/test_apex.py).
     """
     import distkit.strategies.apex as apex_strategy
 

@@ -1,7 +1,7 @@
 """distkit.testing, the contract suite plugin authors run: it catches broken strategies.
 
 The broken strategies here are real DDP subclasses on real gloo processes, each broken in one
-documented way; tests/test_strategy_contract.py runs the same promises on every backend.
+documented way; tests/contract/test_strategy_contract.py runs the same promises on every backend.
 """
 
 from __future__ import annotations

@@ -351,7 +351,7 @@ def test_loader_spec_from_dataloader_keeps_a_users_sampler_to_draw_on_every_rank
     spec = _from_data(loader)
 
     expected = loader.sampler if field == "sampler" else loader.batch_sampler
-    assert getattr(spec, field) is expected  # see tests/test_samplers.py
+    assert getattr(spec, field) is expected  # see tests/data/test_samplers.py
 
 
 @pytest.mark.parametrize(

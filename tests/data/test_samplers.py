@@ -35,7 +35,7 @@ from distkit.data._batch_plan import batch_plan
 from distkit.data._samplers import BatchSamplerPlan, SamplerPlan, draw
 from distkit.errors import ConfigurationError
 from distkit.runtime import _resume
-from tests.workloads import make_dataset, make_mlp, max_abs_diff, without_timing
+from tests.support.workloads import make_dataset, make_mlp, max_abs_diff, without_timing
 
 pytestmark = pytest.mark.timeout(60)
 

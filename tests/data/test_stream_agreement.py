@@ -21,10 +21,10 @@ from torch.utils.data import IterableDataset
 import distkit
 from distkit.data._stream_share import ItemsDigest
 from distkit.errors import ConfigurationError
-from tests.horovod_runner import ROOT
-from tests.host_syncs import StepSpans, counting
-from tests.multiprocess import run_on_ranks
-from tests.workloads import make_dataset, make_mlp, max_abs_diff
+from tests.support.host_syncs import StepSpans, counting
+from tests.support.multiprocess import run_on_ranks
+from tests.support.paths import ROOT
+from tests.support.workloads import make_dataset, make_mlp, max_abs_diff
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -156,7 +156,7 @@ def on_ranks(kind: str, batch_size: int, workers: int, tmp_path: Path) -> list[d
         "--nproc_per_node",
         "2",
         "-m",
-        "tests.test_stream_agreement",
+        "tests.data.test_stream_agreement",
         kind,
         str(batch_size),
         str(workers),
@@ -330,6 +330,6 @@ def test_stream_agreement_digest_reads_no_device_tensor_and_no_address():
     assert _digest(object()) == _digest(object())
 
 
-if __name__ == "__main__":  # torchrun -m tests.test_stream_agreement KIND BATCH WORKERS OUT
+if __name__ == "__main__":  # torchrun -m tests.data.test_stream_agreement KIND BATCH WORKERS OUT
     _result = fit_stream(sys.argv[1], int(sys.argv[2]), num_workers=int(sys.argv[3]))
     torch.save(_result, Path(sys.argv[4]) / f"rank{os.environ['RANK']}.pt")

@@ -15,11 +15,12 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import distkit
-from distkit._imports import is_importable
 from distkit.errors import ConfigurationError
-from tests.horovod_runner import ROOT, horovodrun_path
-from tests.multiprocess import run_on_ranks
-from tests.stream_workloads import (
+from tests.support.gates import needs
+from tests.support.horovod_runner import horovodrun_path
+from tests.support.multiprocess import run_on_ranks
+from tests.support.paths import ROOT
+from tests.support.stream_workloads import (
     BatchIterable,
     SampleStream,
     SeekableStream,
@@ -29,15 +30,11 @@ from tests.stream_workloads import (
     train_steps_by_hand,
     train_stream,
 )
-from tests.workloads import make_dataset, make_mlp, max_abs_diff
+from tests.support.workloads import make_dataset, make_mlp, max_abs_diff
 
 pytestmark = pytest.mark.timeout(300)
 
-needs_horovod = pytest.mark.skipif(
-    not (is_importable("horovod.torch") and horovodrun_path()),
-    reason="Horovod is not installed: `python -m distkit.horovod_build` builds it "
-    "(nox -s tests does this before running the tests)",
-)
+needs_horovod = needs("horovod")
 
 
 @functools.cache
@@ -247,7 +244,7 @@ def test_streams_under_torchrun_with_workers_end_together_and_evaluate_exactly(t
     torchrun = Path(sys.executable).parent / "torchrun"
     results = _launch(
         [str(torchrun), "--standalone", "--nproc_per_node", str(world), "-m",
-         "tests.jobs.stream_job", "ddp", "2", "2", str(tmp_path)],
+         "tests.support.job_scripts.stream_job", "ddp", "2", "2", str(tmp_path)],
         tmp_path, world,
     )  # fmt: skip
     for result in results:
@@ -260,7 +257,8 @@ def test_streams_under_torchrun_with_workers_end_together_and_evaluate_exactly(t
 def test_streams_under_horovodrun_end_together_and_evaluate_exactly(tmp_path, world):
     results = _launch(
         [str(horovodrun_path()), "-np", str(world), "-H", f"localhost:{world}", "--gloo",
-         sys.executable, "-m", "tests.jobs.stream_job", "horovod", "2", "0", str(tmp_path)],
+         sys.executable, "-m", "tests.support.job_scripts.stream_job", "horovod", "2", "0",
+         str(tmp_path)],
         tmp_path, world,
     )  # fmt: skip
     for result in results:
@@ -269,7 +267,7 @@ def test_streams_under_horovodrun_end_together_and_evaluate_exactly(tmp_path, wo
 
 
 def test_streams_a_stream_that_differs_between_ranks_is_refused_on_every_rank():
-    from tests.stream_workloads import fit_rank_dependent_stream
+    from tests.support.stream_workloads import fit_rank_dependent_stream
 
     errors = run_on_ranks(functools.partial(fit_rank_dependent_stream, "ddp"), world_size=2)
     for error in errors:
@@ -277,7 +275,7 @@ def test_streams_a_stream_that_differs_between_ranks_is_refused_on_every_rank():
 
 
 def test_streams_a_stream_that_fails_on_one_rank_stops_every_rank():
-    from tests.stream_workloads import fit_failing_stream
+    from tests.support.stream_workloads import fit_failing_stream
 
     errors = run_on_ranks(functools.partial(fit_failing_stream, "ddp"), world_size=2, timeout=90)
     assert errors[1] == "OSError: shard-0003.tar: unexpected end of data"

@@ -3,40 +3,25 @@ script picks Horovod by itself) and the legacy torch.distributed.launch."""
 
 from __future__ import annotations
 
-import os
-import re
 import sys
-from pathlib import Path
 
 import pytest
 
-from tests.horovod_runner import horovodrun_path
-from tests.support.jobs import run_job
+from tests.support.gates import needs
+from tests.support.horovod_runner import horovodrun_path
+from tests.support.jobs import run_example
+from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.timeout(300)
 
-ROOT = Path(__file__).resolve().parents[1]
-needs_horovod = pytest.mark.skipif(
-    horovodrun_path() is None,
-    reason="Horovod is not installed (python -m distkit.horovod_build; nox -s tests builds it)",
-)
-
-
-def _run(cmd: list[str], cwd: Path, timeout: float = 150) -> str:
-    """The job's output; on a hang, a failure with every process's stacks (run_job)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("OMP_NUM_THREADS", None)  # the examples limit threads themselves under horovodrun
-    proc = run_job(cmd, env=env, timeout=timeout, cwd=cwd)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output[-4000:]
-    return re.sub(r"^\[\d+\]<std(?:out|err)>:", "", output, flags=re.MULTILINE)
+needs_horovod = needs("horovod")
 
 
 @needs_horovod
 def test_examples_mnist_under_horovodrun_picks_horovod(tmp_path):
     hvd = [horovodrun_path(), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable]
-    out = _run([*hvd, str(ROOT / "examples" / "mnist.py"), "--epochs", "1",
-                "--max-samples", "512"], tmp_path)  # fmt: skip
+    out = run_example([*hvd, str(ROOT / "examples" / "mnist.py"), "--epochs", "1",
+                       "--max-samples", "512"], tmp_path)  # fmt: skip
     assert "strategy=horovod, world_size=2" in out
     assert out.count("test accuracy:") == 1  # rank 0 only
 
@@ -44,11 +29,11 @@ def test_examples_mnist_under_horovodrun_picks_horovod(tmp_path):
 @needs_horovod
 def test_examples_seg_under_horovodrun_with_sync_bn(tmp_path):
     hvd = [horovodrun_path(), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable]
-    out = _run([*hvd, str(ROOT / "examples" / "seg.py"), "--epochs", "1", "--sync-bn",
-                "--num-samples", "32", "--crop-size", "32", "--clip-norm", "0.5",
-                "--checkpoint-dir", str(tmp_path / "ckpt"), "--best-checkpoint",
-                "--log-dir", str(tmp_path / "logs"), "--log-every", "1",
-                "--val-every", "1"], tmp_path)  # fmt: skip
+    out = run_example([*hvd, str(ROOT / "examples" / "seg.py"), "--epochs", "1", "--sync-bn",
+                       "--num-samples", "32", "--crop-size", "32", "--clip-norm", "0.5",
+                       "--checkpoint-dir", str(tmp_path / "ckpt"), "--best-checkpoint",
+                       "--log-dir", str(tmp_path / "logs"), "--log-every", "1",
+                       "--val-every", "1"], tmp_path)  # fmt: skip
     assert "strategy=horovod, world_size=2" in out and "sync_bn=True" in out
     assert "clip_norm=0.5" in out and out.count("val mIoU:") == 1
     # 32 samples / (2 x 16): 1 step; BestCheckpoint on mIoU and the CSV log, by rank 0 only
@@ -59,6 +44,6 @@ def test_examples_seg_under_horovodrun_with_sync_bn(tmp_path):
 
 def test_examples_mnist_under_legacy_torch_distributed_launch(tmp_path):
     launch = [sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node", "2"]
-    out = _run([*launch, str(ROOT / "examples" / "mnist.py"), "--epochs", "1",
-                "--max-samples", "256"], tmp_path)  # fmt: skip
+    out = run_example([*launch, str(ROOT / "examples" / "mnist.py"), "--epochs", "1",
+                       "--max-samples", "256"], tmp_path)  # fmt: skip
     assert "strategy=ddp, world_size=2" in out

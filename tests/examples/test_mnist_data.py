@@ -19,8 +19,9 @@ import pytest
 import torch
 
 import distkit
-from tests.examples_import import EXAMPLES, LAUNCHER_VARS, ROOT
-from tests.examples_import import load_example as _load
+from tests.support.examples_import import EXAMPLES, LAUNCHER_VARS
+from tests.support.examples_import import load_example as _load
+from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.timeout(120)
 

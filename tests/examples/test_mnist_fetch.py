@@ -24,8 +24,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.examples_import import EXAMPLES, LAUNCHER_VARS, ROOT
-from tests.examples_import import load_example as _load
+from tests.support.examples_import import EXAMPLES, LAUNCHER_VARS
+from tests.support.examples_import import load_example as _load
+from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 
 import distkit
 from distkit.data import GlobalBatchPlan
-from tests.examples_import import EXAMPLES, LAUNCHER_VARS
-from tests.examples_import import load_example as _load
+from tests.support.examples_import import EXAMPLES, LAUNCHER_VARS
+from tests.support.examples_import import load_example as _load
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.examples_import import EXAMPLES, LAUNCHER_VARS
-from tests.examples_import import load_example as _load
+from tests.support.examples_import import EXAMPLES, LAUNCHER_VARS
+from tests.support.examples_import import load_example as _load
 
 pytestmark = pytest.mark.timeout(120)
 

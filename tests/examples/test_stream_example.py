@@ -13,14 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.examples_import import EXAMPLES
-from tests.examples_import import load_example as _load
-from tests.horovod_runner import horovodrun_path
-from tests.test_clusters import _mpirun, needs_mpirun
-from tests.test_examples_launchers import _run, needs_horovod
-from tests.workloads import max_abs_diff
+from tests.support.examples_import import EXAMPLES
+from tests.support.examples_import import load_example as _load
+from tests.support.gates import needs
+from tests.support.horovod_runner import horovodrun_path
+from tests.support.jobs import run_example
+from tests.support.mpi import mpirun_path
+from tests.support.workloads import max_abs_diff
 
-pytestmark = pytest.mark.timeout(420)  # above two jobs of _run's 150 s: a hang shows its stacks
+# above two jobs of run_example's 150 s: a hang shows its stacks
+pytestmark = pytest.mark.timeout(420)
 
 example_cli = _load("example_cli", "example_cli.py")
 stream_data = _load("stream_data", "stream_data.py")
@@ -49,14 +51,14 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
 def one_process(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor], str]:
     """A plain python run at batch 32 (the reference); it writes the shards, as a first run."""
     folder = tmp_path_factory.mktemp("one")
-    output = _run([sys.executable, SCRIPT, *SMALL, "--batch-size", str(2 * BATCH),
-                   "--data-dir", "shards", "--save-weights", "w.pt"], folder)  # fmt: skip
+    output = run_example([sys.executable, SCRIPT, *SMALL, "--batch-size", str(2 * BATCH),
+                          "--data-dir", "shards", "--save-weights", "w.pt"], folder)  # fmt: skip
     return folder / "shards", _weights(folder / "w.pt"), output
 
 
 def _launch(launcher: list[str], data: Path, out: Path, *extra: str) -> tuple[str, dict]:
-    output = _run([*launcher, SCRIPT, *SMALL, "--batch-size", str(BATCH), "--data-dir",
-                   str(data), "--save-weights", str(out / "w.pt"), *extra], out)  # fmt: skip
+    output = run_example([*launcher, SCRIPT, *SMALL, "--batch-size", str(BATCH), "--data-dir",
+                          str(data), "--save-weights", str(out / "w.pt"), *extra], out)  # fmt: skip
     return output, _weights(out / "w.pt")
 
 
@@ -166,7 +168,7 @@ def test_stream_example_torchrun_with_workers_ends_like_one_process(tmp_path, on
     _same_as_one_process(output, weights, one_process)
 
 
-@needs_horovod
+@needs("horovod")
 def test_stream_example_horovodrun_ends_like_one_process(tmp_path, one_process):
     hvd = [horovodrun_path(), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable]
     output, weights = _launch(hvd, one_process[0], tmp_path, "--num-workers", "2")
@@ -174,11 +176,11 @@ def test_stream_example_horovodrun_ends_like_one_process(tmp_path, one_process):
     _same_as_one_process(output, weights, one_process)
 
 
-@needs_mpirun
+@needs("mpirun")
 def test_stream_example_mpirun_ends_like_one_process(tmp_path, one_process):
     as_root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
     # one thread per rank: example_cli.limit_threads does not recognise mpirun
-    mpirun = [_mpirun(), *as_root, "--oversubscribe", "-x", "OMP_NUM_THREADS=1", "-np", "2",
+    mpirun = [mpirun_path(), *as_root, "--oversubscribe", "-x", "OMP_NUM_THREADS=1", "-np", "2",
               sys.executable]  # fmt: skip
     output, weights = _launch(mpirun, one_process[0], tmp_path, "--strategy", "ddp")
     assert "strategy=ddp, world_size=2" in output and "0 worker(s) per process" in output
@@ -189,8 +191,9 @@ def test_stream_example_resumes_mid_stream_by_seeking(tmp_path, one_process):
     """40 steps (8 into epoch 2: 256 samples, 1 shard and 6 samples), then the rest."""
     data, reference, reference_output = one_process
     common = ["--num-workers", "2", "--checkpoint-dir", str(tmp_path / "ckpt")]
-    first = _run([*TORCHRUN, SCRIPT, *SMALL, "--batch-size", str(BATCH), "--data-dir", str(data),
-                  *common, "--max-steps", "40", "--checkpoint-every", "20"], tmp_path)  # fmt: skip
+    first = run_example([*TORCHRUN, SCRIPT, *SMALL, "--batch-size", str(BATCH), "--data-dir",
+                         str(data), *common, "--max-steps", "40", "--checkpoint-every", "20"],
+                        tmp_path)  # fmt: skip
     assert "stopped at step 40 (--max-steps)" in first and "seeking" not in first
     output, weights = _launch(TORCHRUN, data, tmp_path, *common, "--resume")
     assert "resumed: at step 40 (epoch 2)" in output

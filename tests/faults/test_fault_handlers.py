@@ -18,20 +18,17 @@ from torch import nn
 
 import distkit
 from distkit.errors import ConfigurationError, PeerFailureError
-from tests.horovod_runner import horovodrun_path
-from tests.multiprocess import free_port, torchrun_env
-from tests.workloads import make_dataset
+from tests.support.gates import needs
+from tests.support.horovod_runner import horovodrun_path
+from tests.support.multiprocess import free_port, torchrun_env
+from tests.support.paths import ROOT
+from tests.support.workloads import make_dataset
 
 pytestmark = pytest.mark.timeout(300)
 
-ROOT = Path(__file__).resolve().parents[1]
-JOB = str(ROOT / "tests" / "jobs" / "handlers_job.py")
+JOB = str(ROOT / "tests" / "support" / "job_scripts" / "handlers_job.py")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-NEEDS_HOROVOD = pytest.mark.skipif(
-    horovodrun_path() is None,
-    reason="Horovod is not installed (python -m distkit.horovod_build builds it; "
-    "nox -s tests does)",
-)
+NEEDS_HOROVOD = needs("horovod")
 
 
 def _horovodrun() -> list[str]:
@@ -216,7 +213,7 @@ def test_fault_handlers_ctrl_c_in_one_process_exits_130_in_one_line(tmp_path):
     script.write_text(
         "import os, signal, torch, distkit\n"
         "from torch import nn\n"
-        "from tests.workloads import make_dataset\n"
+        "from tests.support.workloads import make_dataset\n"
         "t = distkit.Trainer('ddp', batch_size=4, max_epochs=3, progress=False)\n"
         "m = nn.Linear(6, 3)\n"
         "def step(model, batch):\n"

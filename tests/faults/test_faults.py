@@ -18,12 +18,13 @@ from torch.utils.data import TensorDataset
 
 import distkit
 from distkit.errors import NonFiniteLossError
-from tests.horovod_runner import horovodrun_path
-from tests.workloads import max_abs_diff
+from tests.support.gates import needs
+from tests.support.horovod_runner import horovodrun_path
+from tests.support.paths import ROOT
+from tests.support.workloads import max_abs_diff
 
 pytestmark = pytest.mark.timeout(300)
 
-ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
 
@@ -33,7 +34,7 @@ def _job(launcher: list[str], out: Path, *args: str, timeout: float = 240) -> tu
         env.pop(key, None)
     out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
-    script = str(ROOT / "tests" / "jobs" / "fault_job.py")
+    script = str(ROOT / "tests" / "support" / "job_scripts" / "fault_job.py")
     proc = subprocess.run(
         [*launcher, script, args[0], str(out), *args[1:]],
         capture_output=True, text=True, env=env, timeout=timeout,
@@ -73,8 +74,7 @@ def test_faults_raising_rank_stops_every_ddp_rank_fast(tmp_path):
     _assert_stopped_fast(proc, seconds)
 
 
-@pytest.mark.skipif(horovodrun_path() is None, reason="Horovod is not installed "
-                    "(python -m distkit.horovod_build builds it; nox -s tests does)")  # fmt: skip
+@needs("horovod")
 def test_faults_raising_rank_stops_every_horovod_rank_fast(tmp_path):
     launcher = [horovodrun_path(), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable]
     proc, seconds = _job(launcher, tmp_path, "horovod", "--raise-at", "3", timeout=120)

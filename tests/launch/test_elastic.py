@@ -23,11 +23,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.workloads import max_abs_diff
+from tests.support.paths import ROOT
+from tests.support.workloads import max_abs_diff
 
 pytestmark = pytest.mark.timeout(400)
 
-ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 1e-5
 STEPS = 24  # 3 epochs of 64 samples at a global batch of 8
 
@@ -78,7 +78,8 @@ class Nodes:
                "--nproc-per-node", "1", "--max-restarts", "3", "--rdzv-backend", "c10d",
                "--rdzv-endpoint", f"127.0.0.1:{self.store.port}", "--rdzv-id", "elastic",
                "--rdzv-conf", "last_call_timeout=2", "--monitor-interval", "0.5",
-               "-m", "tests.jobs.elastic_job", str(self.out), str(self.pause)]  # fmt: skip
+               "-m", "tests.support.job_scripts.elastic_job", str(self.out),
+               str(self.pause)]  # fmt: skip
         log = open(self.out / f"agent{len(self.agents)}.log", "w")  # noqa: SIM115
         # torch 2.13's agents share one TCP store across rendezvous rounds; a node that joins
         # later waits for a MASTER_ADDR that the rank-0 agent never publishes again (it
@@ -133,8 +134,8 @@ def nodes(tmp_path):
 def uninterrupted(tmp_path_factory) -> dict[str, torch.Tensor]:
     """The same script as one plain process, never interrupted."""
     out = tmp_path_factory.mktemp("uninterrupted")
-    subprocess.run([sys.executable, "-m", "tests.jobs.elastic_job", str(out)], env=_env(),
-                   cwd=out, check=True, capture_output=True, timeout=240)  # fmt: skip
+    subprocess.run([sys.executable, "-m", "tests.support.job_scripts.elastic_job", str(out)],
+                   env=_env(), cwd=out, check=True, capture_output=True, timeout=240)  # fmt: skip
     return torch.load(out / "final.pt", weights_only=True)
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.workloads import max_abs_diff
+from tests.support.paths import ROOT
+from tests.support.workloads import max_abs_diff
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -21,7 +22,7 @@ SCRIPT = """
 import sys, torch
 from torch import nn
 import distkit
-from tests.workloads import make_dataset, make_mlp
+from tests.support.workloads import make_dataset, make_mlp
 
 # torch.distributed.launch adds --local-rank=N, as a user's argparse would accept
 args = [a for a in sys.argv[1:] if not a.startswith("--local")]
@@ -39,8 +40,7 @@ if trainer.is_main:
 def _run(tmp_path: Path, launcher: list[str], *args: str) -> subprocess.CompletedProcess:
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     proc = subprocess.run(

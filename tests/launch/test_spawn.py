@@ -19,12 +19,11 @@ import torch
 
 import distkit
 from distkit.errors import RankDisagreementError, WorkerError
-from tests.jobs.cluster_job import train
-from tests.workloads import max_abs_diff
+from tests.support.job_scripts.cluster_job import train
+from tests.support.paths import ROOT
+from tests.support.workloads import max_abs_diff
 
 pytestmark = pytest.mark.timeout(300)
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _env() -> dict[str, str]:
@@ -43,8 +42,8 @@ def test_spawn_equals_torchrun_on_the_same_script(tmp_path):
     by_torchrun, by_spawn = tmp_path / "torchrun", tmp_path / "spawn"
     by_torchrun.mkdir()
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    "--nproc-per-node", "2", "-m", "tests.jobs.cluster_job", "auto", "4",
-                    str(by_torchrun)], env=_env(), cwd=tmp_path, check=True,
+                    "--nproc-per-node", "2", "-m", "tests.support.job_scripts.cluster_job",
+                    "auto", "4", str(by_torchrun)], env=_env(), cwd=tmp_path, check=True,
                    capture_output=True, timeout=240)  # fmt: skip
     by_spawn.mkdir()
     result = distkit.spawn(_train_and_report, nprocs=2, args=(str(by_spawn),))
@@ -59,7 +58,7 @@ def test_spawn_equals_torchrun_on_the_same_script(tmp_path):
 def _fail_on_rank_one() -> str:
     from torch import nn
 
-    from tests.workloads import make_dataset, make_mlp
+    from tests.support.workloads import make_dataset, make_mlp
 
     def step(model, batch):
         if int(os.environ["RANK"]) == 1:
@@ -86,7 +85,7 @@ def _fail_on_rank_one_before_its_trainer(stamp: str) -> str:
     """Rank 1 fails at once; rank 0 builds its Trainer and waits for rank 1 to join."""
     from torch import nn
 
-    from tests.workloads import make_dataset, make_mlp
+    from tests.support.workloads import make_dataset, make_mlp
 
     if int(os.environ["RANK"]) == 1:
         Path(stamp).write_text(str(time.time()))
@@ -117,7 +116,7 @@ def _fail_on_rank_one_after_its_trainer() -> str:
     """Rank 1 fails between its Trainer and fit; rank 0's fit then finds it gone."""
     from torch import nn
 
-    from tests.workloads import make_dataset, make_mlp
+    from tests.support.workloads import make_dataset, make_mlp
 
     trainer = distkit.Trainer("auto", batch_size=4, progress=False)
     if trainer.rank == 1:

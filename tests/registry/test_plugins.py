@@ -1,6 +1,6 @@
 """Strategy plugins: pip-installed distributions with a ``distkit.strategies`` entry point.
 
-tests/plugins holds five throw-away distributions. They are pip-installed into a temporary
+tests/support/plugins holds five throw-away distributions. They are pip-installed into a temporary
 folder put on PYTHONPATH (never into this environment), and real processes use them: a
 torchrun job trains with the working one by name, ``distkit doctor`` shows its row, and each
 broken one (an import error, a built-in's name, no Strategy, a name two plugins claim, an
@@ -22,12 +22,12 @@ import torch
 
 import distkit
 from distkit.registry import StrategyRegistry, _plugins
-from tests.workloads import max_abs_diff
+from tests.support.paths import ROOT
+from tests.support.workloads import max_abs_diff
 
 pytestmark = pytest.mark.timeout(240)
 
-ROOT = Path(__file__).resolve().parents[1]
-PLUGINS = ROOT / "tests" / "plugins"
+PLUGINS = ROOT / "tests" / "support" / "plugins"
 DISTRIBUTIONS = (
     "distkit_plugin_example",
     "distkit_plugin_broken",
@@ -40,7 +40,7 @@ TRAIN = """\
 import argparse, torch
 from torch import nn
 import distkit
-from tests.workloads import make_dataset, make_mlp
+from tests.support.workloads import make_dataset, make_mlp
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--strategy")

@@ -175,7 +175,7 @@ def test_register_class_resolves_and_is_listed(registry):
 
 
 def test_register_string_target_is_imported_on_first_use(registry):
-    registry.register("serial", "tests.test_registry:SerialStrategy")
+    registry.register("serial", "tests.registry.test_registry:SerialStrategy")
 
     assert registry.resolve("serial") is SerialStrategy
 

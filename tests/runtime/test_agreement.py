@@ -19,7 +19,7 @@ import distkit
 from distkit import checkpoint as ckpt
 from distkit.errors import RankDisagreementError
 from distkit.runtime._agreement import COLLECTIVE, Message, _ranks, disagreement, first_difference
-from tests.workloads import make_dataset, make_mlp
+from tests.support.workloads import make_dataset, make_mlp
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import distkit
-from tests.workloads import make_dataset, make_mlp
+from tests.support.workloads import make_dataset, make_mlp
 
 pytestmark = [pytest.mark.timeout(240)]
 #: the collective timeout of these runs: a pairing that hangs fails the test's time bound

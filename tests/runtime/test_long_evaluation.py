@@ -13,7 +13,7 @@ from torch.utils.data import IterableDataset
 
 import distkit
 from distkit.data import _eval_rounds
-from tests.workloads import make_dataset, make_mlp
+from tests.support.workloads import make_dataset, make_mlp
 
 pytestmark = [pytest.mark.timeout(120)]
 

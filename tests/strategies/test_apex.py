@@ -1,7 +1,7 @@
 """ApexStrategy: both apex generations, the opt-level mapping, and every refusal.
 
 NVIDIA apex is CUDA-only and not on PyPI, so most tests here use the FAKE apex packages of
-tests/fakes (legacy, modern, impostor) and FAKE CUDA (the strategy's CUDA probe is patched);
+tests/support/fakes (legacy, modern, impostor) and FAKE CUDA (the strategy's CUDA probe is patched);
 each such test says so. The real-apex tests at the end skip without CUDA and NVIDIA apex.
 """
 
@@ -29,8 +29,10 @@ from distkit.strategies.apex._detect import detect_apex
 from distkit.strategies.apex._levels import resolve_plan
 from distkit.strategies.apex.legacy import amp_to_grad_scaler, grad_scaler_to_amp
 from distkit.strategies.base import TrainOptions
-from tests.fakes import use_fake_apex
-from tests.workloads import make_dataset, make_mlp, max_abs_diff, train_with_distkit
+from tests.support.fakes import use_fake_apex
+from tests.support.gates import needs
+from tests.support.paths import ROOT
+from tests.support.workloads import make_dataset, make_mlp, max_abs_diff, train_with_distkit
 
 pytestmark = [
     pytest.mark.timeout(180),
@@ -408,21 +410,7 @@ def test_apex_legacy_o1_patches_are_in_place_only_in_distkits_forward(
 
 
 # ---------------------------------------------------------------- real apex (GPU machines)
-def _real_apex_available() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        return detect_apex() is not None
-    except ImportError:
-        return False
-
-
-needs_real_apex = pytest.mark.skipif(
-    not _real_apex_available(), reason="needs CUDA and NVIDIA apex (CUDA-only, not on PyPI)"
-)
-
-
-@needs_real_apex
+@needs("apex")
 @pytest.mark.parametrize("precision", ["32", "fp16"])
 def test_real_apex_trains_like_ddp(precision):
     apex_run = train_with_distkit("apex", 8, n=64, precision=precision)
@@ -437,13 +425,11 @@ def test_apex_example_under_torchrun_fails_fast_with_one_line():
     import os
     import subprocess
     import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         str(root / "examples" / "mnist.py"), "--strategy", "apex", "--max-samples", "64"],
+         str(ROOT / "examples" / "mnist.py"), "--strategy", "apex", "--max-samples", "64"],
         capture_output=True, text=True, env=env, timeout=120,
     )  # fmt: skip
     assert proc.returncode != 0

@@ -1,8 +1,8 @@
 """Gradient clipping: the same rule as a hand-written loop, on the right gradients.
 
 Every backend's "N processes clip like one process at N x the batch" is a contract promise
-(tests/test_strategy_contract.py, ``clipping``); here: equality with torch's own clipping in
-a hand-written loop, fp16 (unscale first, skip on overflow), and the step logs.
+(tests/contract/test_strategy_contract.py, ``clipping``); here: equality with torch's own
+clipping in a hand-written loop, fp16 (unscale first, skip on overflow), and the step logs.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 import distkit
 from distkit.callbacks import Callback
-from tests.workloads import make_dataset, make_mlp, max_abs_diff, state_of
+from tests.support.workloads import make_dataset, make_mlp, max_abs_diff, state_of
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -17,10 +17,10 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import distkit
-from distkit._imports import is_importable
 from distkit.trainer import _comm_probe
 from distkit.trainer.timing import COMM_HINT_SHARE, EpochTiming
-from tests.horovod_runner import horovodrun_path, run_with_horovodrun
+from tests.support.gates import needs
+from tests.support.horovod_runner import run_with_horovodrun
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -156,12 +156,9 @@ def test_comm_probe_is_skipped_in_a_world_of_one(run_on_ranks):
     assert history[-1]["time_comm_ms"] == 0.0
 
 
-@pytest.mark.skipif(
-    not (is_importable("horovod.torch") and horovodrun_path()),
-    reason="Horovod is not installed: `python -m distkit.horovod_build` builds it",
-)
+@needs("horovod")
 def test_comm_probe_measures_horovods_allreduce(tmp_path):
-    call = ("tests.test_comm_hint", "fit_and_report", ("horovod", "mlp", 32, 1), {})
+    call = ("tests.strategies.test_comm_hint", "fit_and_report", ("horovod", "mlp", 32, 1), {})
     results = run_with_horovodrun([call], tmp_path, np=2, timeout=170)
     report, history = results[0][0]
     assert "optimizer+allreduce" in report and "allreduce ~" in report

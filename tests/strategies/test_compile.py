@@ -17,7 +17,7 @@ from torch import nn
 
 import distkit
 from distkit import checkpoint as ckpt
-from tests.workloads import make_dataset, max_abs_diff
+from tests.support.workloads import make_dataset, max_abs_diff
 
 pytestmark = pytest.mark.timeout(300)
 

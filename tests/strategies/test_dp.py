@@ -9,12 +9,11 @@ from torch.utils.data import TensorDataset
 
 import distkit
 from distkit.strategies.dp import DataParallelStrategy, replica_loss_mean
+from tests.support.gates import needs
 
 pytestmark = pytest.mark.timeout(60)
 
-needs_two_gpus = pytest.mark.skipif(
-    torch.cuda.device_count() < 2, reason="needs 2 CUDA devices for nn.DataParallel replicas"
-)
+needs_two_gpus = needs("2 gpus", because="nn.DataParallel replicas")
 
 
 def test_replica_loss_mean_weights_uneven_chunks():

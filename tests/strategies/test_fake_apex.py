@@ -1,4 +1,4 @@
-"""Tests of the FAKE apex packages in tests/fakes (so strategy tests can trust them).
+"""Tests of the FAKE apex packages in tests/support/fakes (so strategy tests can trust them).
 
 Every test here exercises a fake: the legacy NVIDIA apex (<= 25.04), the modern one (>= 25.07)
 or the unrelated PyPI ``apex`` (Pyramid toolkit). Behaviour asserted here is the behaviour of
@@ -22,8 +22,8 @@ import pytest
 import torch
 from torch import nn
 
-from tests.fakes import FAKE_APEX_DIRS, FAKES_DIR, use_fake_apex
-from tests.multiprocess import free_port
+from tests.support.fakes import FAKE_APEX_DIRS, FAKES_DIR, use_fake_apex
+from tests.support.multiprocess import free_port
 
 pytestmark = [
     pytest.mark.timeout(120),

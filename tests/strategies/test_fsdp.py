@@ -18,7 +18,7 @@ from torch.utils.data import TensorDataset
 import distkit
 from distkit import checkpoint as ckpt
 from distkit.strategies.fsdp import FSDPStrategy
-from tests.workloads import make_dataset, make_mlp, max_abs_diff, train_with_distkit
+from tests.support.workloads import make_dataset, make_mlp, max_abs_diff, train_with_distkit
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -1,7 +1,7 @@
 """HorovodStrategy on real Horovod processes (``horovodrun -np 2 --gloo``).
 
 All Horovod bodies share one horovodrun launch (module fixture); each test checks its part.
-The promises of every strategy run under horovodrun in tests/test_strategy_contract.py.
+The promises of every strategy run under horovodrun in tests/contract/test_strategy_contract.py.
 They skip only where Horovod is not installed; ``nox -s tests`` and CI install it.
 """
 
@@ -14,20 +14,18 @@ import torch
 from torch import nn
 
 import distkit
-from distkit._imports import is_importable
-from tests.horovod_runner import RankError, horovodrun_path, run_with_horovodrun
-from tests.multiprocess import run_on_ranks
-from tests.workloads import make_dataset, make_mlp, max_abs_diff, train_with_distkit
+from tests.support.checkpoint_runs import make_source_checkpoint, train_run
+from tests.support.gates import needs
+from tests.support.horovod_runner import RankError, run_with_horovodrun
+from tests.support.multiprocess import run_on_ranks
+from tests.support.workloads import make_dataset, make_mlp, max_abs_diff, train_with_distkit
 
 pytestmark = pytest.mark.timeout(600)
 
-needs_horovod = pytest.mark.skipif(
-    not (is_importable("horovod.torch") and horovodrun_path()),
-    reason="Horovod is not installed: `python -m distkit.horovod_build` builds it "
-    "(nox -s tests does this before running the tests)",
-)
+needs_horovod = needs("horovod")
 
-W = "tests.workloads"
+W = "tests.support.workloads"
+H = "tests.strategies.test_horovod"  # this module, as the Horovod ranks import it
 CALLS = {
     "b4": (W, "train_with_distkit", ("horovod", 4), {"n": 61}),
     "accum": (W, "train_with_distkit", ("horovod", 2), {"n": 61, "grad_accum_steps": 2}),
@@ -36,11 +34,11 @@ CALLS = {
                                                          "sync_batchnorm": True}),
     "fp16": (W, "train_with_distkit", ("horovod", 4), {"n": 64, "precision": "fp16",
                                                        "epochs": 3}),
-    "refit": ("tests.test_horovod", "fit_twice_then_new_optimizer", (), {}),
-    "clip": ("tests.test_horovod", "train_clipped", ("horovod", 2), {"grad_accum_steps": 2}),
-    "clip_fp16": ("tests.test_horovod", "train_clipped", ("horovod", 4), {"precision": "fp16"}),
-    "compile": ("tests.test_compile", "eager_then_compiled", ("horovod", 4, 1), {}),
-    "schedulers": ("tests.test_horovod", "scheduler_warnings", (), {}),
+    "refit": (H, "fit_twice_then_new_optimizer", (), {}),
+    "clip": (H, "train_clipped", ("horovod", 2), {"grad_accum_steps": 2}),
+    "clip_fp16": (H, "train_clipped", ("horovod", 4), {"precision": "fp16"}),
+    "compile": ("tests.strategies.test_compile", "eager_then_compiled", ("horovod", 4, 1), {}),
+    "schedulers": (H, "scheduler_warnings", (), {}),
 }  # fmt: skip
 
 
@@ -278,15 +276,13 @@ def test_ddp_under_horovodrun_fails_fast_naming_both_launchers():
 @pytest.fixture(scope="module")
 def portability(tmp_path_factory):
     """Checkpoints crossing between Horovod and the other strategies, one horovodrun launch."""
-    from tests.test_checkpoint import make_source_checkpoint
-
     base = tmp_path_factory.mktemp("portability")
     sources = {
         "dp": make_source_checkpoint("dp", 1, 8, base / "dp", run_on_ranks),
         "ddp": make_source_checkpoint("ddp", 2, 4, base / "ddp", run_on_ranks),
         "fsdp": make_source_checkpoint("fsdp", 2, 4, base / "fsdp", run_on_ranks),
     }
-    train = ("tests.test_checkpoint", "_train")
+    train = ("tests.support.checkpoint_runs", "train_run")
     calls = [
         (*train, ("horovod", 4, str(base / "hvd")), {"max_steps": 5, "every": 5, "model": "plain"}),
         *[(*train, ("horovod", 4, None), {"resume": str(path), "model": "plain"})
@@ -300,9 +296,8 @@ def portability(tmp_path_factory):
 @needs_horovod
 def test_horovod_checkpoints_port_to_and_from_other_strategies(portability):
     from distkit import checkpoint as ckpt
-    from tests.test_checkpoint import _train
 
-    reference = _train("dp", 8, model="plain")
+    reference = train_run("dp", 8, model="plain")
     results = _ok(portability["results"])
     names = ["dp -> horovod", "ddp -> horovod", "fsdp -> horovod", "horovod -> horovod"]
     for name, result in zip(names, results[1:], strict=True):
@@ -310,7 +305,7 @@ def test_horovod_checkpoints_port_to_and_from_other_strategies(portability):
     horovod_ckpt = ckpt.CheckpointFolder(portability["base"] / "hvd").checkpoints()[0]
     assert ckpt.load(horovod_ckpt)["producer"]["strategy"] == "horovod"
     for target, world, batch in (("dp", 1, 8), ("ddp", 2, 4), ("fsdp", 2, 4)):
-        resumed = run_on_ranks(partial(_train, resume=str(horovod_ckpt), model="plain"),
+        resumed = run_on_ranks(partial(train_run, resume=str(horovod_ckpt), model="plain"),
                                target, batch, None, world_size=world)  # fmt: skip
         diff = max_abs_diff(resumed[0]["state"], reference["state"])
         assert diff <= 1e-5, f"horovod -> {target}: {diff}"

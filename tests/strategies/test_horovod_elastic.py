@@ -17,15 +17,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.horovod_runner import horovodrun_path
-from tests.workloads import max_abs_diff
+from tests.support.gates import needs
+from tests.support.horovod_runner import horovodrun_path
+from tests.support.paths import ROOT
+from tests.support.workloads import max_abs_diff
 
 pytestmark = [
     pytest.mark.timeout(300),
-    pytest.mark.skipif(horovodrun_path() is None, reason="Horovod is not installed"),
+    needs("horovod"),
 ]
 
-ROOT = Path(__file__).resolve().parents[1]
 EPOCHS = 4
 
 
@@ -39,7 +40,13 @@ class ElasticJob:
         discover.chmod(0o755)
         env = {k: v for k, v in os.environ.items() if not k.startswith("HOROVOD_")}
         env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-        script = [sys.executable, "-m", "tests.jobs.horovod_elastic_job", str(out), "0.25"]
+        script = [
+            sys.executable,
+            "-m",
+            "tests.support.job_scripts.horovod_elastic_job",
+            str(out),
+            "0.25",
+        ]
         cmd = [horovodrun_path(), "-np", str(np), "--min-np", "1", "--max-np", "2",
                "--host-discovery-script", str(discover), "--network-interface", "lo",
                *script]  # fmt: skip

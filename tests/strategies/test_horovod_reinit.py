@@ -1,9 +1,9 @@
 """Horovod started and stopped 20 times in one ``horovodrun -np 2`` job never aborts.
 
-tests/jobs/horovod_reinit_job.py runs 20 cycles of two distkit Trainers (fit, ``close()``) and
-``hvd.shutdown()``. With Horovod 0.28.1's rendezvous server as released, keys of a finished
-``hvd.init()`` stayed in the server, and such jobs aborted in gloo ("Connection refused") in 2 of
-5 runs here; ``python -m distkit.horovod_build`` patches the server (see
+tests/support/job_scripts/horovod_reinit_job.py runs 20 cycles of two distkit Trainers (fit,
+``close()``) and ``hvd.shutdown()``. With Horovod 0.28.1's rendezvous server as released, keys
+of a finished ``hvd.init()`` stayed in the server, and such jobs aborted in gloo ("Connection
+refused") in 2 of 5 runs here; ``python -m distkit.horovod_build`` patches the server (see
 tests/test_horovod_build.py for the patch itself).
 """
 
@@ -12,25 +12,20 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from distkit._imports import is_importable
-from tests.horovod_runner import horovodrun_path
-from tests.workloads import max_abs_diff, train_with_distkit
+from tests.support.gates import needs
+from tests.support.horovod_runner import horovodrun_path
+from tests.support.paths import ROOT
+from tests.support.workloads import max_abs_diff, train_with_distkit
 
 pytestmark = [
     pytest.mark.timeout(300),
-    pytest.mark.skipif(
-        not (is_importable("horovod.torch") and horovodrun_path()),
-        reason="Horovod is not installed: `python -m distkit.horovod_build` builds it "
-        "(nox -s tests does this before running the tests)",
-    ),
+    needs("horovod"),
 ]
 
-ROOT = Path(__file__).resolve().parents[1]
 CYCLES = 20
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -45,7 +40,8 @@ def cycles(tmp_path_factory) -> tuple[subprocess.CompletedProcess, list[dict]]:
         env.pop(key, None)
     cmd = [
         str(horovodrun_path()), "-np", "2", "-H", "localhost:2", "--gloo",
-        sys.executable, "-m", "tests.jobs.horovod_reinit_job", str(out), "--cycles", str(CYCLES),
+        sys.executable, "-m", "tests.support.job_scripts.horovod_reinit_job", str(out),
+        "--cycles", str(CYCLES),
     ]  # fmt: skip
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)

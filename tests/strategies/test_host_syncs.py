@@ -1,7 +1,7 @@
 """No host synchronisation in the steady-state step, on any backend (issue 15, part 1).
 
 Counted on CPU by wrapping ``Tensor.item/__bool__/tolist/cpu/__float__/__int__/numpy`` during
-a real fit (tests/host_syncs.py). Between log points a step must read nothing; log points,
+a real fit (tests/support/host_syncs.py). Between log points a step must read nothing; log points,
 epoch edges and set-up may. On a GPU the same property is checked with
 ``torch.cuda.set_sync_debug_mode("error")`` (the GPU test at the end; it skips here).
 """
@@ -14,8 +14,9 @@ import pytest
 import torch
 
 import distkit
-from tests.horovod_runner import horovodrun_path, run_with_horovodrun
-from tests.host_syncs import StepSpans, counting, steady_syncs, syncs_per_step
+from tests.support.gates import needs
+from tests.support.horovod_runner import run_with_horovodrun
+from tests.support.host_syncs import StepSpans, counting, steady_syncs, syncs_per_step
 
 LOG_EVERY = 4
 STEPS = 16  # 64 samples per rank, 4 per step
@@ -50,11 +51,16 @@ def test_host_syncs_with_accumulation_clipping_and_default_log_interval(run_on_r
         assert steady_syncs(spans, 50) == {}
 
 
-@pytest.mark.skipif(
-    horovodrun_path() is None, reason="needs Horovod (python -m distkit.horovod_build)"
-)
+@needs("horovod")
 def test_host_syncs_horovod_has_none_between_log_points(tmp_path):
-    calls = [("tests.host_syncs", "syncs_per_step", ("horovod",), {"log_every_n_steps": LOG_EVERY})]
+    calls = [
+        (
+            "tests.support.host_syncs",
+            "syncs_per_step",
+            ("horovod",),
+            {"log_every_n_steps": LOG_EVERY},
+        )
+    ]
     for (spans,) in run_with_horovodrun(calls, tmp_path, np=2, timeout=300):
         assert not isinstance(spans, Exception), spans
         _assert_steady(spans)
@@ -93,16 +99,7 @@ def test_host_syncs_a_callback_that_may_stop_adds_only_a_host_side_sum(monkeypat
         ), spans.spans[k]
 
 
-def _real_apex() -> bool:
-    from distkit.strategies.apex._detect import detect_apex
-
-    try:
-        return torch.cuda.is_available() and detect_apex() is not None
-    except ImportError:
-        return False
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@needs("cuda")
 @pytest.mark.parametrize(
     "strategy",
     [
@@ -111,9 +108,7 @@ def _real_apex() -> bool:
         "fsdp",
         pytest.param(
             "apex",
-            marks=pytest.mark.skipif(
-                not _real_apex(), reason="needs a CUDA GPU and NVIDIA apex (not on PyPI)"
-            ),
+            marks=needs("apex"),
         ),
     ],
 )

@@ -18,7 +18,6 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import distkit
-from distkit._imports import is_importable
 from distkit.errors import ConfigurationError
 from distkit.strategies import _placement, _torch_dist
 from distkit.strategies._placement import (
@@ -34,8 +33,9 @@ from distkit.strategies.ddp import DDPStrategy
 from distkit.strategies.dp import DataParallelStrategy
 from distkit.strategies.fsdp import FSDPStrategy
 from distkit.strategies.horovod import HorovodStrategy
-from tests.fakes import use_fake_apex
-from tests.horovod_runner import RankError, horovodrun_path, run_with_horovodrun
+from tests.support.fakes import use_fake_apex
+from tests.support.gates import needs
+from tests.support.horovod_runner import RankError, run_with_horovodrun
 
 CPU, META = torch.device("cpu"), torch.device("meta")
 GPU0, GPU1, GPU2 = (torch.device("cuda", i) for i in range(3))
@@ -291,8 +291,8 @@ def test_a_set_up_model_keeps_the_placement_it_was_set_up_with(monkeypatch):
 
 @pytest.mark.filterwarnings("ignore:distkit apex:UserWarning")
 def test_apex_refuses_a_placed_model(monkeypatch):
-    """FAKE legacy apex (tests/fakes), FAKE CUDA (the strategy's CUDA check patched out), and
-    Placement.of reporting two GPUs: none of them exists here."""
+    """FAKE legacy apex (tests/support/fakes), FAKE CUDA (the strategy's CUDA check patched
+    out), and Placement.of reporting two GPUs: none of them exists here."""
     import distkit.strategies.apex as apex_strategy
 
     monkeypatch.setattr(apex_strategy, "_require_cuda", lambda: None)
@@ -359,16 +359,13 @@ def test_the_placed_path_trains_like_the_moved_one(run_on_ranks):
     assert placed[0]["loss"] == placed[1]["loss"] > 0.0
 
 
-@pytest.mark.skipif(
-    not (is_importable("horovod.torch") and horovodrun_path()),
-    reason="Horovod is not installed: `python -m distkit.horovod_build` builds it",
-)
+@needs("horovod")
 def test_horovod_keeps_a_placed_model_and_trains_like_the_moved_one(tmp_path):
     """Fake: Placement.of reports a GPU beside the CPU (none exists here); horovodrun -np 2
     over Gloo, Horovod's broadcast and all-reduce are real."""
     calls = [
-        ("tests.test_placement", "_train_as_placed", (4, "horovod"), {}),
-        ("tests.test_placement", "_cpu_model_trains_as_before", (4, "horovod"), {}),
+        ("tests.strategies.test_placement", "_train_as_placed", (4, "horovod"), {}),
+        ("tests.strategies.test_placement", "_cpu_model_trains_as_before", (4, "horovod"), {}),
     ]
     results = run_with_horovodrun(calls, tmp_path, np=2, timeout=170)
     for placed, moved in results:
@@ -426,10 +423,7 @@ def _reference_on_cpu() -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-    reason="needs 2 CUDA GPUs (seed 003 puts net1 and net2 on different GPUs)",
-)
+@needs("2 gpus", because="seed 003 puts net1 and net2 on different GPUs")
 @pytest.mark.parametrize("backend", ["gloo", "nccl"])
 def test_seed3_model_split_over_two_gpus_trains_under_ddp(backend, run_on_ranks, tmp_path):
     if backend == "nccl" and torch.cuda.device_count() < 4:

@@ -16,7 +16,7 @@ import distkit
 from distkit.strategies.base import TrainOptions
 from distkit.strategies.capabilities import Elastic, StateIO
 from distkit.strategies.dp import DataParallelStrategy
-from tests.workloads import make_dataset, make_mlp
+from tests.support.workloads import make_dataset, make_mlp
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -4,8 +4,6 @@ over two, and whole fits with uneven last batches (placeholders) on 2 and 3 rank
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 from torch import nn
@@ -17,7 +15,7 @@ from distkit.strategies.syncbn import (
     convert_to_masked_sync_batchnorm,
     placeholder_batch,
 )
-from tests.horovod_runner import horovodrun_path
+from tests.support.gates import needs
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -370,7 +368,7 @@ def fit_bn_model(
 ) -> dict:  # fmt: skip
     """Per rank (or in one process): fit a BatchNorm model, return its state and history."""
     import distkit
-    from tests.workloads import make_bn_model, make_dataset, state_of, without_timing
+    from tests.support.workloads import make_bn_model, make_dataset, state_of, without_timing
 
     torch.backends.cudnn.allow_tf32 = False  # CUDA: TF32 convolutions are not 1e-5 exact
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -400,8 +398,8 @@ UNEVEN = {
 
 def _assert_matches_one_process(results: list, case: str, atol: float = ATOL) -> None:
     """Every rank's parameters, running statistics and history equal plain BatchNorm's."""
-    from tests.horovod_runner import RankError
-    from tests.workloads import max_abs_diff
+    from tests.support.horovod_runner import RankError
+    from tests.support.workloads import max_abs_diff
 
     world, batch, n, model, accum = UNEVEN[case]
     one = fit_bn_model("ddp", world * batch, n, model, accum, sync_batchnorm=False)
@@ -429,7 +427,7 @@ def test_sync_batchnorm_leaves_placeholders_out_under_ddp(case, run_on_ranks):
 @pytest.fixture(scope="module")
 def horovod_uneven(tmp_path_factory):
     """{case: per-rank results} from one horovodrun launch per world size."""
-    from tests.horovod_runner import run_with_horovodrun
+    from tests.support.horovod_runner import run_with_horovodrun
 
     out: dict[str, list] = {}
     for world in sorted({spec[0] for spec in UNEVEN.values()}):
@@ -443,8 +441,7 @@ def horovod_uneven(tmp_path_factory):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.skipif(horovodrun_path() is None, reason="Horovod is not installed "
-                    "(python -m distkit.horovod_build builds it; nox -s tests does)")  # fmt: skip
+@needs("horovod")
 @pytest.mark.parametrize("case", list(UNEVEN))
 def test_sync_batchnorm_leaves_placeholders_out_under_horovod(case, horovod_uneven):
     _assert_matches_one_process(horovod_uneven[case], case)
@@ -455,9 +452,7 @@ def test_sync_batchnorm_leaves_placeholders_out_under_horovod(case, horovod_unev
 # reductions run in another order than one process's.
 CUDA_CASES = [case for case, spec in UNEVEN.items() if spec[0] == 2]
 CUDA_ATOL = 1e-4
-needs_two_gpus = pytest.mark.skipif(
-    torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (one per rank)"
-)
+needs_two_gpus = needs("2 gpus", because="one per rank")
 
 
 @needs_two_gpus
@@ -471,10 +466,7 @@ def test_sync_batchnorm_on_cuda_leaves_placeholders_out_under_ddp(case, run_on_r
     _assert_matches_one_process(results, case, atol=CUDA_ATOL)
 
 
-@needs_two_gpus
-@pytest.mark.skipif(
-    importlib.util.find_spec("apex") is None, reason="needs NVIDIA apex and 2 CUDA GPUs"
-)
+@needs("2 gpus", "apex", because="one per rank")
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", CUDA_CASES)
 def test_sync_batchnorm_on_cuda_leaves_placeholders_out_under_apex(case, run_on_ranks):
@@ -485,11 +477,10 @@ def test_sync_batchnorm_on_cuda_leaves_placeholders_out_under_apex(case, run_on_
     _assert_matches_one_process(results, case, atol=CUDA_ATOL)
 
 
-@needs_two_gpus
-@pytest.mark.skipif(horovodrun_path() is None, reason="needs Horovod and 2 CUDA GPUs")
+@needs("2 gpus", "horovod", because="one per rank")
 @pytest.mark.timeout(600)
 def test_sync_batchnorm_on_cuda_leaves_placeholders_out_under_horovod(tmp_path):
-    from tests.horovod_runner import run_with_horovodrun
+    from tests.support.horovod_runner import run_with_horovodrun
 
     calls = [(__name__, "fit_bn_model", ("horovod", *UNEVEN[case][1:]), {}) for case in CUDA_CASES]
     per_rank = run_with_horovodrun(calls, tmp_path, np=2, timeout=300)

@@ -17,8 +17,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from tests.support.paths import ROOT
+
 Call = tuple[str, str, tuple[Any, ...], dict[str, Any]]  # module, function, args, kwargs
-ROOT = Path(__file__).resolve().parents[1]
 
 
 class RankError(Exception):
@@ -41,7 +42,7 @@ def run_with_horovodrun(
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [
         launcher, "-np", str(np), "-H", f"localhost:{np}", "--gloo",
-        sys.executable, "-m", "tests.horovod_runner", str(workdir),
+        sys.executable, "-m", "tests.support.horovod_runner", str(workdir),
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     (workdir / "output.txt").write_text(proc.stdout + proc.stderr)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 import distkit
-from tests.workloads import make_dataset, make_mlp
+from tests.support.workloads import make_dataset, make_mlp
 
 #: the Tensor methods that read a value on the host
 READS = ("item", "__bool__", "tolist", "cpu", "__float__", "__int__", "numpy")

@@ -15,7 +15,7 @@ from torch.utils.data import IterableDataset, TensorDataset
 
 import distkit
 from distkit.metrics import Metric
-from tests.workloads import make_dataset, make_mlp
+from tests.support.workloads import make_dataset, make_mlp
 
 
 class SampleStream(IterableDataset):

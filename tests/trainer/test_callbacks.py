@@ -1,7 +1,8 @@
 """Callbacks: hook order, step logs, errors, stopping, and callback state in checkpoints.
 
 Single-process cases run on dp; the multi-rank ones on real gloo processes (ddp). The
-promises every backend keeps (clipping, stop_together) are in tests/test_strategy_contract.py.
+promises every backend keeps (clipping, stop_together) are in
+tests/contract/test_strategy_contract.py.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from torch import nn
 import distkit
 from distkit.callbacks import BestCheckpoint, Callback, EarlyStopping
 from distkit.errors import PeerFailureError, RankDisagreementError
-from tests.stream_workloads import SampleStream
-from tests.workloads import make_dataset, make_mlp
+from tests.support.stream_workloads import SampleStream
+from tests.support.workloads import make_dataset, make_mlp
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -18,10 +18,9 @@ import torch
 import distkit.loggers
 from distkit.errors import ConfigurationError, MissingDependencyError
 from distkit.loggers import CSVLogger, Logger, TensorBoardLogger
+from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.timeout(60)
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _rows(path: Path) -> list[list[str]]:

@@ -1,9 +1,10 @@
 """Many Trainers one after another in one launched worker (a sweep loop) all work.
 
-Each test launches tests/jobs/many_trainers_job.py under a real launcher: 20 Trainers in
-sequence, ended by close(), by a ``with`` block, or by dropping them. Before each process group
-had its own scope in torchrun's store, the second group read the first one's keys: about half
-of such runs hung or crashed ("connectFullMesh failed", "Connection reset by peer").
+Each test launches tests/support/job_scripts/many_trainers_job.py under a real launcher: 20
+Trainers in sequence, ended by close(), by a ``with`` block, or by dropping them. Before each
+process group had its own scope in torchrun's store, the second group read the first one's
+keys: about half of such runs hung or crashed ("connectFullMesh failed", "Connection reset by
+peer").
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.horovod_runner import horovodrun_path
+from tests.support.gates import needs
+from tests.support.horovod_runner import horovodrun_path
+from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.timeout(300)
 
-ROOT = Path(__file__).resolve().parents[1]
-JOB = str(ROOT / "tests" / "jobs" / "many_trainers_job.py")
+JOB = str(ROOT / "tests" / "support" / "job_scripts" / "many_trainers_job.py")
 RUNS = 20
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 LAUNCHER_VARS = (
@@ -58,8 +60,7 @@ def test_many_trainers_in_one_torchrun_worker_all_run(tmp_path):
     assert results == [{"runs": RUNS, "identical": True}] * 2
 
 
-@pytest.mark.skipif(horovodrun_path() is None, reason="Horovod is not installed "
-                    "(python -m distkit.horovod_build builds it; nox -s tests does)")  # fmt: skip
+@needs("horovod")
 def test_many_trainers_in_one_horovodrun_worker_all_run(tmp_path):
     # Horovod stays initialised between Trainers: re-initialising it after hvd.shutdown()
     # failed with gloo "Connection refused" in 2 of 8 such jobs

@@ -13,7 +13,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import distkit
-from tests.workloads import (
+from tests.support.gates import needs
+from tests.support.workloads import (
     hand_ddp_on_rank,
     make_dataset,
     make_mlp,
@@ -312,7 +313,7 @@ def test_trainer_leaves_cudnn_benchmark_as_the_user_set_it(monkeypatch):
         assert torch.backends.cudnn.benchmark is setting
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@needs("cuda")
 def test_trainer_cudnn_benchmark_true_switches_it_on_on_cuda(monkeypatch):
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
     distkit.Trainer("dp", progress=False, cudnn_benchmark=True).close()

@@ -15,7 +15,7 @@ import distkit
 from distkit.callbacks import BestCheckpoint, LearningRateMonitor
 from distkit.loggers import CSVLogger, Logger
 from distkit.trainer import _logging
-from tests.workloads import make_dataset, make_mlp
+from tests.support.workloads import make_dataset, make_mlp
 
 pytestmark = pytest.mark.timeout(300)
 

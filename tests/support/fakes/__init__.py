@@ -21,7 +21,7 @@ read as with real apex: ``apex.amp._amp_state.loss_scalers[0].loss_scale()``.
 
 Activate one with::
 
-    from tests.fakes import use_fake_apex
+    from tests.support.fakes import use_fake_apex
 
     with use_fake_apex("legacy"):
         import apex

@@ -1,6 +1,6 @@
 """A rank blocked in a collective, for a test to signal (plain processes with torchrun's variables).
 
-    python -m tests.jobs.blocked_job OUT_DIR --grace G --sleep S
+    python -m tests.support.job_scripts.blocked_job OUT_DIR --grace G --sleep S
 
 Every rank writes OUT_DIR/started_<rank> at step 3. Then rank 1 sleeps S seconds in its
 ``step_fn`` (in Python), while rank 0 goes on into the backward pass and blocks in DDP's gradient
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import distkit
-from tests.workloads import make_dataset
+from tests.support.workloads import make_dataset
 
 
 def main() -> None:

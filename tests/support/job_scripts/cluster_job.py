@@ -1,10 +1,11 @@
 """A user script run by every cluster launcher the tests simulate on this machine.
 
-    srun-style:  SLURM_PROCID=r SLURM_NTASKS=2 ... python -m tests.jobs.cluster_job auto 4 OUT
-    mpirun -np 2 python -m tests.jobs.cluster_job ddp 4 OUT
-    torchrun --nnodes 2 --node-rank R ... -m tests.jobs.cluster_job auto 4 OUT
+    srun-style:  SLURM_PROCID=r SLURM_NTASKS=2 ... \
+        python -m tests.support.job_scripts.cluster_job auto 4 OUT
+    mpirun -np 2 python -m tests.support.job_scripts.cluster_job ddp 4 OUT
+    torchrun --nnodes 2 --node-rank R ... -m tests.support.job_scripts.cluster_job auto 4 OUT
     horovodrun -np 2 -H localhost:1,127.0.0.1:1 --gloo \
-        python -m tests.jobs.cluster_job horovod 4 OUT
+        python -m tests.support.job_scripts.cluster_job horovod 4 OUT
 
 Trains the shared workload (61 samples: uneven at 2 ranks) for 2 epochs with a checkpoint per
 epoch in ``OUT/ckpt`` (written by rank 0), then a new Trainer resumes from the folder
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 
 import distkit
-from tests.workloads import make_dataset, make_mlp
+from tests.support.workloads import make_dataset, make_mlp
 
 
 def train(strategy: str, batch_size: int, out: Path) -> None:

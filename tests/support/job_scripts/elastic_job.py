@@ -1,7 +1,7 @@
 """A user script for elastic torchrun: a fixed global batch, checkpoints every 2 steps.
 
     torchrun --nnodes 1:2 --max-restarts 3 --rdzv-backend c10d --rdzv-endpoint HOST:PORT \\
-        -m tests.jobs.elastic_job OUT [STEP_SECONDS]
+        -m tests.support.job_scripts.elastic_job OUT [STEP_SECONDS]
 
 Each (re)start resumes from the latest checkpoint in ``OUT/ckpt`` at whatever world size the
 rendezvous gave, with ``batch_size = GLOBAL_BATCH // world_size``: the global batch stays the
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import distkit
-from tests.workloads import make_dataset, make_mlp
+from tests.support.workloads import make_dataset, make_mlp
 
 GLOBAL_BATCH = 8
 

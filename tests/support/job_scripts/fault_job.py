@@ -1,6 +1,7 @@
 """A training job for launcher-level fault tests (run with torchrun / horovodrun).
 
-    python -m tests.jobs.fault_job STRATEGY OUT_DIR [--kill-at N] [--raise-at N] [--max-steps N]
+    python -m tests.support.job_scripts.fault_job STRATEGY OUT_DIR \
+        [--kill-at N] [--raise-at N] [--max-steps N]
 
 --kill-at N: rank 1 SIGKILLs itself when it reaches optimizer step N, once per OUT_DIR (a marker
 file remembers), so a torchrun restart runs to the end. --raise-at N: rank 1 raises ValueError
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 
 import distkit
-from tests.workloads import make_dataset
+from tests.support.workloads import make_dataset
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """A user script whose own handlers must run when a multi-process fit fails (torchrun / horovodrun).
 
-    python -m tests.jobs.handlers_job STRATEGY OUT_DIR MODE [--at N] [--seconds S]
+    python -m tests.support.job_scripts.handlers_job STRATEGY OUT_DIR MODE [--at N] [--seconds S]
 
 MODE ``raise``: rank 1 raises ValueError at step N. ``sleep``: rank 1 sleeps S seconds in its
 step_fn at step N (a stuck rank; ``hang_warning`` is 2 s). ``wait``: every rank writes
@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import distkit
-from tests.workloads import make_dataset
+from tests.support.workloads import make_dataset
 
 
 def main() -> None:

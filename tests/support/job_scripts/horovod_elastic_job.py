@@ -1,7 +1,7 @@
 """A user script for Horovod elastic: no checkpoint folder, commits every 2 steps.
 
     horovodrun -np 2 --min-np 1 --max-np 2 --host-discovery-script DISCOVER \\
-        python -m tests.jobs.horovod_elastic_job OUT [STEP_SECONDS]
+        python -m tests.support.job_scripts.horovod_elastic_job OUT [STEP_SECONDS]
 
 Nothing is written to disk by distkit: when hosts come or go, Horovod re-forms the group and
 distkit continues from its last commit in memory, rank 0's state sent to every process (new
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import distkit
-from tests.workloads import make_dataset, make_mlp
+from tests.support.workloads import make_dataset, make_mlp
 
 
 class Progress(distkit.Callback):

@@ -1,6 +1,7 @@
 """Horovod started and stopped many times in one ``horovodrun`` job, with distkit Trainers.
 
-    horovodrun -np 2 -H localhost:2 --gloo python -m tests.jobs.horovod_reinit_job OUT [--cycles N]
+    horovodrun -np 2 -H localhost:2 --gloo \
+        python -m tests.support.job_scripts.horovod_reinit_job OUT [--cycles N]
 
 Each cycle: two Trainers with ``strategy="horovod"`` one after another, each fitting the shared
 tiny workload and closing (``Trainer.close()``), then ``hvd.shutdown()``. The first Trainer of
@@ -34,7 +35,7 @@ from pathlib import Path
 import horovod.torch as hvd
 import torch
 
-from tests.workloads import max_abs_diff, train_with_distkit
+from tests.support.workloads import max_abs_diff, train_with_distkit
 
 BATCH = 4  # per process: 2 processes train like one with 8
 SAMPLES = 24

@@ -1,7 +1,9 @@
 """A user script that creates many Trainers one after another in one worker (a sweep loop).
 
-    torchrun --standalone --nproc_per_node 2 -m tests.jobs.many_trainers_job STRATEGY OUT [--runs N]
-    horovodrun -np 2 -H localhost:2 --gloo python -m tests.jobs.many_trainers_job horovod OUT
+    torchrun --standalone --nproc_per_node 2 \
+        -m tests.support.job_scripts.many_trainers_job STRATEGY OUT [--runs N]
+    horovodrun -np 2 -H localhost:2 --gloo \
+        python -m tests.support.job_scripts.many_trainers_job horovod OUT
 
 Each run builds a fresh Trainer and fits the same tiny model for a few steps. Runs take turns
 ending in three ways a user would write: ``close()``, a ``with`` block, and simply dropping the
@@ -21,7 +23,7 @@ import torch
 from torch import nn
 
 import distkit
-from tests.workloads import make_dataset, make_mlp
+from tests.support.workloads import make_dataset, make_mlp
 
 ENDINGS = ("close", "with", "drop")
 

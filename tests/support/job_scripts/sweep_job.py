@@ -1,6 +1,6 @@
 """Two Trainers in one task, with different collective timeouts (a sweep under srun/mpirun).
 
-    SLURM_PROCID=r SLURM_NTASKS=2 ... python -m tests.jobs.sweep_job OUT
+    SLURM_PROCID=r SLURM_NTASKS=2 ... python -m tests.support.job_scripts.sweep_job OUT
 
 The job's rendezvous store is made once per process; the second Trainer must reuse it,
 whatever its timeout, not host a second store on the same port. Each rank writes
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import distkit
-from tests.workloads import make_dataset, make_mlp
+from tests.support.workloads import make_dataset, make_mlp
 
 
 def main(out: Path) -> None:

@@ -14,7 +14,7 @@ submodules, so on a machine without those, *every* import of it fails at that fi
 while ``importlib.util.find_spec("apex")`` still finds the package. This fake reproduces that
 shape (same module names, same first imports, a few of the same public names) without any of its
 code. It has no ``amp``, ``parallel``, ``optimizers`` or ``normalization``. Activate with
-``tests.fakes.use_fake_apex("impostor")``.
+``tests.support.fakes.use_fake_apex("impostor")``.
 """
 
 from pyramid_mailer.interfaces import IMailer

@@ -2,11 +2,12 @@
 
 This is a test double written for distkit; it contains no NVIDIA code and needs no CUDA. It
 mirrors the public API and the behaviour that matters to a training loop (see each submodule's
-docstring for what differs). Activate it with ``tests.fakes.use_fake_apex("legacy")``.
+docstring for what differs). Activate it with ``tests.support.fakes.use_fake_apex("legacy")``.
 
 Test-only additions (not in real apex): ``CALLS`` (every fake API call as ``(name, details)``),
 ``reset_calls()``, ``calls_named(name)`` and ``__fake_apex__ == "legacy"``. The shared
-implementation lives in ``tests/fakes/_apex_common`` and is loaded below as ``apex._common``.
+implementation lives in ``tests/support/fakes/_apex_common`` and is loaded below as
+``apex._common``.
 """
 
 import importlib.util as _importlib_util

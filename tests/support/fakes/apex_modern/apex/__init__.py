@@ -6,10 +6,10 @@ apex 25.07 (PR #1896 "remove old features: amp, ddp, and rnn") deleted ``apex.am
 ``ImportError: cannot import name 'amp' from 'apex'`` and ``import apex.amp`` with
 ``ModuleNotFoundError: No module named 'apex.amp'``, exactly as with this fake. What remains:
 ``apex.optimizers`` and ``apex.normalization``. Activate with
-``tests.fakes.use_fake_apex("modern")``.
+``tests.support.fakes.use_fake_apex("modern")``.
 
 Test-only additions: ``CALLS``, ``reset_calls()``, ``calls_named(name)``,
-``__fake_apex__ == "modern"``; shared code is loaded from ``tests/fakes/_apex_common`` as
+``__fake_apex__ == "modern"``; shared code is loaded from ``tests/support/fakes/_apex_common`` as
 ``apex._common``.
 """
 

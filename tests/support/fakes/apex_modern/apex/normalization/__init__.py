@@ -1,4 +1,5 @@
-"""FAKE ``apex.normalization`` (modern generation): re-export of ``tests/fakes/_apex_common``."""
+"""FAKE ``apex.normalization`` (modern generation): re-export of
+``tests/support/fakes/_apex_common``."""
 
 from apex._common.normalization import FusedLayerNorm, FusedRMSNorm
 

@@ -1,4 +1,5 @@
-"""FAKE ``apex.optimizers`` (modern generation): thin re-export of ``tests/fakes/_apex_common``."""
+"""FAKE ``apex.optimizers`` (modern generation): thin re-export of
+``tests/support/fakes/_apex_common``."""
 
 from apex._common.optimizers import FusedAdam, FusedLAMB, FusedSGD
 
