@@ -466,7 +466,7 @@ def test_sync_batchnorm_on_cuda_leaves_placeholders_out_under_ddp(case, run_on_r
     _assert_matches_one_process(results, case, atol=CUDA_ATOL)
 
 
-@needs("2 gpus", "apex", because="one per rank")
+@needs("2 gpus", "apex")
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", CUDA_CASES)
 def test_sync_batchnorm_on_cuda_leaves_placeholders_out_under_apex(case, run_on_ranks):
@@ -477,7 +477,7 @@ def test_sync_batchnorm_on_cuda_leaves_placeholders_out_under_apex(case, run_on_
     _assert_matches_one_process(results, case, atol=CUDA_ATOL)
 
 
-@needs("2 gpus", "horovod", because="one per rank")
+@needs("2 gpus", "horovod")
 @pytest.mark.timeout(600)
 def test_sync_batchnorm_on_cuda_leaves_placeholders_out_under_horovod(tmp_path):
     from tests.support.horovod_runner import run_with_horovodrun
