@@ -15,8 +15,8 @@
 #   suite.log/.xml       the test suite on CUDA (pytest-xdist when installed), with the skip
 #                        reasons; cut off with SIGINT (so pytest still prints its summary) when
 #                        its share of the budget runs out;
-#   apex-V-*.log         per apex generation: the build, then tests/test_apex.py and
-#                        tests/test_host_syncs.py (real apex, the sync-debug-mode test);
+#   apex-V-*.log         per apex generation: the build, then tests/strategies/test_apex.py and
+#                        tests/strategies/test_host_syncs.py (real apex, the sync-debug-mode test);
 #   examples.log         seg.py under torchrun (apex fp16, ddp bf16), mnist.py with dp;
 #   bench.log, gpu.json  benchmarks/gpu.py (peers: distkit, the hand loop, Fabric, the Lightning
 #                        Trainer, Accelerate), run last and alone so nothing else shares the GPU;
@@ -69,7 +69,7 @@ build_apex() {  # VERSION: the Python-only build into /tmp/apex-VERSION
 
 test_apex() {  # VERSION
     PYTHONPATH="/tmp/apex-$1:$root" "$py" -m pytest -q -rA -p no:cacheprovider --timeout 120 \
-        tests/test_apex.py tests/test_host_syncs.py
+        tests/strategies/test_apex.py tests/strategies/test_host_syncs.py
 }
 
 examples() {

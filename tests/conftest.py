@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from tests.multiprocess import run_on_ranks as _run_on_ranks
+from tests.support.multiprocess import run_on_ranks as _run_on_ranks
 
 # One thread per process: the machines have 2 cores, multi-rank tests run 2 processes, and a
 # parent without an OpenMP pool forks safely.
@@ -55,7 +55,7 @@ _LAUNCHER_VARS = (
 
 @pytest.fixture
 def run_on_ranks():
-    """Run a module-level function on N real gloo processes (see tests/multiprocess.py).
+    """Run a module-level function on N real gloo processes (see tests/support/multiprocess.py).
 
     The rendezvous store lives in the test process, as torchrun's agent keeps it: a rank-0
     hosted store goes with rank 0's group, under a slower rank still using it (tests that

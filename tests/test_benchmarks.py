@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.multiprocess import children_see_cuda
+from tests.support.gates import needs
+from tests.support.multiprocess import children_see_cuda
+from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.timeout(180)
 
-ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -171,7 +172,7 @@ def test_streams_benchmark_prints_each_kind_against_map_style(tmp_path: Path) ->
 # ---------------------------------------------------------------------------- GPU benchmarks
 # `nox -s bench -- --device cuda` runs benchmarks/gpu.py. Here (no GPU) the tests check that it
 # skips cleanly, what it would run, the table it prints, and the CUDA timing by construction.
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+needs_cuda = needs("cuda")
 
 
 def bench_module(monkeypatch: pytest.MonkeyPatch, name: str):  # type: ignore[no-untyped-def]

@@ -20,11 +20,11 @@ from types import ModuleType, SimpleNamespace
 import pytest
 
 from distkit import horovod_build as hb
-from distkit._imports import is_importable
 from distkit.errors import DistkitError, MissingDependencyError
 from distkit.horovod_build import suite
+from tests.support.gates import needs
+from tests.support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 CPU = hb.Flavour(cuda=False, mpi=False)
 CUDA_MPI = hb.Flavour(cuda=True, mpi=True)
 
@@ -495,10 +495,7 @@ def _keys_left_after_one_init(server_module: ModuleType) -> list[str]:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.skipif(
-    not is_importable("horovod.runner.common.util.hosts"),
-    reason="needs Horovod's pure-Python runner (python -m distkit.horovod_build installs it)",
-)
+@needs("horovod runner")
 def test_patched_rendezvous_server_forgets_a_finished_init(tmp_path: Path) -> None:
     """The released server keeps local_localhost's keys after this init; the patched one
     keeps none, so the next hvd.init() cannot read a dead rank's address."""

@@ -3,7 +3,7 @@ distkit error (or the builtin it subclasses), naming what was given and the fix;
 look odd but are valid give the correct result.
 
 Each case is one row: what to do, the error type, and a phrase of its message. Single process
-(strategy "dp"); the multi-process disagreements are in tests/test_agreement.py.
+(strategy "dp"); the multi-process disagreements are in tests/runtime/test_agreement.py.
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support.paths import ROOT
+
 PACKAGE = ROOT / "distkit"
 
 #: lowest first; a module sits in the layer of the longest prefix that names it

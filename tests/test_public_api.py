@@ -12,10 +12,10 @@ import pytest
 
 import distkit
 from distkit.registry import BUILTIN_STRATEGIES
+from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.timeout(60)
 
-ROOT = Path(__file__).resolve().parents[1]
 
 PUBLIC_NAMES = [
     "Accuracy",

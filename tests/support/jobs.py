@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+from tests.support.paths import ROOT
 
 #: how long the processes of a timed-out job get to print their stacks before SIGKILL
 DUMP_GRACE_S = 5.0
@@ -52,6 +55,17 @@ def run_job(
                 f"--- stdout (end)\n{_tail(out)}\n--- stderr (end)\n{_tail(err)}"
             ) from None
         return subprocess.CompletedProcess(list(cmd), returncode, _read(out), _read(err))
+
+
+def run_example(cmd: list[str], cwd: Path, timeout: float = 150) -> str:
+    """The output of an example run as a job (its ranks' ``[N]<stdout>:`` prefixes dropped);
+    it must exit 0. On a hang, a failure with every process's stacks (:func:`run_job`)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("OMP_NUM_THREADS", None)  # the examples limit threads themselves under horovodrun
+    proc = run_job(cmd, env=env, timeout=timeout, cwd=cwd)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    return re.sub(r"^\[\d+\]<std(?:out|err)>:", "", output, flags=re.MULTILINE)
 
 
 def _read(file: tempfile._TemporaryFileWrapper[str]) -> str:

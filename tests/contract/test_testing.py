@@ -1,0 +1,162 @@
+"""distkit.testing, the contract suite plugin authors run: it catches broken strategies.
+
+The broken strategies here are real DDP subclasses on real gloo processes, each broken in one
+documented way; tests/contract/test_strategy_contract.py runs the same promises on every backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import time
+import unittest
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+import distkit
+import distkit.testing
+from distkit.strategies.ddp import DDPStrategy
+
+pytestmark = pytest.mark.timeout(180)
+
+
+class _CarelessDDP(DDPStrategy):
+    """Breaks three promises: a "mean" that sums, a no_sync that syncs, an unwrap that raises."""
+
+    name = "careless-ddp"
+
+    def _all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        return super()._all_reduce(tensor, "sum")
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        raise NotImplementedError("unwrap is not written yet")
+
+
+class _SummingDDP(DDPStrategy):
+    """Sums gradients over ranks instead of averaging them (the loss scaled by world_size)."""
+
+    name = "summing-ddp"
+
+    def backward(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
+        super().backward(loss * self.world_size, optimizer)
+
+
+class _StuckUnwrapDDP(DDPStrategy):
+    """Rank 1 never returns from unwrap(): the launch hangs after the first promises."""
+
+    name = "stuck-ddp"
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        if self.rank == 1:
+            time.sleep(3600)
+        return super().unwrap(model)
+
+
+def _failure(run: distkit.testing.ContractRun, promise: str) -> str:
+    with pytest.raises(AssertionError) as info:
+        run.check(promise)
+    return str(info.value)
+
+
+def test_testing_public_names_are_pinned():
+    assert distkit.testing.__all__ == [
+        "LAUNCHERS",
+        "PROMISES",
+        "ContractRun",
+        "PromiseSkipped",
+        "check_promise",
+        "run_on_ranks",
+        "run_promises",
+    ]
+    assert distkit.testing.PROMISES == (
+        "topology",
+        "collectives",
+        "main_process_first",
+        "identical_initial_weights",
+        "unwrap",
+        "no_sync_is_local",
+        "mean_gradients",
+        "world_size_invariance",
+        "checkpoint_round_trip",
+        "clipping",
+        "stop_together",
+        "callback_state_round_trip",
+    )
+
+
+def test_testing_is_not_imported_by_distkit_and_needs_no_pytest():
+    code = (
+        "import sys; import distkit; assert 'distkit.testing' not in sys.modules; "
+        "sys.modules['pytest'] = None; import distkit.testing; "
+        "assert 'pytest' not in [m for m, v in sys.modules.items() if v is not None]"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_testing_names_each_broken_promise_and_keeps_checking_the_others():
+    run = distkit.testing.run_promises(
+        _CarelessDDP, ["topology", "collectives", "unwrap", "no_sync_is_local", "mean_gradients"]
+    )
+    run.check("topology")
+    run.check("mean_gradients")  # no_sync off changes when gradients are averaged, not the mean
+    collectives = _failure(run, "collectives")
+    assert "strategy 'careless-ddp' fails promise 'collectives'" in collectives
+    assert "all_reduce (mean) gave [3.0, 4.0]; expected [1.5, 2.0]" in collectives
+    no_sync = _failure(run, "no_sync_is_local")
+    assert "inside no_sync" in no_sync and "they were all-reduced" in no_sync
+    unwrap = _failure(run, "unwrap")
+    assert "rank 0 raised" in unwrap and "NotImplementedError: unwrap is not written" in unwrap
+
+
+def test_testing_catches_summed_gradients_in_mean_gradients_and_world_size_invariance():
+    run = distkit.testing.run_promises(_SummingDDP, ["mean_gradients", "world_size_invariance"])
+    assert "expected the mean over ranks" in _failure(run, "mean_gradients")
+    invariance = _failure(run, "world_size_invariance")
+    assert "2 processes at batch size 4 end" in invariance
+    assert "from one process ('dp') at batch size 8 (allowed 1e-05)" in invariance
+
+
+def test_testing_a_hung_launch_still_reports_the_promises_that_finished():
+    run = distkit.testing.run_promises(
+        _StuckUnwrapDDP, ["topology", "unwrap", "collectives"], timeout=10
+    )
+    run.check("topology")
+    for promise in ("unwrap", "collectives"):
+        message = _failure(run, promise)
+        assert "reported no result" in message and "timed out after 10" in message
+
+
+def test_testing_single_process_strategy_skips_world_size_invariance_with_the_reason():
+    with pytest.raises(unittest.SkipTest, match="no other world size to compare with"):
+        distkit.testing.check_promise("world_size_invariance", "dp")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"promise": "mean_gradient"}, "unknown promise 'mean_gradient'. Allowed: topology,"),
+        ({"launcher": "mpirun"}, "unknown launcher 'mpirun'. Allowed: processes, horovodrun"),
+        ({"strategy": "dp", "world_size": 2}, "runs as a single python process"),
+        ({"world_size": 0}, "world_size=0; allowed: an int >= 1"),
+    ],
+)
+def test_testing_refuses_bad_arguments_before_launching(kwargs, words):
+    arguments = {"promise": "topology", "strategy": "ddp", **kwargs}
+    with pytest.raises(distkit.ConfigurationError, match=words.replace("(", r"\(")):
+        distkit.testing.check_promise(**arguments)
+
+
+@contextlib.contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+def test_testing_check_promise_passes_for_a_kept_promise():
+    distkit.testing.check_promise("unwrap", "ddp", rank_setup=_nothing)

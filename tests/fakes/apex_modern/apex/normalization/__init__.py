@@ -1,5 +1,0 @@
-"""FAKE ``apex.normalization`` (modern generation): re-export of ``tests/fakes/_apex_common``."""
-
-from apex._common.normalization import FusedLayerNorm, FusedRMSNorm
-
-__all__ = ["FusedLayerNorm", "FusedRMSNorm"]

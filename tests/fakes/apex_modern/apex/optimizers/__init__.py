@@ -1,5 +1,0 @@
-"""FAKE ``apex.optimizers`` (modern generation): thin re-export of ``tests/fakes/_apex_common``."""
-
-from apex._common.optimizers import FusedAdam, FusedLAMB, FusedSGD
-
-__all__ = ["FusedAdam", "FusedLAMB", "FusedSGD"]

@@ -1,0 +1,136 @@
+"""No host synchronisation in the steady-state step, on any backend (issue 15, part 1).
+
+Counted on CPU by wrapping ``Tensor.item/__bool__/tolist/cpu/__float__/__int__/numpy`` during
+a real fit (tests/support/host_syncs.py). Between log points a step must read nothing; log points,
+epoch edges and set-up may. On a GPU the same property is checked with
+``torch.cuda.set_sync_debug_mode("error")`` (the GPU test at the end; it skips here).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import distkit
+from tests.support.gates import needs
+from tests.support.horovod_runner import run_with_horovodrun
+from tests.support.host_syncs import StepSpans, counting, steady_syncs, syncs_per_step
+
+LOG_EVERY = 4
+STEPS = 16  # 64 samples per rank, 4 per step
+
+
+def _assert_steady(spans: list[list[str]], log_every: int = LOG_EVERY) -> None:
+    assert len(spans) == STEPS + 1, len(spans)
+    assert steady_syncs(spans, log_every) == {}, steady_syncs(spans, log_every)
+    # and the log points do read (the counter sees what it should)
+    assert any("_logging.py" in read for read in spans[log_every]), spans[log_every]
+
+
+def test_host_syncs_dp_has_none_between_log_points():
+    _assert_steady(syncs_per_step("dp", log_every_n_steps=LOG_EVERY))
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_host_syncs_torch_distributed_has_none_between_log_points(run_on_ranks, strategy):
+    body = functools.partial(syncs_per_step, strategy, log_every_n_steps=LOG_EVERY)
+    for spans in run_on_ranks(body, world_size=2):
+        _assert_steady(spans)
+
+
+def test_host_syncs_with_accumulation_clipping_and_default_log_interval(run_on_ranks):
+    """Accumulation (no_sync micro-batches) and norm clipping add none either; with the
+    default log_every_n_steps (50) the whole epoch between set-up and its end reads nothing."""
+    body = functools.partial(
+        syncs_per_step, "ddp", grad_accum_steps=2, batch_size=2, gradient_clip_norm=1.0
+    )
+    for spans in run_on_ranks(body, world_size=2):
+        assert len(spans) == STEPS + 1
+        assert steady_syncs(spans, 50) == {}
+
+
+@needs("horovod")
+def test_host_syncs_horovod_has_none_between_log_points(tmp_path):
+    calls = [
+        (
+            "tests.support.host_syncs",
+            "syncs_per_step",
+            ("horovod",),
+            {"log_every_n_steps": LOG_EVERY},
+        )
+    ]
+    for (spans,) in run_with_horovodrun(calls, tmp_path, np=2, timeout=300):
+        assert not isinstance(spans, Exception), spans
+        _assert_steady(spans)
+
+
+def test_host_syncs_a_callback_that_may_stop_adds_only_a_host_side_sum(monkeypatch):
+    """A callback that may set should_stop after any step makes every step agree on it: one
+    sum of a CPU flag (a gloo group beside nccl, or Horovod's allreduce_async), never a read
+    of a device tensor."""
+    sums: list[torch.device] = []
+    real = distkit.Strategy.all_reduce_async
+
+    def spy(self, tensor, *, name):
+        sums.append(tensor.device)
+        return real(self, tensor, name=name)
+
+    monkeypatch.setattr(distkit.Strategy, "all_reduce_async", spy)
+
+    class MayStop(StepSpans):
+        stops_training = True
+
+    spans = MayStop()
+    trainer = distkit.Trainer("dp", batch_size=4, max_epochs=1, progress=False, callbacks=[spans])
+    model = torch.nn.Linear(6, 3)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 6), torch.randint(0, 3, (64,)))
+    with counting(spans):
+        trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
+                    loss_fn=torch.nn.functional.cross_entropy)  # fmt: skip
+    assert len(sums) == STEPS + 1  # every step, and the epoch's end
+    assert set(sums) == {torch.device("cpu")}
+    for k in range(1, STEPS):
+        # the flag's sum (a CPU tensor) and its read
+        assert all(
+            any(f in r for f in ("_fit.py", "_collectives.py", "_call_tags.py"))
+            for r in spans.spans[k]
+        ), spans.spans[k]
+
+
+@needs("cuda")
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        "dp",
+        "ddp",
+        "fsdp",
+        pytest.param(
+            "apex",
+            marks=needs("apex"),
+        ),
+    ],
+)
+def test_host_syncs_cuda_steady_steps_raise_nothing_in_sync_debug_mode(strategy):
+    """On one GPU: steps between log points under torch.cuda.set_sync_debug_mode("error")
+    (ddp, fsdp and apex in a world of one: a plain ``python`` process)."""
+
+    class Strict(distkit.Callback):
+        stops_training = False
+
+        def on_train_step_end(self, trainer, logs):
+            # a log point's reads follow this call at every 4th step (and the next step runs
+            # unchecked then); every other step runs with synchronisation as an error
+            torch.cuda.set_sync_debug_mode(0 if logs["step"] % LOG_EVERY == 0 else "error")
+
+    trainer = distkit.Trainer(strategy, batch_size=4, max_epochs=1, progress=False,
+                              log_every_n_steps=LOG_EVERY, callbacks=[Strict()])  # fmt: skip
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    data = torch.utils.data.TensorDataset(torch.randn(64, 6), torch.randint(0, 3, (64,)))
+    try:
+        trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
+                    loss_fn=torch.nn.functional.cross_entropy)  # fmt: skip
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        trainer.close()

@@ -1,0 +1,6 @@
+"""FAKE ``apex.optimizers`` (legacy generation): thin re-export of
+``tests/support/fakes/_apex_common``."""
+
+from apex._common.optimizers import FusedAdam, FusedLAMB, FusedSGD
+
+__all__ = ["FusedAdam", "FusedLAMB", "FusedSGD"]

@@ -1,0 +1,6 @@
+"""FAKE ``apex.normalization`` (modern generation): re-export of
+``tests/support/fakes/_apex_common``."""
+
+from apex._common.normalization import FusedLayerNorm, FusedRMSNorm
+
+__all__ = ["FusedLayerNorm", "FusedRMSNorm"]

@@ -1,0 +1,64 @@
+"""A training job for launcher-level fault tests (run with torchrun / horovodrun).
+
+    python -m tests.support.job_scripts.fault_job STRATEGY OUT_DIR \
+        [--kill-at N] [--raise-at N] [--max-steps N]
+
+--kill-at N: rank 1 SIGKILLs itself when it reaches optimizer step N, once per OUT_DIR (a marker
+file remembers), so a torchrun restart runs to the end. --raise-at N: rank 1 raises ValueError
+at step N. Rank 0 writes the final parameters to OUT_DIR/final.pt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import distkit
+from tests.support.workloads import make_dataset
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("strategy")
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--kill-at", type=int)
+    parser.add_argument("--raise-at", type=int)
+    parser.add_argument("--fault-timeout", type=float, default=10.0)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    trainer = distkit.Trainer(
+        args.strategy, batch_size=4, max_epochs=2, seed=7, checkpoint_dir=args.out / "ckpt",
+        checkpoint_every=2, resume="auto", fault_timeout=args.fault_timeout,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(0.2), nn.Linear(16, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    calls = {"n": 0}
+
+    def step_fn(m: nn.Module, batch) -> torch.Tensor:
+        calls["n"] += 1
+        step = calls["n"]  # one micro-batch per step here; counts from this process's start
+        if trainer.rank == 1 and args.kill_at is not None and step == args.kill_at:
+            marker = args.out / "killed"
+            if not marker.exists():
+                marker.write_text("1")
+                os.kill(os.getpid(), signal.SIGKILL)
+        if trainer.rank == 1 and args.raise_at is not None and step == args.raise_at:
+            raise ValueError(f"boom at step {step}")
+        x, y = batch
+        return nn.functional.cross_entropy(m(x), y)
+
+    trainer.fit(model, optimizer, make_dataset(64), step_fn=step_fn)
+    if trainer.is_main:
+        torch.save(model.state_dict(), args.out / "final.pt")
+    print(f"rank {trainer.rank} done", flush=True)
+    trainer.close()
+
+
+if __name__ == "__main__":
+    main()
