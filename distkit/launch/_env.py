@@ -7,7 +7,7 @@ Which launcher wins when several left variables: horovodrun (it may run on top o
 then torchrun (it may run inside a SLURM step: ``srun torchrun ...``), then mpirun / mpiexec
 (Open MPI, MPICH, PMIx; inside SLURM too), then a SLURM step (``srun python ...``). A
 ``salloc`` shell (no ``SLURM_PROCID``) is a plain process; an sbatch script's own process
-has ``SLURM_PROCID=0`` and looks like rank 0 of the step (see ``_torch_dist._wait_for_tasks``).
+has ``SLURM_PROCID=0`` and looks like rank 0 of the step (see ``_torch_group._wait_for_tasks``).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from typing_extensions import override
 
 from distkit.errors import ConfigurationError
 from distkit.launch.families import TORCH_LAUNCHERS
-from distkit.strategies import _torch_dist
+from distkit.strategies import _torch_dist, _torch_group
 from distkit.strategies.base import Strategy, Topology
 
 #: DDPStrategy's gradient compressions (torch's default DDP communication hooks)
@@ -55,7 +55,7 @@ class DDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
     ) -> None:
         super().__init__()
         self.backend = backend
-        self.timeout = _torch_dist.as_timeout(timeout)
+        self.timeout = _torch_group.as_timeout(timeout)
         if comm_hook not in COMM_HOOKS:
             raise ConfigurationError(
                 f"DDPStrategy(comm_hook={comm_hook!r}); allowed: "

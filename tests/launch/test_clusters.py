@@ -208,11 +208,11 @@ def test_clusters_rank_zero_says_why_when_the_other_tasks_never_come(monkeypatch
     wrong; here with the hint after 0.2 s and a 1.5 s limit instead of 30 s and 30 min."""
     from datetime import timedelta
 
-    from distkit.strategies import _torch_dist
+    from distkit.strategies import _torch_group
 
-    monkeypatch.setattr(_torch_dist, "JOIN_HINT_S", 0.2)
+    monkeypatch.setattr(_torch_group, "JOIN_HINT_S", 0.2)
     with pytest.raises(TimeoutError, match="only 1 of 2 tasks reached the store"):
-        _torch_dist._job_store("127.0.0.1", _free_port(), 2, 0, timedelta(seconds=1.5))
+        _torch_group._job_store("127.0.0.1", _free_port(), 2, 0, timedelta(seconds=1.5))
     assert "start the tasks with srun" in capsys.readouterr().err
 
 

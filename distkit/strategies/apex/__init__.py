@@ -28,7 +28,7 @@ from typing_extensions import override
 from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ApexNeedsCudaError, DistkitError
 from distkit.launch.families import TORCH_LAUNCHERS
-from distkit.strategies import _torch_dist
+from distkit.strategies import _torch_dist, _torch_group
 from distkit.strategies._steps import GradientClip, clip_, local_norm
 from distkit.strategies.apex import _doctor
 from distkit.strategies.apex._detect import ApexInstall, detect_apex
@@ -106,7 +106,7 @@ class ApexStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
             strict=strict,
         )
         self.backend = backend
-        self.timeout = _torch_dist.as_timeout(timeout)
+        self.timeout = _torch_group.as_timeout(timeout)
         self.install: ApexInstall | None = None
         self._generation: Generation | None = None
 

@@ -19,7 +19,7 @@ from distkit.checkpoint import _shard_files
 from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ConfigurationError, MissingDependencyError
 from distkit.launch.families import TORCH_LAUNCHERS
-from distkit.strategies import _torch_dist
+from distkit.strategies import _torch_dist, _torch_group
 from distkit.strategies._steps import GradientClip, clip_, local_norm, step_gradients
 from distkit.strategies.base import StepOutcome, Strategy, Topology
 from distkit.strategies.capabilities import StateIO
@@ -103,7 +103,7 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         self.reshard_after_forward = reshard_after_forward
         self.checkpoint = checkpoint
         self.backend = backend
-        self.timeout = _torch_dist.as_timeout(timeout)
+        self.timeout = _torch_group.as_timeout(timeout)
         self._fsdp_kwargs = fsdp_kwargs
 
     @override
