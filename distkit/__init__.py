@@ -26,6 +26,7 @@ from distkit.launch._spawn import spawn
 from distkit.metrics import Accuracy, ConfusionMatrix, MeanIoU, Metric
 from distkit.registry import BUILTIN_STRATEGIES as _BUILTINS
 from distkit.registry import available_strategies, register_strategy
+from distkit.runtime._runtime import Runtime
 from distkit.strategies.base import Strategy, Topology, TrainOptions
 from distkit.strategies.syncbn import GlobalBatchNorm
 from distkit.trainer import FitResult, Trainer
@@ -57,6 +58,7 @@ __all__ = [
     "MissingDependencyError",
     "PeerFailureError",
     "PeerStuckError",
+    "Runtime",
     "ShardedStream",
     "Strategy",
     "StrategyPluginError",

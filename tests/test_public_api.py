@@ -31,6 +31,7 @@ PUBLIC_NAMES = [
     "MissingDependencyError",
     "PeerFailureError",
     "PeerStuckError",
+    "Runtime",
     "ShardedStream",
     "Strategy",
     "StrategyPluginError",

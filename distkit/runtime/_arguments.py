@@ -113,6 +113,27 @@ def check_loss(loss: object, source: str) -> None:
         )
 
 
+def check_runtime_arguments(
+    *,
+    grad_accum_steps: object,
+    seed: object,
+    sync_batchnorm: object,
+    find_unused_parameters: object,
+    fault_timeout: object,
+    hang_warning: object,
+    collective_timeout: object,
+) -> None:
+    """``Runtime(...)``'s arguments (the precision is checked where it is normalised)."""
+    for name, value in (
+        ("fault_timeout", fault_timeout),
+        ("hang_warning", hang_warning),
+        ("collective_timeout", collective_timeout),
+    ):
+        check_seconds(name, value)
+    check_ints(grad_accum_steps=(grad_accum_steps, 1), seed=(seed, 0))
+    check_flags(sync_batchnorm=sync_batchnorm, find_unused_parameters=find_unused_parameters)
+
+
 def check_trainer_arguments(args: dict[str, Any]) -> None:
     """``Trainer(...)``'s arguments, each with an error that names it and the fix."""
     check_positive("gradient_clip_norm", args["gradient_clip_norm"])

@@ -17,29 +17,78 @@ from typing import Any
 
 import torch
 from torch import nn
+from typing_extensions import override
 
 from distkit.data import LoaderSpec
 from distkit.data._feed import eval_batches
 from distkit.data._stream_spec import StreamSpec, is_stream
+from distkit.errors import ConfigurationError, TrainerClosedError
 from distkit.faults._faults import fail_fast
 from distkit.faults._progress import Progress
 from distkit.registry import make_strategy
 from distkit.runtime import _agreement
+from distkit.runtime._arguments import check_runtime_arguments
 from distkit.runtime._evaluation import LossFn, Metrics, as_score, evaluate_shard
 from distkit.runtime._preparation import prepare_evaluate
 from distkit.runtime._setups import SetupCache
 from distkit.strategies.base import Strategy, Topology, TrainOptions
+from distkit.strategies.precision import normalize_precision
 
 
 class Runtime:
-    """The strategy, set up for ``options``, and what lives as long as this process uses it.
+    """One process's part of a data-parallel job: the strategy, started, and what lives as
+    long as this process uses it. A :class:`~distkit.Trainer` runs its loop over one; give the
+    same Runtime to several Trainers (``Trainer(runtime=rt)``) and a sweep of fits in one
+    process joins the process group once.
 
     Args:
         strategy: ``"auto"``, a registered name or a :class:`~distkit.Strategy` instance.
-        options: what the strategy is set up for (precision, accumulation, sync BN, ...).
+        precision: ``"32"``, ``"bf16"`` or ``"fp16"``.
+        grad_accum_steps: micro-batches per optimizer step.
+        seed: the data order is seeded with ``seed + epoch`` (the same on every rank).
+        sync_batchnorm: BatchNorm statistics over the global batch.
+        find_unused_parameters: for models whose forward skips some parameters (DDP).
+        fault_timeout: seconds within which every rank stops after one fails.
+        hang_warning: seconds without progress after which rank 0 names a rank that holds
+            the others up (None: off).
+        collective_timeout: seconds a collective may wait for the other ranks (None: the
+            backend's default).
+
+    The arguments mean what :class:`~distkit.Trainer`'s arguments of the same names mean.
     """
 
-    def __init__(self, strategy: str | Strategy, options: TrainOptions) -> None:
+    def __init__(
+        self,
+        strategy: str | Strategy = "auto",
+        *,
+        precision: str = "32",
+        grad_accum_steps: int = 1,
+        seed: int = 0,
+        sync_batchnorm: bool = False,
+        find_unused_parameters: bool = False,
+        fault_timeout: float | None = 10.0,
+        hang_warning: float | None = 300.0,
+        collective_timeout: float | None = None,
+    ) -> None:
+        check_runtime_arguments(
+            grad_accum_steps=grad_accum_steps,
+            seed=seed,
+            sync_batchnorm=sync_batchnorm,
+            find_unused_parameters=find_unused_parameters,
+            fault_timeout=fault_timeout,
+            hang_warning=hang_warning,
+            collective_timeout=collective_timeout,
+        )
+        options = TrainOptions(
+            precision=normalize_precision(precision),
+            grad_accum_steps=grad_accum_steps,
+            sync_batchnorm=sync_batchnorm,
+            find_unused_parameters=find_unused_parameters,
+            collective_timeout=collective_timeout,
+        )
+        self.seed = seed
+        self.fault_timeout = fault_timeout
+        self.hang_warning = hang_warning
         self.strategy = make_strategy(strategy)
         self.strategy.start(options)
         #: this rank's place; kept past close() (handlers after a failure still ask "am I
@@ -51,21 +100,45 @@ class Runtime:
         self._failure_channel: Any = None
         self._finalizer = weakref.finalize(self, self.setups.shutdown)
 
+    @property
+    def options(self) -> TrainOptions:
+        """What the strategy was started with (precision, accumulation, sync BN, ...)."""
+        return self.strategy.options
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @override
+    def __repr__(self) -> str:
+        return f"Runtime(strategy={self.strategy!r})"
+
     # ------------------------------------------------------------------ place
     @property
     def rank(self) -> int:
+        """This process's global rank."""
         return self.topology.rank
 
     @property
     def world_size(self) -> int:
+        """How many processes train together."""
         return self.topology.world_size
 
     @property
+    def local_rank(self) -> int:
+        """This process's rank on its node."""
+        return self.topology.local_rank
+
+    @property
     def is_main(self) -> bool:
+        """Whether this is global rank 0 (the one that logs, prints and saves)."""
         return self.topology.rank == 0
 
     @property
     def device(self) -> torch.device:
+        """This rank's device (its GPU, or the CPU)."""
         return self.topology.device
 
     def renew_topology(self) -> None:
@@ -75,7 +148,16 @@ class Runtime:
     # ------------------------------------------------------------------ life
     @property
     def closed(self) -> bool:
+        """Whether :meth:`close` ran (or a failure closed it): nothing more can run on it."""
         return not self._finalizer.alive
+
+    def require_open(self, call: str) -> None:
+        """Raise :class:`~distkit.errors.TrainerClosedError` if closed, naming ``call``."""
+        if self.closed:
+            raise TrainerClosedError(
+                f"{call}() on a closed Runtime: it was closed (close(), the end of its "
+                "with-block, or a failed multi-process run); create a new distkit.Runtime"
+            )
 
     def close(self) -> None:
         """Tear the strategy down (destroys a process group distkit created). Idempotent."""
@@ -103,6 +185,56 @@ class Runtime:
             on_failure=self.close_after_failure,
         ):
             yield
+
+    # ------------------------------------------------------------------ collectives
+    def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        """``tensor`` combined over every rank (``op``: ``"mean"`` or ``"sum"``); a new
+        tensor, the same on every rank. A collective: call it on every rank."""
+        self.require_open("all_reduce")
+        return self.strategy.all_reduce(tensor, op=op)
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``tensor`` (the same shape on each) stacked along a new first
+        dimension, in rank order. A collective."""
+        self.require_open("all_gather")
+        return self.strategy.all_gather(tensor)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """``obj`` as rank ``src`` holds it, on every rank (any picklable object). A
+        collective."""
+        self.require_open("broadcast")
+        return self.strategy.broadcast(obj, src=src)
+
+    def barrier(self) -> None:
+        """Wait until every rank got here. A collective."""
+        self.require_open("barrier")
+        self.strategy.barrier()
+
+    @contextlib.contextmanager
+    def main_process_first(self) -> Iterator[None]:
+        """Rank 0 runs the block first (to download or cache), then the others. A
+        collective: enter it on every rank."""
+        self.require_open("main_process_first")
+        with self.strategy.main_process_first():
+            yield
+
+    def print(self, *values: object, **kwargs: Any) -> None:
+        """``print`` on rank 0 only (flushed, so it shows at once under a launcher)."""
+        if self.is_main:
+            kwargs.setdefault("flush", True)
+            print(*values, **kwargs)
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """``model``'s weights as full CPU tensors, the same on every rank, keyed as the
+        user's own module keys its ``state_dict()`` (a wrapper's ``module.`` prefix never
+        shows). A collective where the strategy shards the model (fsdp gathers): call it on
+        every rank."""
+        self.require_open("full_state_dict")
+        if not isinstance(model, nn.Module):
+            raise ConfigurationError(
+                f"full_state_dict takes a torch.nn.Module, got {type(model).__name__}"
+            )
+        return self.strategy.state_io.model_state_dict(self.strategy.unwrap(model))
 
     # ------------------------------------------------------------------ data
     def loader_spec(
@@ -132,17 +264,32 @@ class Runtime:
         self,
         model: nn.Module,
         data: Any,
-        loss_fn: LossFn | None,
-        metrics: Metrics | None,
+        loss_fn: LossFn | None = None,
+        metrics: Metrics | None = None,
         *,
-        batch_size: int,
-        num_workers: int,
-        seed: int,
-        input_device: torch.device | None,
+        batch_size: int = 32,
+        num_workers: int = 0,
+        seed: int | None = None,
+        input_device: torch.device | None = None,
     ) -> dict[str, float]:
-        """Loss and metrics over ``data``, every sample counted once over all ranks; the
-        same plain floats on every rank. A collective (the ranks agree on the call first)."""
+        """Loss and metrics over ``data``, every sample counted once over all ranks.
+
+        A collective: call it on every rank, with the whole ``data`` (a Dataset, a DataLoader
+        or a stream; distkit shards it). Returns the same dict on every rank:
+        ``{"loss": ..., <metric name>: ...}``, plain floats.
+
+        Args:
+            model: the user's module (set up or not; it is placed on this rank's device).
+            loss_fn: ``loss_fn(model(inputs), target)`` -> batch-mean loss.
+            metrics: :class:`~distkit.metrics.Metric` objects, by name or in a list.
+            batch_size: samples per rank per batch, for a Dataset (a DataLoader's own wins).
+            num_workers: DataLoader worker processes per rank, for a Dataset.
+            seed: seeds a stream's shuffling (None: the runtime's ``seed``).
+            input_device: where a model you placed on devices of your own takes its inputs.
+        """
+        self.require_open("evaluate")
         strategy = self.strategy
+        seed = self.seed if seed is None else seed
 
         def prepare() -> _agreement.Proposal[Any]:
             def read() -> LoaderSpec | StreamSpec:

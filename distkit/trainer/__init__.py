@@ -21,7 +21,7 @@ from distkit.runtime._resume import LatestFit
 from distkit.runtime._runtime import Runtime
 from distkit.strategies._placement import check_claims
 from distkit.strategies._steps import GradientClip
-from distkit.strategies.base import Strategy, TrainOptions
+from distkit.strategies.base import Strategy
 from distkit.strategies.precision import normalize_precision
 from distkit.trainer._config import Setting, TrainerConfig
 from distkit.trainer._epoch_loop import StopRequest
@@ -51,7 +51,15 @@ class FitResult:
 
 
 #: Trainer(...)'s arguments that are not settings (objects, or the strategy to resolve)
-_NOT_SETTINGS = frozenset({"self", "strategy", "callbacks", "loggers"})
+_NOT_SETTINGS = frozenset({"self", "strategy", "callbacks", "loggers", "runtime"})
+#: the Trainer's arguments a Runtime it is given already fixed (they must agree with it)
+_RUNTIME_OPTIONS = (
+    "precision",
+    "grad_accum_steps",
+    "sync_batchnorm",
+    "find_unused_parameters",
+    "collective_timeout",
+)
 
 
 class Trainer:
@@ -117,10 +125,18 @@ class Trainer:
             its convolution algorithms for each new input shape and keeps the fastest: faster
             for fixed shapes, slower while shapes vary, and not bitwise reproducible). False
             (the default) leaves ``torch.backends.cudnn`` as you set it.
+        runtime: a :class:`~distkit.Runtime` to train on (its strategy, process group and
+            set-up models), kept open when this Trainer closes: a sweep of fits in one
+            process joins the group once. Its strategy and options are the Trainer's
+            (``strategy``, ``precision``, ``grad_accum_steps``, ``sync_batchnorm``,
+            ``find_unused_parameters`` and ``collective_timeout`` may be left out, or must
+            match it).
 
     ``trainer.config`` holds every setting but the strategy, the callbacks and the loggers as
     one frozen, validated value; ``trainer.max_epochs = 5`` (and the like) replaces it,
-    validated as ``Trainer(...)`` validates its arguments.
+    validated as ``Trainer(...)`` validates its arguments. A fit reads it once, when it
+    starts (every rank agrees on those values): a setting changed during a fit applies from
+    the next one.
     """
 
     # settings, read from (and written through) self.config
@@ -176,6 +192,7 @@ class Trainer:
         compile: bool | dict[str, Any] = False,
         input_device: str | int | torch.device | None = None,
         cudnn_benchmark: bool = False,
+        runtime: Runtime | None = None,
     ) -> None:
         #: every setting above but strategy, callbacks and loggers: one frozen, validated
         #: value (assigning ``trainer.max_epochs`` etc. replaces it, validated again)
@@ -187,17 +204,29 @@ class Trainer:
         self.checkpoints = (
             None if checkpoint_dir is None else ckpt.CheckpointFolder(checkpoint_dir, keep_last)
         )
-        #: the strategy, set up, and what lives as long as it does (models set up once, ...)
-        self.runtime = Runtime(
-            strategy,
-            TrainOptions(
-                precision=normalize_precision(precision),
+        #: the strategy, started, and what lives as long as it does (models set up once, ...)
+        self.runtime: Runtime
+        self._owns_runtime = runtime is None
+        if runtime is None:
+            self.runtime = Runtime(
+                strategy,
+                precision=precision,
                 grad_accum_steps=grad_accum_steps,
+                seed=seed,
                 sync_batchnorm=sync_batchnorm,
                 find_unused_parameters=find_unused_parameters,
+                fault_timeout=fault_timeout,
+                hang_warning=hang_warning,
                 collective_timeout=collective_timeout,
-            ),
-        )
+            )
+        else:
+            self.runtime = _checked_runtime(runtime, strategy, self.config)
+            # the strategy's options are the runtime's: the config says them as they are
+            options = runtime.options
+            self.config = self.config.replace(
+                **{name: getattr(options, name) for name in _RUNTIME_OPTIONS}
+            )
+        self._closed = False
         self.strategy = self.runtime.strategy
         self._run: LatestFit | None = None
         self._pending: _resume.LoadedCheckpoint | None = (
@@ -288,11 +317,14 @@ class Trainer:
 
         A closed trainer cannot fit, evaluate or save: create a new one.
         """
-        return self.runtime.closed
+        return self._closed or self.runtime.closed
 
     def close(self) -> None:
-        """Tear the strategy down (destroys a process group distkit created). Idempotent."""
-        self.runtime.close()
+        """Tear the strategy down (destroys a process group distkit created); a Runtime you
+        gave (``Trainer(runtime=rt)``) stays open for your next Trainer. Idempotent."""
+        self._closed = True
+        if self._owns_runtime:
+            self.runtime.close()
 
     def __enter__(self) -> Trainer:
         return self
@@ -486,3 +518,35 @@ class Trainer:
     @override
     def __repr__(self) -> str:
         return f"Trainer(strategy={self.strategy!r}, max_epochs={self.max_epochs})"
+
+
+def _checked_runtime(runtime: object, strategy: object, config: TrainerConfig) -> Runtime:
+    """``Trainer(runtime=rt)``: an open Runtime, and no argument that contradicts it."""
+    if not isinstance(runtime, Runtime):
+        raise ConfigurationError(
+            f"runtime must be a distkit.Runtime, got {type(runtime).__name__}; create one with "
+            "distkit.Runtime(strategy=...) and pass it to each Trainer"
+        )
+    runtime.require_open("Trainer")
+    if not (isinstance(strategy, str) and strategy == "auto") and strategy is not runtime.strategy:
+        raise ConfigurationError(
+            f"Trainer(strategy={strategy!r}, runtime=...): the runtime already runs "
+            f"{runtime.strategy.name!r}; leave strategy='auto' (the runtime's) or create the "
+            "Trainer without a runtime"
+        )
+    defaults = TrainerConfig()
+    options = runtime.options
+    for name in _RUNTIME_OPTIONS:
+        given, default, held = (
+            getattr(config, name),
+            getattr(defaults, name),
+            getattr(options, name),
+        )
+        if name == "precision":
+            given, default = normalize_precision(given), normalize_precision(default)
+        if given != default and given != held:
+            raise ConfigurationError(
+                f"Trainer({name}={given!r}, runtime=...): the runtime was created with "
+                f"{name}={held!r}; pass {name} to distkit.Runtime(...), or leave it out here"
+            )
+    return runtime

@@ -345,7 +345,9 @@ def test_trainer_settings_are_one_frozen_validated_config():
     # every keyword of Trainer(...) but the objects is a field, with the same default
     params = inspect.signature(distkit.Trainer).parameters
     settings = {
-        n: p.default for n, p in params.items() if n not in ("strategy", "callbacks", "loggers")
+        n: p.default
+        for n, p in params.items()
+        if n not in ("strategy", "callbacks", "loggers", "runtime")
     }
     fields = {f.name: f.default for f in dataclasses.fields(TrainerConfig) if f.init}
     assert settings == fields
