@@ -12,9 +12,10 @@ if TYPE_CHECKING:
 class Callback:
     """Hooks that :meth:`distkit.Trainer.fit` calls on **every rank**, in this order.
 
-    ``on_fit_start`` -> per optimizer step ``on_train_step_end`` (and ``on_validation_end``
-    after a validation, every ``val_every_n_steps`` and at each epoch's end) -> per epoch
-    ``on_epoch_end`` -> ``on_fit_end``; ``on_exception`` instead when ``fit`` raises.
+    ``on_fit_start`` -> per optimizer step ``on_train_step_end`` (and around each validation,
+    every ``val_every_n_steps`` and at each epoch's end, ``on_validation_start`` and
+    ``on_validation_end``) -> per epoch ``on_epoch_end`` -> ``on_fit_end``; ``on_exception``
+    instead when ``fit`` raises.
     Every method does nothing by default: override the ones you need.
 
     ``trainer.should_stop = True`` (from any rank's callback) stops every rank after the
@@ -48,6 +49,10 @@ class Callback:
         averaged gradients before clipping). Values on the device are read (a host
         synchronisation) only when you read them.
         """
+
+    def on_validation_start(self, trainer: Trainer) -> None:
+        """Before each validation (the model still holds the weights just trained: swap
+        in others here, an EMA's for example, and back in ``on_validation_end``)."""
 
     def on_validation_end(self, trainer: Trainer, metrics: Mapping[str, float]) -> None:
         """After each validation: ``{"val_loss": ..., "val_<metric>": ...}``, the same on

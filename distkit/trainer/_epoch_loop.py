@@ -175,6 +175,7 @@ class EpochLoop:
         state = self.state
         self._check_losses()
         self.runtime.progress.phase = "validation"
+        self.callbacks.call("on_validation_start", self.owner)
         metrics = {f"val_{key}": value for key, value in self.validate().items()}
         self._validated_at, self._last_validation = state.global_step, metrics
         state.validations.append({"step": state.global_step, "epoch": state.epoch, **metrics})

@@ -598,3 +598,49 @@ def test_best_checkpoint_removes_the_temp_file_a_killed_save_left(tmp_path):
     assert not killed.exists()
     assert live.exists() and other.exists()
     assert any(p.name.startswith("best-val_loss=") for p in tmp_path.iterdir())
+
+
+class ZeroedForValidation(Callback):
+    """Validates with the last layer zeroed (logits all 0), then puts the weights back: a
+    stand-in for a callback that swaps averaged (EMA) weights in around validation."""
+
+    stops_training = False
+
+    def __init__(self) -> None:
+        self.kept: list[torch.Tensor] = []
+        self.order: list[str] = []
+
+    def on_validation_start(self, trainer):
+        self.order.append("start")
+        layer = trainer.model[-1]
+        self.kept = [layer.weight.detach().clone(), layer.bias.detach().clone()]
+        with torch.no_grad():
+            layer.weight.zero_()
+            layer.bias.zero_()
+
+    def on_validation_end(self, trainer, metrics):
+        self.order.append("end")
+        layer = trainer.model[-1]
+        with torch.no_grad():
+            layer.weight.copy_(self.kept[0])
+            layer.bias.copy_(self.kept[1])
+
+
+def test_callbacks_on_validation_start_runs_before_each_validation_on_its_weights():
+    swapper = ZeroedForValidation()
+    with_swap = distkit.Trainer("dp", batch_size=4, max_epochs=2, progress=False,
+                                val_every_n_steps=4, callbacks=[swapper])  # fmt: skip
+    torch.manual_seed(0)
+    result = _fit(with_swap, n=24, val_data=make_dataset(10))
+    plain = distkit.Trainer("dp", batch_size=4, max_epochs=2, progress=False,
+                            val_every_n_steps=4)  # fmt: skip
+    torch.manual_seed(0)
+    reference = _fit(plain, n=24, val_data=make_dataset(10))
+    assert swapper.order == ["start", "end"] * 4  # validations at steps 4, 6, 8 and 12
+    classes = make_mlp()[-1].out_features
+    # every validation saw the zeroed layer: uniform predictions, loss = log(classes)
+    assert all(v["val_loss"] == pytest.approx(math.log(classes)) for v in result.validations)
+    # and training went on with the weights it had: the same as without the callback
+    assert [h["train_loss"] for h in result.history] == [h["train_loss"] for h in reference.history]
+    for mine, theirs in zip(with_swap.model.parameters(), plain.model.parameters(), strict=True):
+        assert torch.equal(mine, theirs)
