@@ -27,6 +27,27 @@ def check_model(model: object) -> nn.Module:
     return model
 
 
+def check_setup_args(model: object, optimizers: tuple[object, ...]) -> None:
+    """``rt.setup(model, *optimizers)``: a module, and optimizers over its parameters."""
+    model = check_model(model)
+    owned = {id(p) for p in model.parameters()}
+    for position, optimizer in enumerate(optimizers):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigurationError(
+                f"rt.setup's optimizer #{position + 1} must be a torch.optim.Optimizer, got "
+                f"{type(optimizer).__name__}"
+            )
+        foreign = sum(
+            1 for group in optimizer.param_groups for p in group["params"] if id(p) not in owned
+        )
+        if foreign:
+            raise ConfigurationError(
+                f"optimizer #{position + 1} holds {foreign} tensor(s) that are not parameters "
+                "of the model; set up each model with its own optimizers: "
+                "rt.setup(model, torch.optim.SGD(model.parameters(), ...))"
+            )
+
+
 def check_fit_args(model: object, optimizer: object, loss_fn: object, step_fn: object) -> None:
     model = check_model(model)
     if not isinstance(optimizer, torch.optim.Optimizer):

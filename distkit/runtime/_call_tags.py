@@ -35,6 +35,7 @@ CALLS = {
     "stop": "fit's stop check (after a step, a validation or an epoch)",
     "log": "fit's log point",
     "nonfinite": "fit's non-finite loss check",
+    "setup": "rt.setup",
 }
 _CODES = {call: float(code) for code, call in enumerate(CALLS, start=1)}
 _NAMES = {code: CALLS[call] for call, code in _CODES.items()}

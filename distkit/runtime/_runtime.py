@@ -19,18 +19,24 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from distkit.data import LoaderSpec
-from distkit.data._feed import eval_batches
+from distkit._validate import check_flags, check_ints, check_positive
+from distkit.data import LoaderSpec, MicroBatch
+from distkit.data._batch_plan import batch_plan
+from distkit.data._feed import eval_batches, train_feed
 from distkit.data._stream_spec import StreamSpec, is_stream
 from distkit.errors import ConfigurationError, TrainerClosedError
 from distkit.faults._faults import fail_fast
 from distkit.faults._progress import Progress
 from distkit.registry import make_strategy
 from distkit.runtime import _agreement
-from distkit.runtime._arguments import check_runtime_arguments
+from distkit.runtime._arguments import check_loss, check_runtime_arguments, check_setup_args
 from distkit.runtime._evaluation import LossFn, Metrics, as_score, evaluate_shard
-from distkit.runtime._preparation import prepare_evaluate
+from distkit.runtime._loader import RuntimeLoader
+from distkit.runtime._preparation import checked_placement, prepare_evaluate
+from distkit.runtime._set_up import SetUpModel, SetUpOptimizer
 from distkit.runtime._setups import SetupCache
+from distkit.strategies._placement import Placement
+from distkit.strategies._steps import GradientClip
 from distkit.strategies.base import Strategy, Topology, TrainOptions
 from distkit.strategies.precision import normalize_precision
 
@@ -99,6 +105,11 @@ class Runtime:
         self.progress = Progress()
         self._failure_channel: Any = None
         self._finalizer = weakref.finalize(self, self.setups.shutdown)
+        # a user's own loop (rt.setup / rt.loader / rt.backward)
+        self._micro: MicroBatch | None = None  # the micro-batch the loop holds now
+        self._set_up: weakref.WeakKeyDictionary[nn.Module, SetUpModel]
+        self._set_up = weakref.WeakKeyDictionary()  # the user's module -> what setup returned
+        self._optimizers: list[SetUpOptimizer] = []
 
     @property
     def options(self) -> TrainOptions:
@@ -186,6 +197,170 @@ class Runtime:
         ):
             yield
 
+    # ------------------------------------------------------------------ a user's own loop
+    def setup(self, model: nn.Module, *optimizers: torch.optim.Optimizer) -> Any:
+        """Set ``model`` (and its optimizers) up for training on this backend.
+
+        Returns the set-up model, or ``(model, optimizer, ...)`` with optimizers: call the
+        model as your own (it runs under the precision's autocast, and without gradient
+        synchronisation mid-accumulation) and ``step()`` / ``zero_grad()`` the optimizers as
+        usual (they act at the end of each ``grad_accum_steps`` window). A collective: every
+        rank sets up the same model (the ranks agree on its shapes first; the backend then
+        sends rank 0's weights to every rank). Call it once per model.
+        """
+        self.require_open("setup")
+        check_setup_args(model, optimizers)
+        if isinstance(model, SetUpModel):
+            raise ConfigurationError(
+                "this model is what rt.setup returned: it is set up already. Set up each "
+                "model once, passing the nn.Module you built"
+            )
+        if model in self._set_up:
+            raise ConfigurationError(
+                f"{type(model).__name__} is set up already (rt.setup was called with it "
+                "before): set up each model once, with all of its optimizers in one call: "
+                "rt.setup(model, opt_a, opt_b)"
+            )
+        strategy = self.strategy
+
+        def prepare() -> _agreement.Proposal[Placement]:
+            placement = checked_placement(self.setups, model, None)
+            kinds = ", ".join(type(o).__name__ for o in optimizers) or "none"
+            agreed = {"model": _agreement.describe_model(model), "optimizers": kinds}
+            details = {"model": lambda: _agreement.named_shapes(model)}
+            return _agreement.Proposal(agreed, placement, details=details)
+
+        if strategy.elastic:
+            placement = prepare().local
+        else:
+            placement, _ = _agreement.exchange(strategy, "setup", prepare)
+        inners = [self.setups.setup(model, opt, placement)[1] for opt in optimizers]
+        wrapped = self.setups.wrapped(model)
+        set_up = SetUpModel(strategy, model, wrapped, self._current_micro)
+        self._set_up[model] = set_up
+        if not optimizers:
+            return set_up
+        wrappers = [
+            SetUpOptimizer(strategy, opt, inner, self._current_micro)
+            for opt, inner in zip(optimizers, inners, strict=True)
+        ]
+        self._optimizers.extend(wrappers)
+        return (set_up, *wrappers)
+
+    def loader(
+        self,
+        data: Any,
+        *,
+        batch_size: int = 32,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        num_workers: int = 0,
+    ) -> RuntimeLoader:
+        """This rank's share of every global batch of ``data`` (a map-style Dataset, a
+        DataLoader or a stream), on this rank's device.
+
+        ``batch_size`` is per rank and per micro-batch (a DataLoader's own wins): N processes
+        with ``batch_size=b`` see, together, the global batches one process sees with
+        ``N * b``, in the same order (seeded with the runtime's ``seed + epoch``). Iterating
+        the loader again gives the next epoch.
+        """
+        self.require_open("loader")
+        check_ints(batch_size=(batch_size, 1), num_workers=(num_workers, 0))
+        check_flags(shuffle=shuffle, drop_last=drop_last)
+        strategy = self.strategy
+        spec = self.loader_spec(
+            data, "data", batch_size=batch_size, shuffle=shuffle, num_workers=num_workers
+        )
+        accum = self.options.grad_accum_steps
+        plan = batch_plan(
+            spec,
+            world_size=self.world_size,
+            rank=self.rank,
+            grad_accum_steps=accum,
+            seed=self.seed,
+            drop_last=drop_last,
+        )
+        feed = train_feed(
+            strategy, spec, plan, seed=self.seed, grad_accum_steps=accum, drop_last=drop_last
+        )
+        return RuntimeLoader(
+            feed, seed=self.seed, rank=self.rank, device=self.device, enter=self._enter
+        )
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate ``loss``, the mean loss of the batch the loop holds.
+
+        Weighted by that batch's share of its global batch, so that N processes with batch
+        ``b`` compute the gradients one process computes with ``N * b`` (an uneven last
+        batch too); without gradient synchronisation mid-accumulation; scaled for fp16.
+        Call it for every loss (a GAN calls it twice per batch); not ``loss.backward()``.
+        """
+        self.require_open("backward")
+        if not self._set_up:
+            raise ConfigurationError(
+                "rt.backward(loss) before rt.setup(model, optimizer): set the model up first, "
+                "so that its gradients are synchronised over the ranks"
+            )
+        check_loss(loss, "rt.backward's loss")
+        micro = self._micro
+        if micro is None and self.options.grad_accum_steps > 1:
+            raise ConfigurationError(
+                f"grad_accum_steps={self.options.grad_accum_steps} needs the batches of "
+                "rt.loader(...): it knows where each accumulation window ends. Iterate "
+                "rt.loader(data) (or create the Runtime with grad_accum_steps=1)"
+            )
+        loss = self.strategy.reduce_loss(loss, 0)
+        weight = 1.0 if micro is None else micro.weight
+        optimizer = self._optimizers[0]._inner if self._optimizers else None
+        with contextlib.ExitStack() as stack:
+            if micro is not None and not micro.last_in_step:
+                for set_up in list(self._set_up.values()):
+                    stack.enter_context(self.strategy.no_sync(set_up.wrapped))
+            self.strategy.backward(loss if weight == 1.0 else loss * weight, optimizer)  # type: ignore[arg-type]
+
+    def clip_gradients(
+        self,
+        model: nn.Module,
+        optimizer: Any,
+        max_norm: float | None = None,
+        max_value: float | None = None,
+    ) -> None:
+        """Clip ``optimizer``'s gradients at its next step: to a total 2-norm of
+        ``max_norm`` and/or into ``[-max_value, max_value]``, on the averaged, unscaled
+        gradients of the whole model (every rank's shard with fsdp), as the Trainer's
+        ``gradient_clip_norm`` does. The norm before clipping is then
+        ``optimizer.last_grad_norm``."""
+        self.require_open("clip_gradients")
+        if not isinstance(optimizer, SetUpOptimizer):
+            raise ConfigurationError(
+                f"clip_gradients takes the optimizer rt.setup returned, got "
+                f"{type(optimizer).__name__}"
+            )
+        check_positive("max_norm", max_norm)
+        check_positive("max_value", max_value)
+        clip = GradientClip.from_settings(max_norm, max_value)
+        if clip is None:
+            raise ConfigurationError("clip_gradients needs max_norm=..., max_value=..., or both")
+        optimizer.clip_at_step(clip)
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        """No gradient synchronisation for ``model`` in the block (forward and backward):
+        for accumulating by hand, outside ``rt.loader``'s windows."""
+        self.require_open("no_sync")
+        if not isinstance(model, SetUpModel):
+            raise ConfigurationError(
+                f"no_sync takes the model rt.setup returned, got {type(model).__name__}"
+            )
+        with self.strategy.no_sync(model.wrapped):
+            yield
+
+    def _current_micro(self) -> MicroBatch | None:
+        return self._micro
+
+    def _enter(self, micro: MicroBatch | None) -> None:
+        self._micro = micro
+
     # ------------------------------------------------------------------ collectives
     def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
         """``tensor`` combined over every rank (``op``: ``"mean"`` or ``"sum"``); a new
@@ -234,6 +409,8 @@ class Runtime:
             raise ConfigurationError(
                 f"full_state_dict takes a torch.nn.Module, got {type(model).__name__}"
             )
+        if isinstance(model, SetUpModel):
+            model = model.module
         return self.strategy.state_io.model_state_dict(self.strategy.unwrap(model))
 
     # ------------------------------------------------------------------ data
@@ -290,6 +467,8 @@ class Runtime:
         self.require_open("evaluate")
         strategy = self.strategy
         seed = self.seed if seed is None else seed
+        if isinstance(model, SetUpModel):
+            model = model.module
 
         def prepare() -> _agreement.Proposal[Any]:
             def read() -> LoaderSpec | StreamSpec:

@@ -1,0 +1,100 @@
+"""``rt.loader(data)``: this rank's share of every global batch, in a user's own loop.
+
+The batches come from the same global batch plan as the Trainer's: global batch ``k`` holds
+the same samples whatever the number of processes, a short last batch is split as evenly as
+it goes (a rank left without a sample gets a placeholder whose loss weight is zero), and with
+``grad_accum_steps=k`` the micro-batches fall into windows of ``k``. While the user's loop
+holds a batch, the runtime knows that batch's micro-batch (:class:`~distkit.data.MicroBatch`):
+its loss weight (``rt.backward``), and whether it ends a window (then the gradients are
+synchronised and ``optimizer.step()`` steps).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from distkit.batch import to_device
+from distkit.data import MicroBatch
+from distkit.data._feed import Feed
+from distkit.errors import ConfigurationError
+
+
+class RuntimeLoader:
+    """An iterable over this rank's batches, epoch after epoch (iterating again starts the
+    next epoch, in its own order). ``len(loader)`` is this rank's batches per epoch.
+
+    ``state_dict()`` / ``load_state_dict()`` hold the epoch and how far into it the loop got,
+    for ``rt.save`` / ``rt.load``: a resumed loop continues with the next batch.
+    """
+
+    def __init__(
+        self,
+        feed: Feed,
+        *,
+        seed: int,
+        rank: int,
+        device: Any,
+        enter: Callable[[MicroBatch | None], None],
+    ) -> None:
+        self._feed = feed
+        self._seed = seed
+        self._rank = rank
+        self._device = device
+        self._enter = enter  # tells the runtime which micro-batch the loop now holds
+        self._epoch = 0
+        self._position = 0  # samples (over all ranks) of the epoch already handed out
+        self._iterating = False
+
+    def __len__(self) -> int:
+        remaining = self._feed.remaining(self._epoch, 0)
+        if remaining is None:
+            raise TypeError("a stream's length is not known ahead: iterate it")
+        return remaining
+
+    def epoch(self, epoch: int) -> RuntimeLoader:
+        """Iterate ``epoch`` next (from its start): ``for batch in loader.epoch(3): ...``."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ConfigurationError(f"epoch must be an integer >= 0, got {epoch!r}")
+        self._epoch, self._position = epoch, 0
+        return self
+
+    @property
+    def current_epoch(self) -> int:
+        """The epoch the next iteration yields (or the one being yielded)."""
+        return self._epoch
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._iterating:
+            raise ConfigurationError(
+                "this loader is already being iterated: finish (or break out of) that loop "
+                "first; a loader yields one epoch at a time"
+            )
+        self._iterating = True
+        epoch, start = self._epoch, self._position
+        worker_seed = self._seed * 1000003 + self._rank * 7919 + epoch
+        try:
+            for batch, micro in self._feed.epoch(epoch, start, worker_seed):
+                self._position += micro.samples  # handed out: a save from here on skips it
+                self._enter(micro)
+                yield to_device(batch, self._device)
+            self._epoch, self._position = epoch + 1, 0
+        finally:
+            self._enter(None)
+            self._iterating = False
+
+    def state_dict(self) -> dict[str, int]:
+        """Where the loop is: the epoch, and the samples of it already handed out."""
+        return {"epoch": self._epoch, "position": self._position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from what :meth:`state_dict` returned (at any world size)."""
+        epoch, position = state.get("epoch"), state.get("position")
+        for name, value in (("epoch", epoch), ("position", position)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigurationError(
+                    f"a loader state holds {name}={value!r}; expected an integer >= 0 (a "
+                    "state from loader.state_dict())"
+                )
+        assert isinstance(epoch, int) and isinstance(position, int)
+        self._epoch, self._position = epoch, position

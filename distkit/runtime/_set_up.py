@@ -1,0 +1,177 @@
+"""What ``rt.setup(model, optimizer)`` returns: the model and optimizers a user's loop calls.
+
+:class:`SetUpModel` runs the backend's wrapper (DDP, FSDP's sharded module, ...) under the
+precision's autocast, and, while the loop holds a micro-batch that does not end its
+accumulation window, without gradient synchronisation. It keeps the user's module's own
+``state_dict`` keys. :class:`SetUpOptimizer` steps (through the strategy: Horovod's
+all-reduce, the fp16 scaler, clipping) only at the end of each window of
+``grad_accum_steps`` micro-batches, and ``zero_grad`` clears only there, so the loop body
+stays the plain ``step(); zero_grad()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from typing_extensions import override
+
+from distkit.data import MicroBatch
+from distkit.strategies._steps import GradientClip, StepOutcome
+from distkit.strategies.base import Strategy
+from distkit.strategies.syncbn import placeholder_batch
+
+
+class SetUpModel(nn.Module):
+    """The user's model as the strategy set it up, for a user's own loop.
+
+    Call it as the model itself; its parameters are the user's (so optimizers built before
+    ``rt.setup`` keep working), and ``state_dict`` / ``load_state_dict`` use the user's
+    module's own keys (no ``module.`` prefix).
+    """
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        module: nn.Module,
+        wrapped: nn.Module,
+        micro: Callable[[], MicroBatch | None],
+    ) -> None:
+        super().__init__()
+        self.wrapped = wrapped  # a submodule: .train()/.eval()/.to() reach it
+        # not submodules (the user's module is inside ``wrapped`` already)
+        self.__dict__["_strategy"] = strategy
+        self.__dict__["_module"] = module
+        self.__dict__["_micro"] = micro
+
+    @property
+    def module(self) -> nn.Module:
+        """The user's own module (the one passed to ``rt.setup``)."""
+        module: nn.Module = self.__dict__["_module"]
+        return module
+
+    @override
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        strategy: Strategy = self.__dict__["_strategy"]
+        with self.local_context(), strategy.autocast():
+            return self.wrapped(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def local_context(self) -> Iterator[None]:
+        """While the loop holds a micro-batch that does not end its window: no gradient
+        synchronisation; for a placeholder micro-batch: sync BatchNorm leaves it out."""
+        micro: MicroBatch | None = self.__dict__["_micro"]()
+        if micro is None or not (self.training and torch.is_grad_enabled()):
+            yield
+            return
+        strategy: Strategy = self.__dict__["_strategy"]
+        with contextlib.ExitStack() as stack:
+            if not micro.last_in_step:
+                stack.enter_context(strategy.no_sync(self.wrapped))
+            if micro.count == 0:
+                stack.enter_context(placeholder_batch(self.wrapped))
+            yield
+
+    @override
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module.state_dict(*args, **kwargs)
+
+    @override
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    @override
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_module")
+            if module is None:
+                raise
+            return getattr(module, name)  # the user's own attributes
+
+
+class SetUpOptimizer:
+    """The user's optimizer as the strategy set it up, for a user's own loop.
+
+    ``step()`` steps only where the loop's current micro-batch ends its accumulation window
+    (always, outside ``rt.loader``'s batches); ``zero_grad()`` clears only there. Its
+    ``param_groups`` and ``state`` are the user's optimizer's (LR schedulers built on the
+    user's optimizer keep working).
+    """
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        optimizer: torch.optim.Optimizer,
+        inner: torch.optim.Optimizer,
+        micro: Callable[[], MicroBatch | None],
+    ) -> None:
+        self._strategy = strategy
+        self.optimizer = optimizer  # the user's
+        self._inner = inner  # the strategy's (Horovod's DistributedOptimizer, ...)
+        self._micro = micro
+        self._clip: GradientClip | None = None
+        #: what the last step did (stepped, or skipped on an fp16 overflow)
+        self.last_outcome: StepOutcome | None = None
+        #: the total norm of the averaged gradients before the last clipping (a device
+        #: tensor), when ``rt.clip_gradients`` asked for clipping
+        self.last_grad_norm: torch.Tensor | None = None
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    def _window_open(self) -> bool:
+        micro = self._micro()
+        return micro is not None and not micro.last_in_step
+
+    def clip_at_step(self, clip: GradientClip) -> None:
+        """Clip the averaged, unscaled gradients at the next real step (``rt.clip_gradients``)."""
+        self._clip = clip
+
+    def step(self, closure: Callable[[], Any] | None = None) -> None:
+        """Step at the end of an accumulation window (mid-window: nothing, the gradients
+        keep accumulating)."""
+        if closure is not None:
+            raise TypeError(
+                "a set-up optimizer's step() takes no closure: compute the loss, call "
+                "rt.backward(loss), then optimizer.step()"
+            )
+        if self._window_open():
+            return
+        clip, self._clip = self._clip, None
+        outcome, norm = self._strategy.step(self._inner, clip=clip)
+        self.last_outcome, self.last_grad_norm = outcome, norm
+        if self._inner is not self.optimizer:
+            # torch's LR schedulers watch the user's optimizer's step (see mark_stepped)
+            self.optimizer._opt_called = True  # type: ignore[attr-defined]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients at the end of an accumulation window (mid-window: keep
+        them, they are still accumulating)."""
+        if self._window_open():
+            return
+        if self._inner is self.optimizer:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+        else:
+            self._inner.zero_grad()  # Horovod's takes no argument (it sets to None)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)
+
+    @override
+    def __repr__(self) -> str:
+        return f"SetUpOptimizer({self.optimizer!r})"

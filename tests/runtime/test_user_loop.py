@@ -1,0 +1,133 @@
+"""A user's own loop on distkit.Runtime keeps world-size invariance: the same loop at 2
+processes with batch b ends with the weights of 1 process with batch 2b (an uneven last batch
+and grad_accum_steps=2 included), on ddp, fsdp and horovod; at 1 process it equals the
+Trainer's fit. Real gloo / horovodrun processes."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import distkit
+from tests.support.gates import needs
+from tests.support.horovod_runner import run_with_horovodrun
+from tests.support.workloads import make_dataset, make_mlp, max_abs_diff
+
+pytestmark = pytest.mark.timeout(300)
+
+TOL = 1e-5
+N = 21  # global batches of 8 with 2 accumulated: 16 + 5 (an uneven last step)
+
+
+def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out, y)
+
+
+def user_loop(
+    strategy: str, batch: int, accum: int, *, epochs: int = 2, clip: float | None = None
+) -> dict[str, Any]:
+    """The loop of the issue's sketch: setup, loader, backward, (clip), step, zero_grad."""
+    torch.manual_seed(0)
+    with distkit.Runtime(strategy, grad_accum_steps=accum, seed=3) as rt:
+        model = make_mlp()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        model, optimizer = rt.setup(model, optimizer)
+        loader = rt.loader(make_dataset(N), batch_size=batch, shuffle=True)
+        batches = 0
+        for _ in range(epochs):
+            for x, y in loader:
+                rt.backward(_loss(model(x), y))
+                if clip is not None:
+                    rt.clip_gradients(model, optimizer, max_norm=clip)
+                optimizer.step()
+                optimizer.zero_grad()
+                batches += 1
+        return {"state": rt.full_state_dict(model), "batches": batches, "len": len(loader)}
+
+
+def trainer_fit(batch: int, accum: int, *, epochs: int = 2) -> dict[str, Any]:
+    torch.manual_seed(0)
+    trainer = distkit.Trainer("ddp", batch_size=batch, grad_accum_steps=accum, seed=3,
+                              max_epochs=epochs, progress=False)  # fmt: skip
+    model = make_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    trainer.fit(model, optimizer, make_dataset(N), _loss)
+    state = trainer.full_state_dict()
+    trainer.close()
+    return {"state": state}
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_a_user_loop_at_two_ddp_ranks_equals_one_process_and_the_trainer(run_on_ranks, accum):
+    one = run_on_ranks(user_loop, "ddp", 8, accum, world_size=1)[0]
+    two = run_on_ranks(user_loop, "ddp", 4, accum, world_size=2)
+    assert max_abs_diff(two[0]["state"], one["state"]) <= TOL
+    assert max_abs_diff(two[1]["state"], one["state"]) <= TOL
+    # 21 samples: 3 global batches of 8 (the last holds 5: 3 and 2 over two ranks)
+    assert one["len"] == two[0]["len"] == two[1]["len"] == 3
+    assert one["batches"] == two[0]["batches"] == 6  # 2 epochs
+    fit = run_on_ranks(trainer_fit, 8, accum, world_size=1)[0]
+    assert max_abs_diff(one["state"], fit["state"]) <= TOL  # the loop is the Trainer's
+
+
+def test_a_user_loop_with_clipping_at_two_ranks_equals_one_process(run_on_ranks):
+    clipped = partial(user_loop, clip=0.05)
+    one = run_on_ranks(clipped, "ddp", 8, 2, world_size=1)[0]
+    two = run_on_ranks(clipped, "ddp", 4, 2, world_size=2)
+    assert max_abs_diff(two[0]["state"], one["state"]) <= TOL
+    unclipped = run_on_ranks(user_loop, "ddp", 8, 2, world_size=1)[0]
+    assert max_abs_diff(unclipped["state"], one["state"]) > 1e-3  # the clip did act
+
+
+def test_a_user_loop_on_fsdp_at_two_ranks_equals_one_process(run_on_ranks):
+    one = run_on_ranks(user_loop, "ddp", 8, 2, world_size=1)[0]
+    two = run_on_ranks(user_loop, "fsdp", 4, 2, world_size=2)
+    assert max_abs_diff(two[0]["state"], one["state"]) <= TOL
+    assert max_abs_diff(two[1]["state"], one["state"]) <= TOL
+
+
+@needs("horovod")
+def test_a_user_loop_on_horovod_at_two_ranks_equals_one_process(run_on_ranks, tmp_path):
+    one = run_on_ranks(user_loop, "ddp", 8, 2, world_size=1)[0]
+    calls = [("tests.runtime.test_user_loop", "user_loop", ("horovod", 4, 2), {})]
+    ranks = run_with_horovodrun(calls, tmp_path)
+    for (result,) in ranks:
+        assert max_abs_diff(result["state"], one["state"]) <= TOL
+
+
+FEATURES = make_dataset(1).tensors[0].shape[1]
+
+
+def gan_loop(strategy: str, batch: int) -> dict[str, Any]:
+    """Two models, two optimizers, two backward calls per batch (a GAN's discriminator and
+    generator); the noise is a function of the batch, so any world size draws the same."""
+    torch.manual_seed(0)
+    with distkit.Runtime(strategy, seed=5) as rt:
+        gen = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, FEATURES))
+        disc = nn.Sequential(nn.Linear(FEATURES, 16), nn.ReLU(), nn.Linear(16, 1))
+        gen, opt_g = rt.setup(gen, torch.optim.Adam(gen.parameters(), lr=1e-2))
+        disc, opt_d = rt.setup(disc, torch.optim.SGD(disc.parameters(), lr=0.1))
+        bce = nn.functional.binary_cross_entropy_with_logits
+        for x, _ in rt.loader(make_dataset(N), batch_size=batch):
+            fake = gen(torch.tanh(x[:, :4]))
+            scores = disc(torch.cat([x, fake.detach()]))
+            labels = torch.cat([torch.ones(len(x), 1), torch.zeros(len(x), 1)])
+            opt_d.zero_grad()
+            rt.backward(bce(scores, labels))
+            opt_d.step()
+            opt_g.zero_grad()
+            rt.backward(bce(disc(fake), torch.ones(len(x), 1)))
+            opt_g.step()
+        return {"gen": rt.full_state_dict(gen), "disc": rt.full_state_dict(disc)}
+
+
+def test_a_gan_with_two_models_and_optimizers_at_two_ranks_equals_one_process(run_on_ranks):
+    one = run_on_ranks(gan_loop, "ddp", 8, world_size=1)[0]
+    two = run_on_ranks(gan_loop, "ddp", 4, world_size=2)
+    for rank in two:
+        assert max_abs_diff(rank["gen"], one["gen"]) <= TOL
+        assert max_abs_diff(rank["disc"], one["disc"]) <= TOL
