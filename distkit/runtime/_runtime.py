@@ -11,6 +11,7 @@ knows no loop (the next issue makes it a public bring-your-own-loop API).
 from __future__ import annotations
 
 import contextlib
+import os
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -35,6 +36,7 @@ from distkit.runtime._loader import RuntimeLoader
 from distkit.runtime._preparation import checked_placement, prepare_evaluate
 from distkit.runtime._set_up import SetUpModel, SetUpOptimizer
 from distkit.runtime._setups import SetupCache
+from distkit.runtime._user_checkpoint import load_state, save_state
 from distkit.strategies._placement import Placement
 from distkit.strategies._steps import GradientClip
 from distkit.strategies.base import Strategy, Topology, TrainOptions
@@ -354,6 +356,30 @@ class Runtime:
             )
         with self.strategy.no_sync(model.wrapped):
             yield
+
+    def save(self, path: str | os.PathLike[str], state: dict[str, Any]) -> None:
+        """Save what the loop holds to ``path``: ``{"model": model, "optimizer": optimizer,
+        "loader": loader, "epoch": epoch}`` (set-up models and optimizers, loaders, plain
+        values). A collective: call it on every rank (rank 0 writes, atomically; a sharded
+        model is gathered). Called on some ranks only, it fails there instead of hanging.
+        Save after ``optimizer.step()``: gradients mid-accumulation are not saved."""
+        self.require_open("save")
+        save_state(self, path, state)
+
+    def load(self, path: str | os.PathLike[str], state: dict[str, Any]) -> dict[str, Any]:
+        """Restore the objects of ``state`` in place from what :meth:`save` wrote (at any
+        world size, on any backend); returns the file's plain values by name (``{"epoch":
+        2}``). Call it after :meth:`setup`, on every rank."""
+        self.require_open("load")
+        return load_state(self, path, state)
+
+    @property
+    def sync_gradients(self) -> bool:
+        """Whether the batch the loop holds ends its accumulation window: its backward
+        synchronises the gradients and ``optimizer.step()`` steps (always True outside
+        ``rt.loader``'s batches). Save checkpoints where it is True."""
+        micro = self._micro
+        return micro is None or micro.last_in_step
 
     def _current_micro(self) -> MicroBatch | None:
         return self._micro

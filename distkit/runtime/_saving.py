@@ -32,7 +32,7 @@ def save_to(
     """``trainer.save_checkpoint(path, extra)``: the latest fit's ``run``, written atomically."""
     payload = _payload(strategy, run, callbacks, extra, path)
     write = lambda ready: ckpt.atomic_save(ready, Path(path))  # noqa: E731
-    _write_on_rank_zero(strategy, payload, write)
+    write_on_rank_zero(strategy, payload, write)
 
 
 def save_to_folder(
@@ -41,7 +41,7 @@ def save_to_folder(
     """``run`` into ``checkpoint_dir`` as ``step-<global step>.pt`` (keeping the last K)."""
     step = run.state.global_step
     payload = _payload(strategy, run, callbacks, None, folder.path_for(step))
-    _write_on_rank_zero(strategy, payload, lambda ready: folder.save(ready, step))
+    write_on_rank_zero(strategy, payload, lambda ready: folder.save(ready, step))
 
 
 def _payload(
@@ -65,7 +65,7 @@ def _payload(
     return payload
 
 
-def _write_on_rank_zero(
+def write_on_rank_zero(
     strategy: Strategy, payload: dict[str, Any] | None, write: Callable[[dict[str, Any]], object]
 ) -> None:
     """Rank 0 writes ``payload``; then every rank learns how that went (a broadcast).

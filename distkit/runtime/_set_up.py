@@ -171,6 +171,15 @@ class SetUpOptimizer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state)
+        self.follow_loaded_state()
+
+    def follow_loaded_state(self) -> None:
+        """After the user's optimizer loaded a state (torch replaces its ``state`` and
+        ``param_groups`` objects), the strategy's optimizer (Horovod's, built over the same
+        groups) uses the new ones too."""
+        if self._inner is not self.optimizer:
+            self._inner.state = self.optimizer.state
+            self._inner.param_groups = self.optimizer.param_groups
 
     @override
     def __repr__(self) -> str:

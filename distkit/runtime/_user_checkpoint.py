@@ -1,0 +1,145 @@
+"""``rt.save(path, state)`` / ``rt.load(path, state)``: a user loop's checkpoint.
+
+``state`` maps names to what the loop holds: set-up models and optimizers (their full state,
+gathered where the backend shards it, in the user's own keys), loaders (how far the loop
+got), and plain values (numbers, strings, tensors, lists and dicts of them). The file is a
+distkit checkpoint (atomic, with a digest, loadable weights-only) written by rank 0 after
+every rank took part; it also holds every rank's RNG states and the loss scaler's, so a
+resumed loop continues exactly, at any world size.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from distkit import checkpoint as ckpt
+from distkit._validate import check_path
+from distkit._version import __version__
+from distkit.errors import CheckpointError, ConfigurationError
+from distkit.runtime import _agreement
+from distkit.runtime._loader import RuntimeLoader
+from distkit.runtime._saving import write_on_rank_zero
+from distkit.runtime._set_up import SetUpModel, SetUpOptimizer
+from distkit.strategies.capabilities import fp32
+
+if TYPE_CHECKING:
+    from distkit.runtime._runtime import Runtime
+
+#: the payload's key for the loop's entries (beside the checkpoint's own fields)
+ENTRIES = "runtime"
+MODEL, OPTIMIZER, LOADER, VALUE = "model", "optimizer", "loader", "value"
+
+
+def kind_of(value: object) -> str:
+    if isinstance(value, SetUpModel):
+        return MODEL
+    if isinstance(value, SetUpOptimizer):
+        return OPTIMIZER
+    if isinstance(value, RuntimeLoader):
+        return LOADER
+    if isinstance(value, (nn.Module, torch.optim.Optimizer)):
+        raise ConfigurationError(
+            f"rt.save/rt.load take the {type(value).__name__} that rt.setup returned (its "
+            "state is gathered and restored through the backend), got the one you built: "
+            "pass what rt.setup returned"
+        )
+    return VALUE
+
+
+def _checked_state(state: object, call: str) -> Mapping[str, Any]:
+    if not isinstance(state, Mapping) or not all(isinstance(k, str) for k in state):
+        raise ConfigurationError(
+            f"{call} takes a dict of name -> what to save (set-up models and optimizers, "
+            f"loaders, plain values), got {type(state).__name__}"
+        )
+    return state
+
+
+def save_state(runtime: Runtime, path: str | os.PathLike[str], state: object) -> None:
+    """Write ``state`` to ``path`` (atomically, by rank 0). A collective."""
+    state = _checked_state(state, "rt.save")
+    strategy = runtime.strategy
+
+    def prepare() -> _agreement.Proposal[dict[str, str]]:
+        check_path("path", path, "a file path (str or os.PathLike)")
+        if strategy.is_main and Path(path).is_dir():
+            raise CheckpointError(
+                f"{path} is a folder; a checkpoint is a file: pass a path such as "
+                f"{Path(path) / 'model.pt'}"
+            )
+        kinds = {key: kind_of(value) for key, value in state.items()}
+        agreed = {"entries": ", ".join(f"{k}: {v}" for k, v in kinds.items())}
+        return _agreement.Proposal(agreed, kinds, shared={"rng": ckpt.rng_state()})
+
+    kinds, ranks = _agreement.exchange(strategy, "save_checkpoint", prepare)
+    entries: dict[str, Any] = {}
+    for key, value in state.items():  # every rank, in the same order: gathers are collectives
+        kind = kinds[key]
+        if kind == MODEL:
+            entries[key] = fp32(strategy.state_io.model_state_dict(value.module, rank0_only=True))
+        elif kind == OPTIMIZER:
+            entries[key] = strategy.state_io.optimizer_state_dict(value.optimizer, rank0_only=True)
+        elif kind == LOADER:
+            entries[key] = value.state_dict()
+        else:
+            entries[key] = value
+    payload = None
+    if strategy.is_main:
+        payload = {
+            "format": ckpt.FORMAT,
+            "version": ckpt.VERSION,
+            "producer": {
+                "strategy": strategy.name,
+                "precision": strategy.options.precision,
+                "world_size": strategy.world_size,
+                "distkit": __version__,
+                "torch": str(torch.__version__),
+            },
+            "scaler": strategy.precision.state_dict(),
+            ENTRIES: {"kinds": kinds, "entries": entries, "ranks": ranks},
+        }
+    write_on_rank_zero(strategy, payload, lambda ready: ckpt.atomic_save(ready, Path(path)))
+
+
+def load_state(runtime: Runtime, path: str | os.PathLike[str], state: object) -> dict[str, Any]:
+    """Restore ``state``'s objects in place from ``path``; returns the file's other values
+    (the plain ones, by name). Every rank reads the file; no collective."""
+    state = _checked_state(state, "rt.load")
+    strategy = runtime.strategy
+    payload = ckpt.load(path, map_location=strategy.device)
+    saved = payload.get(ENTRIES)
+    if not isinstance(saved, dict) or not isinstance(saved.get("entries"), dict):
+        raise CheckpointError(
+            f"{path} is a Trainer's checkpoint, not rt.save's: load it with "
+            "trainer.load_checkpoint(path) (or Trainer(resume=path))"
+        )
+    kinds, entries = saved.get("kinds", {}), saved["entries"]
+    for key, value in state.items():
+        kind = kind_of(value)
+        if key not in entries:
+            raise CheckpointError(
+                f"{path} holds no {key!r} (it holds {', '.join(entries) or 'nothing'}): "
+                "load the names that rt.save wrote"
+            )
+        if kinds.get(key) != kind:
+            raise CheckpointError(
+                f"{path} saved {key!r} as a {kinds.get(key)}, and rt.load was given a {kind} for it"
+            )
+        if kind == MODEL:
+            strategy.state_io.load_model_state_dict(value.module, entries[key])
+        elif kind == OPTIMIZER:
+            strategy.state_io.load_optimizer_state_dict(value.optimizer, entries[key])
+            value.follow_loaded_state()
+        elif kind == LOADER:
+            value.load_state_dict(entries[key])
+    ranks = saved.get("ranks")
+    if isinstance(ranks, list) and len(ranks) == strategy.world_size:
+        ckpt.set_rng_state(ranks[strategy.rank]["rng"])  # this rank's own, where it exists
+    strategy.precision.load_state_dict(payload.get("scaler") or {})
+    return {key: value for key, value in entries.items() if kinds.get(key) == VALUE}

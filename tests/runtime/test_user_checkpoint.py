@@ -1,0 +1,138 @@
+"""rt.save / rt.load in a user's own loop: saved mid-epoch and resumed (at the same or another
+world size) the loop ends with the weights of an uninterrupted run; a save on some ranks only
+fails there instead of hanging; wrong files and names are refused. Real gloo processes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import distkit
+from distkit.errors import CheckpointError, RankDisagreementError
+from tests.support.workloads import make_dataset, make_mlp, max_abs_diff
+
+pytestmark = pytest.mark.timeout(300)
+
+TOL = 1e-5
+N = 21
+EPOCHS = 2
+
+
+def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out, y)
+
+
+def save_after(batch: int, path: str, windows: int) -> dict[str, Any]:
+    """Train ``windows`` accumulation windows of epoch 0, save, and stop (as if killed)."""
+    torch.manual_seed(0)
+    with distkit.Runtime("ddp", grad_accum_steps=2, seed=4) as rt:
+        model = make_mlp()
+        model, optimizer = rt.setup(model, torch.optim.Adam(model.parameters(), lr=1e-2))
+        loader = rt.loader(make_dataset(N), batch_size=batch)
+        done = 0
+        for x, y in loader:
+            rt.backward(_loss(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+            if rt.sync_gradients:
+                done += 1
+                if done == windows:
+                    rt.save(path, {"model": model, "optimizer": optimizer, "loader": loader,
+                                   "epoch": 0})  # fmt: skip
+                    return {"saved": loader.state_dict()}
+        raise AssertionError("the epoch ended before the save")
+
+
+def resume_from(batch: int, path: str) -> dict[str, Any]:
+    torch.manual_seed(123)  # other initial weights: the checkpoint must replace them all
+    with distkit.Runtime("ddp", grad_accum_steps=2, seed=4) as rt:
+        model = make_mlp()
+        model, optimizer = rt.setup(model, torch.optim.Adam(model.parameters(), lr=1e-2))
+        loader = rt.loader(make_dataset(N), batch_size=batch)
+        rest = rt.load(path, {"model": model, "optimizer": optimizer, "loader": loader})
+        for _ in range(rest["epoch"], EPOCHS):
+            for x, y in loader:
+                rt.backward(_loss(model(x), y))
+                optimizer.step()
+                optimizer.zero_grad()
+        return {"state": rt.full_state_dict(model), "rest": rest}
+
+
+def uninterrupted(batch: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    with distkit.Runtime("ddp", grad_accum_steps=2, seed=4) as rt:
+        model = make_mlp()
+        model, optimizer = rt.setup(model, torch.optim.Adam(model.parameters(), lr=1e-2))
+        loader = rt.loader(make_dataset(N), batch_size=batch)
+        for _ in range(EPOCHS):
+            for x, y in loader:
+                rt.backward(_loss(model(x), y))
+                optimizer.step()
+                optimizer.zero_grad()
+        return {"state": rt.full_state_dict(model)}
+
+
+@pytest.mark.parametrize("resume_world", [2, 1], ids=["same-world", "2-to-1"])
+def test_save_mid_epoch_then_load_equals_an_uninterrupted_run(run_on_ranks, tmp_path, resume_world):
+    path = str(tmp_path / "ckpt.pt")
+    reference = run_on_ranks(uninterrupted, 8, world_size=1)[0]
+    saved = run_on_ranks(save_after, 4, path, 1, world_size=2)
+    assert saved[0]["saved"] == {"epoch": 0, "position": 16}  # one window: 2 global batches
+    batch = 8 // resume_world
+    resumed = run_on_ranks(resume_from, batch, path, world_size=resume_world)
+    for rank in resumed:
+        assert rank["rest"] == {"epoch": 0}
+        assert max_abs_diff(rank["state"], reference["state"]) <= TOL
+
+
+def _save_on_rank_0_only(path: str) -> str:
+    with distkit.Runtime("ddp") as rt:
+        model = make_mlp()
+        model, _ = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        try:
+            if rt.rank == 0:
+                rt.save(path, {"model": model})
+            else:
+                rt.evaluate(model, make_dataset(4), loss_fn=_loss)
+        except RankDisagreementError as exc:
+            return str(exc)
+        return "no error"
+
+
+def test_a_save_on_some_ranks_only_fails_instead_of_hanging(run_on_ranks, tmp_path):
+    messages = run_on_ranks(_save_on_rank_0_only, str(tmp_path / "x.pt"))
+    assert all("the ranks are in different calls" in m for m in messages)
+    assert not (tmp_path / "x.pt").exists()
+
+
+def test_load_refuses_what_it_cannot_restore(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    with distkit.Runtime("dp") as rt:
+        model = make_mlp()
+        model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        with pytest.raises(distkit.ConfigurationError, match=r"that rt\.setup returned"):
+            rt.save(str(path), {"model": model.module})
+        with pytest.raises(distkit.ConfigurationError, match="takes a dict"):
+            rt.save(str(path), [model])  # type: ignore[arg-type]
+        rt.save(str(path), {"model": model, "step": 3})
+        assert rt.load(str(path), {"model": model}) == {"step": 3}
+        with pytest.raises(CheckpointError, match="holds no 'optimizer'"):
+            rt.load(str(path), {"optimizer": optimizer})
+        with pytest.raises(CheckpointError, match="saved 'step' as a value"):
+            rt.load(str(path), {"step": model})
+        with pytest.raises(CheckpointError, match="cannot be loaded weights-only"):
+            rt.save(str(tmp_path / "obj.pt"), {"thing": object()})
+        assert not (tmp_path / "obj.pt").exists()
+    trainer = distkit.Trainer("dp", progress=False, batch_size=4, checkpoint_dir=tmp_path / "t")
+    net = make_mlp()
+    trainer.fit(net, torch.optim.SGD(net.parameters(), lr=0.1), make_dataset(8), _loss)
+    trainer.close()
+    written = next(Path(tmp_path / "t").glob("step-*.pt"))
+    with distkit.Runtime("dp") as rt:
+        model = rt.setup(make_mlp())
+        with pytest.raises(CheckpointError, match=r"a Trainer's checkpoint, not rt\.save's"):
+            rt.load(str(written), {"model": model})
