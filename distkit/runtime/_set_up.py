@@ -11,6 +11,7 @@ stays the plain ``step(); zero_grad()``.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -57,7 +58,10 @@ class SetUpModel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         strategy: Strategy = self.__dict__["_strategy"]
         with self.local_context(), strategy.autocast():
-            return self.wrapped(*args, **kwargs)
+            output = self.wrapped(*args, **kwargs)
+        # the loss is computed outside the autocast: in float32, as the Trainer's loss_fn
+        # runs (autocast computes losses in float32), and as Fabric and Accelerate do
+        return _to_float32(output)
 
     @contextlib.contextmanager
     def local_context(self) -> Iterator[None]:
@@ -184,3 +188,20 @@ class SetUpOptimizer:
     @override
     def __repr__(self) -> str:
         return f"SetUpOptimizer({self.optimizer!r})"
+
+
+_REDUCED = (torch.float16, torch.bfloat16)
+
+
+def _to_float32(value: Any) -> Any:
+    """``value`` with its reduced-precision float tensors as float32 (also inside lists,
+    tuples, namedtuples and dicts); anything else as it is."""
+    if isinstance(value, torch.Tensor):
+        return value.float() if value.dtype in _REDUCED else value
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+        return type(value)(*(_to_float32(v) for v in value))
+    if type(value) in (list, tuple):
+        return type(value)(_to_float32(v) for v in value)
+    if type(value) in (dict, collections.OrderedDict):
+        return type(value)((k, _to_float32(v)) for k, v in value.items())
+    return value  # another container type: as the model returned it

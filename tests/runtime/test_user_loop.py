@@ -28,11 +28,17 @@ def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def user_loop(
-    strategy: str, batch: int, accum: int, *, epochs: int = 2, clip: float | None = None
+    strategy: str,
+    batch: int,
+    accum: int,
+    *,
+    epochs: int = 2,
+    clip: float | None = None,
+    precision: str = "32",
 ) -> dict[str, Any]:
     """The loop of the issue's sketch: setup, loader, backward, (clip), step, zero_grad."""
     torch.manual_seed(0)
-    with distkit.Runtime(strategy, grad_accum_steps=accum, seed=3) as rt:
+    with distkit.Runtime(strategy, grad_accum_steps=accum, seed=3, precision=precision) as rt:
         model = make_mlp()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         model, optimizer = rt.setup(model, optimizer)
@@ -49,10 +55,13 @@ def user_loop(
         return {"state": rt.full_state_dict(model), "batches": batches, "len": len(loader)}
 
 
-def trainer_fit(batch: int, accum: int, *, epochs: int = 2) -> dict[str, Any]:
+def trainer_fit(
+    batch: int, accum: int, *, epochs: int = 2, precision: str = "32", clip: float | None = None
+) -> dict[str, Any]:
     torch.manual_seed(0)
     trainer = distkit.Trainer("ddp", batch_size=batch, grad_accum_steps=accum, seed=3,
-                              max_epochs=epochs, progress=False)  # fmt: skip
+                              max_epochs=epochs, progress=False, precision=precision,
+                              gradient_clip_norm=clip)  # fmt: skip
     model = make_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     trainer.fit(model, optimizer, make_dataset(N), _loss)
@@ -81,6 +90,17 @@ def test_a_user_loop_with_clipping_at_two_ranks_equals_one_process(run_on_ranks)
     assert max_abs_diff(two[0]["state"], one["state"]) <= TOL
     unclipped = run_on_ranks(user_loop, "ddp", 8, 2, world_size=1)[0]
     assert max_abs_diff(unclipped["state"], one["state"]) > 1e-3  # the clip did act
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_user_loop_in_reduced_precision_is_the_trainers_fit(run_on_ranks, precision):
+    """The same batches through the same autocast, loss scaling and scaler steps (fp16:
+    scaled backward, unscale before clipping, the scaler's step and update)."""
+    loop = run_on_ranks(
+        partial(user_loop, precision=precision, clip=0.5), "ddp", 8, 2, world_size=1
+    )[0]
+    fit = run_on_ranks(partial(trainer_fit, precision=precision, clip=0.5), 8, 2, world_size=1)
+    assert max_abs_diff(loop["state"], fit[0]["state"]) <= 1e-6
 
 
 def test_a_user_loop_on_fsdp_at_two_ranks_equals_one_process(run_on_ranks):
