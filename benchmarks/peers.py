@@ -52,11 +52,12 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 RESULTS = Path(__file__).resolve().parent / "results"
-FRAMEWORKS = ("hand", "distkit", "fabric", "lightning", "accelerate")
+FRAMEWORKS = ("hand", "distkit", "runtime", "fabric", "lightning", "accelerate")
 # the module each framework needs, and what installs it
 NEEDS = {
     "hand": ("torch", "pip install torch==2.13.0"),
     "distkit": ("distkit", "pip install -e ."),
+    "runtime": ("distkit", "pip install -e ."),
     "fabric": ("lightning", "pip install lightning torch==2.13.0"),
     "lightning": ("lightning", "pip install lightning torch==2.13.0"),
     "accelerate": ("accelerate", "pip install accelerate torch==2.13.0"),
@@ -198,6 +199,40 @@ class Distkit:
         self.trainer.close()
 
 
+class Runtime:
+    """distkit.Runtime in the same loop as Fabric's and Accelerate's (setup, loader,
+    backward, step): the fixed cost of distkit under a user's own loop."""
+
+    def __init__(self, ctx: Context) -> None:
+        import distkit
+
+        strategy: Any = "ddp" if ctx.world > 1 else "dp"
+        if ctx.cuda and ctx.world == 1:  # "dp" alone would spread over every visible GPU
+            strategy = distkit.DataParallelStrategy(device_ids=[0])
+        self.ctx = ctx
+        self.rt = distkit.Runtime(strategy, precision=ctx.precision)
+        net = ctx.make_model()
+        self.model, self.optim = self.rt.setup(net, ctx.optimizer(net))
+        self.loader = self.rt.loader(ctx.data, batch_size=ctx.batch_size, shuffle=True)
+        self.how = f'Runtime("{self.rt.strategy.name}"): setup, loader, backward, step'
+
+    def epoch(self, epoch: int) -> list[float]:
+        stamps: list[Stamp] = []
+        self.model.train()
+        total = 0.0
+        for x, y in self.loader.epoch(epoch):
+            self.ctx.stamp(stamps)
+            self.optim.zero_grad()
+            loss = loss_of(self.model, x, y)
+            self.rt.backward(loss)
+            self.optim.step()
+            total += loss.item()
+        return stamps
+
+    def close(self) -> None:
+        self.rt.close()
+
+
 class Fabric:
     def __init__(self, ctx: Context) -> None:
         from lightning.fabric import Fabric as LightningFabric
@@ -309,6 +344,7 @@ class Accelerate:
 RUNNERS: dict[str, Callable[[Context], Any]] = {
     "hand": Hand,
     "distkit": Distkit,
+    "runtime": Runtime,
     "fabric": Fabric,
     "lightning": Lightning,
     "accelerate": Accelerate,

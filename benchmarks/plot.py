@@ -22,15 +22,16 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-PEERS_ORDER = ("hand", "distkit", "fabric", "lightning", "accelerate")
+PEERS_ORDER = ("hand", "distkit", "runtime", "fabric", "lightning", "accelerate")
 PEER_LABELS = {
     "hand": "hand loop",
     "distkit": "distkit",
+    "runtime": "distkit\nRuntime",
     "fabric": "Lightning\nFabric",
     "lightning": "Lightning\nTrainer",
     "accelerate": "Accelerate",
 }
-COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3"]
+COLORS = ["#4C72B0", "#DD8452", "#937860", "#55A868", "#C44E52", "#8172B3"]
 
 
 def load(path: Path) -> Any:
