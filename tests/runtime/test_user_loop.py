@@ -151,3 +151,14 @@ def test_a_gan_with_two_models_and_optimizers_at_two_ranks_equals_one_process(ru
     for rank in two:
         assert max_abs_diff(rank["gen"], one["gen"]) <= TOL
         assert max_abs_diff(rank["disc"], one["disc"]) <= TOL
+
+
+@needs("horovod")
+def test_a_gan_on_horovod_at_two_ranks_equals_one_process(run_on_ranks, tmp_path):
+    """The generator's backward reaches the discriminator's parameters (Horovod starts their
+    all-reduces); the discriminator's zero_grad collects them instead of failing."""
+    one = run_on_ranks(gan_loop, "ddp", 8, world_size=1)[0]
+    calls = [("tests.runtime.test_user_loop", "gan_loop", ("horovod", 4), {})]
+    for (result,) in run_with_horovodrun(calls, tmp_path):
+        assert max_abs_diff(result["gen"], one["gen"]) <= TOL
+        assert max_abs_diff(result["disc"], one["disc"]) <= TOL

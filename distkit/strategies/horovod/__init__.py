@@ -80,6 +80,7 @@ class HorovodStrategy(Strategy):
         self._channel: HorovodKVChannel | None = None
         self._elastic = False  # horovodrun --min-np/--max-np (HOROVOD_ELASTIC=1)
         self._elastic_runner: HorovodElastic | None = None  # set up in an elastic job
+        self._models_set_up = 0  # models set up so far (their all-reduces' names differ)
 
     @property
     def _hvd(self) -> Any:
@@ -156,9 +157,13 @@ class HorovodStrategy(Strategy):
         hvd = self._hvd
         if not self._elastic:  # elastic: the elastic run's first sync sends rank 0's weights
             hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        # Horovod matches all-reduces by name: a second model (a GAN's discriminator, whose
+        # parameters one backward reaches together with the generator's) gets names of its own
+        prefix = f"model{self._models_set_up}." if self._models_set_up else ""
+        self._models_set_up += 1
         distributed = hvd.DistributedOptimizer(
             optimizer,
-            named_parameters=model.named_parameters(),
+            named_parameters=[(prefix + name, p) for name, p in model.named_parameters()],
             compression=hvd.Compression.fp16
             if self.compression == "fp16"
             else hvd.Compression.none,
@@ -169,6 +174,7 @@ class HorovodStrategy(Strategy):
         # the user's optimizer still work); share the state too, so the user's optimizer
         # object holds the trained state afterwards.
         distributed.state = optimizer.state
+        _collect_before_zero_grad(distributed)
         # A fresh optimizer has no state to broadcast. Horovod would initialise it with a
         # zero-gradient step, which advances Adam's step count and applies AdamW's weight decay
         # once: the run would then differ from DDP's. Only resumed state is broadcast.
@@ -303,3 +309,25 @@ class _HorovodPending:
     def wait(self) -> torch.Tensor:
         result: torch.Tensor = self._hvd.synchronize(self._handle)
         return result
+
+
+def _collect_before_zero_grad(optimizer: Any) -> None:
+    """Let ``optimizer.zero_grad()`` follow a backward that no step of it follows.
+
+    A backward starts Horovod's all-reduces of every parameter it reaches; a GAN's generator
+    loss reaches the discriminator's parameters, whose optimizer only clears them before its
+    next step. Horovod refuses ``zero_grad()`` while those all-reduces are in flight (a race
+    with the background thread). Every rank ran the same backward, so collecting them
+    (``synchronize()``) meets on every rank; the gradients are then cleared, and the next
+    step synchronises its own. Reads Horovod 0.28's ``_handles`` (the in-flight all-reduces)
+    and resets ``_synchronized``, as ``step()`` does, since nothing of it is stepped.
+    """
+    clear = optimizer.zero_grad
+
+    def zero_grad(*args: Any, **kwargs: Any) -> Any:
+        if getattr(optimizer, "_handles", None):
+            optimizer.synchronize()
+            optimizer._synchronized = False
+        return clear(*args, **kwargs)
+
+    optimizer.zero_grad = zero_grad
