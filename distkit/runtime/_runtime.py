@@ -311,7 +311,15 @@ class Runtime:
                 "rt.loader(...): it knows where each accumulation window ends. Iterate "
                 "rt.loader(data) (or create the Runtime with grad_accum_steps=1)"
             )
-        loss = self.strategy.reduce_loss(loss, 0)
+        if micro is None and loss.ndim != 0:
+            raise ConfigurationError(
+                f"rt.backward got a loss of shape {tuple(loss.shape)} outside rt.loader's "
+                "batches: one value per DataParallel replica is weighted by the batch's "
+                "samples, known only for rt.loader's batches. Pass the batch-mean loss "
+                "(a scalar), or iterate rt.loader(data)"
+            )
+        # dp may gather one loss per replica: weighted by the batch's samples, as in the Trainer
+        loss = self.strategy.reduce_loss(loss, 0 if micro is None else micro.count)
         weight = 1.0 if micro is None else micro.weight
         optimizer = self._optimizers[0]._inner if self._optimizers else None
         with contextlib.ExitStack() as stack:

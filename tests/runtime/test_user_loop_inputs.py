@@ -152,3 +152,32 @@ def test_mid_window_steps_and_zero_grads_wait_for_the_window_to_end():
                 assert grads[0] is not None  # kept for the next micro-batch
         assert grads[1] is None  # cleared at the window's end
         assert optimizer.last_outcome is not None and optimizer.last_outcome.stepped
+
+
+def _train_dp(per_replica: bool) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    with distkit.Runtime("dp") as rt:
+        model, optimizer = _set_up(rt)
+        for x, y in rt.loader(make_dataset(8), batch_size=4, shuffle=False):
+            loss = _loss(model(x), y)
+            rt.backward(loss.reshape(1) if per_replica else loss)  # one replica on the CPU
+            optimizer.step()
+            optimizer.zero_grad()
+        return [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_per_replica_loss_is_reduced_by_the_batch_it_came_from():
+    """dp gathers one loss per replica when the loss is computed inside the model: backward
+    weights it by the replicas' shares of the loader's batch, as the Trainer does (it was
+    divided by a batch of 0: a NaN step)."""
+    scalar, per_replica = _train_dp(False), _train_dp(True)
+    assert all(torch.isfinite(p).all() for p in per_replica)
+    assert all(torch.equal(a, b) for a, b in zip(scalar, per_replica, strict=True))
+
+
+def test_a_per_replica_loss_outside_the_loader_is_refused():
+    with distkit.Runtime("dp") as rt:
+        model, _ = _set_up(rt)
+        x, y = make_dataset(4).tensors
+        with pytest.raises(distkit.ConfigurationError, match=r"a loss of shape \(1,\) outside"):
+            rt.backward(_loss(model(x), y).reshape(1))
