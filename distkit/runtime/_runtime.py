@@ -112,6 +112,12 @@ class Runtime:
         self._set_up: weakref.WeakKeyDictionary[nn.Module, SetUpModel]
         self._set_up = weakref.WeakKeyDictionary()  # the user's module -> what setup returned
         self._optimizers: list[SetUpOptimizer] = []
+        self._owners: dict[SetUpOptimizer, SetUpModel] = {}  # each optimizer's model
+        # legacy apex: models set up but not yet initialised (see _ready)
+        self._pending: list[
+            tuple[nn.Module, list[torch.optim.Optimizer], Placement, SetUpModel, list[Any]]
+        ] = []
+        self._together_done = False
 
     @property
     def options(self) -> TrainOptions:
@@ -236,18 +242,43 @@ class Runtime:
             placement = prepare().local
         else:
             placement, _ = _agreement.exchange(strategy, "setup", prepare)
-        inners = [self.setups.setup(model, opt, placement)[1] for opt in optimizers]
-        wrapped = self.setups.wrapped(model)
-        set_up = SetUpModel(strategy, model, wrapped, self._current_micro)
+        if strategy.sets_up_together:  # legacy apex: every model at the first use
+            set_up = SetUpModel(strategy, model, model, self._current_micro, self._ready)
+            wrappers = [
+                SetUpOptimizer(strategy, opt, opt, self._current_micro, self._ready)
+                for opt in optimizers
+            ]
+            self._pending.append((model, list(optimizers), placement, set_up, wrappers))
+            if self._together_done:
+                self._ready()  # the backend refuses a second set-up, saying why
+        else:
+            inners = [self.setups.setup(model, opt, placement)[1] for opt in optimizers]
+            wrapped = self.setups.wrapped(model)
+            set_up = SetUpModel(strategy, model, wrapped, self._current_micro)
+            wrappers = [
+                SetUpOptimizer(strategy, opt, inner, self._current_micro)
+                for opt, inner in zip(optimizers, inners, strict=True)
+            ]
         self._set_up[model] = set_up
-        if not optimizers:
-            return set_up
-        wrappers = [
-            SetUpOptimizer(strategy, opt, inner, self._current_micro)
-            for opt, inner in zip(optimizers, inners, strict=True)
-        ]
         self._optimizers.extend(wrappers)
-        return (set_up, *wrappers)
+        for wrapper in wrappers:
+            self._owners[wrapper] = set_up
+        return (set_up, *wrappers) if optimizers else set_up
+
+    def _ready(self) -> None:
+        """Set the pending models up, where the backend sets every model up together
+        (legacy apex: one ``amp.initialize`` for all): at the loop's first use of any."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        self._together_done = True
+        done = self.setups.setup_together(
+            [(model, opts, placement) for model, opts, placement, _, _ in pending]
+        )
+        for (_, _, _, set_up, wrappers), (wrapped, inners) in zip(pending, done, strict=True):
+            set_up.wrapped = wrapped
+            for wrapper, inner in zip(wrappers, inners, strict=True):
+                wrapper._inner = inner
 
     def loader(
         self,
@@ -289,13 +320,19 @@ class Runtime:
             feed, seed=self.seed, rank=self.rank, device=self.device, enter=self._enter
         )
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, *, optimizer: Any = None) -> None:
         """Backpropagate ``loss``, the mean loss of the batch the loop holds.
 
         Weighted by that batch's share of its global batch, so that N processes with batch
         ``b`` compute the gradients one process computes with ``N * b`` (an uneven last
         batch too); without gradient synchronisation mid-accumulation; scaled for fp16.
         Call it for every loss (a GAN calls it twice per batch); not ``loss.backward()``.
+
+        ``optimizer``: the set-up optimizer whose next step applies these gradients. Only
+        legacy apex needs it (amp unscales them for that optimizer, with its own loss
+        scale), and only where the loss reaches the parameters of several optimizers (a
+        GAN's generator loss reaches the discriminator's too); anywhere else it is checked
+        and otherwise unused, so a loop that passes it runs on every backend.
         """
         self.require_open("backward")
         if not self._set_up:
@@ -321,12 +358,41 @@ class Runtime:
         # dp may gather one loss per replica: weighted by the batch's samples, as in the Trainer
         loss = self.strategy.reduce_loss(loss, 0 if micro is None else micro.count)
         weight = 1.0 if micro is None else micro.weight
-        optimizer = self._optimizers[0]._inner if self._optimizers else None
+        self._ready()
+        target = self._backward_optimizer(loss, optimizer)
         with contextlib.ExitStack() as stack:
             if micro is not None and not micro.last_in_step:
                 for set_up in list(self._set_up.values()):
                     stack.enter_context(self.strategy.no_sync(set_up.wrapped))
-            self.strategy.backward(loss if weight == 1.0 else loss * weight, optimizer)  # type: ignore[arg-type]
+            self.strategy.backward(loss if weight == 1.0 else loss * weight, target)
+
+    def _backward_optimizer(self, loss: torch.Tensor, given: Any) -> Any:
+        """The strategy's optimizer that ``rt.backward(loss)``'s gradients are for (see
+        :meth:`backward`), or None when no optimizer is set up."""
+        if given is not None:
+            if not isinstance(given, SetUpOptimizer) or given not in self._owners:
+                raise ConfigurationError(
+                    f"rt.backward's optimizer= takes an optimizer this Runtime's rt.setup "
+                    f"returned, got {type(given).__name__}: pass what "
+                    "rt.setup(model, optimizer) gave back"
+                )
+            return given._inner
+        if not self._optimizers:
+            return None
+        if len(self._optimizers) == 1 or not self.strategy.sets_up_together:
+            return self._optimizers[0]._inner  # the backend does not use it
+        reached = _reached_models(loss, self._set_up.values())
+        owners = [opt for opt in self._optimizers if self._owners[opt] in reached]
+        if len(owners) == 1:
+            return owners[0]._inner
+        names = ", ".join(repr(opt.optimizer).split("(")[0] for opt in owners) or "none"
+        raise ConfigurationError(
+            f"rt.backward(loss) on {self.strategy.name!r} (legacy apex amp) needs to know "
+            "which optimizer steps on these gradients: amp unscales them for that "
+            f"optimizer, with its own loss scale, and this loss reaches the parameters of "
+            f"{len(owners)} set-up optimizers ({names}). Pass it: "
+            "rt.backward(loss, optimizer=opt_g)"
+        )
 
     def clip_gradients(
         self,
@@ -341,6 +407,7 @@ class Runtime:
         ``gradient_clip_norm`` does. The norm before clipping is then
         ``optimizer.last_grad_norm``."""
         self.require_open("clip_gradients")
+        self._ready()
         if not isinstance(optimizer, SetUpOptimizer):
             raise ConfigurationError(
                 f"clip_gradients takes the optimizer rt.setup returned, got "
@@ -358,6 +425,7 @@ class Runtime:
         """No gradient synchronisation for ``model`` in the block (forward and backward):
         for accumulating by hand, outside ``rt.loader``'s windows."""
         self.require_open("no_sync")
+        self._ready()
         if not isinstance(model, SetUpModel):
             raise ConfigurationError(
                 f"no_sync takes the model rt.setup returned, got {type(model).__name__}"
@@ -372,6 +440,7 @@ class Runtime:
         model is gathered). Called on some ranks only, it fails there instead of hanging.
         Save after ``optimizer.step()``: gradients mid-accumulation are not saved."""
         self.require_open("save")
+        self._ready()
         save_state(self, path, state)
 
     def load(self, path: str | os.PathLike[str], state: dict[str, Any]) -> dict[str, Any]:
@@ -379,6 +448,7 @@ class Runtime:
         world size, on any backend); returns the file's plain values by name (``{"epoch":
         2}``). Call it after :meth:`setup`, on every rank."""
         self.require_open("load")
+        self._ready()
         return load_state(self, path, state)
 
     @property
@@ -439,6 +509,7 @@ class Runtime:
         shows). A collective where the strategy shards the model (fsdp gathers): call it on
         every rank."""
         self.require_open("full_state_dict")
+        self._ready()
         if not isinstance(model, nn.Module):
             raise ConfigurationError(
                 f"full_state_dict takes a torch.nn.Module, got {type(model).__name__}"
@@ -499,6 +570,7 @@ class Runtime:
             input_device: where a model you placed on devices of your own takes its inputs.
         """
         self.require_open("evaluate")
+        self._ready()
         strategy = self.strategy
         seed = self.seed if seed is None else seed
         if isinstance(model, SetUpModel):
@@ -522,3 +594,22 @@ class Runtime:
             placement,
         )
         return {key: as_score(key, value) for key, value in scores.items()}
+
+
+def _reached_models(loss: torch.Tensor, set_ups: Any) -> list[SetUpModel]:
+    """The set-up models whose parameters ``loss``'s backward reaches (its graph's leaves)."""
+    leaves: set[int] = set()
+    seen: set[Any] = set()
+    stack = [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf
+        if variable is not None:
+            leaves.add(id(variable))
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return [
+        set_up for set_up in set_ups if any(id(p) in leaves for p in set_up.module.parameters())
+    ]

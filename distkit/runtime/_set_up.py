@@ -40,13 +40,17 @@ class SetUpModel(nn.Module):
         module: nn.Module,
         wrapped: nn.Module,
         micro: Callable[[], MicroBatch | None],
+        ready: Callable[[], None] = lambda: None,
     ) -> None:
         super().__init__()
-        self.wrapped = wrapped  # a submodule: .train()/.eval()/.to() reach it
+        #: a submodule: .train()/.eval()/.to() reach it. The user's module itself until a
+        #: backend that sets every model up together (legacy apex) did so at the first use
+        self.wrapped = wrapped
         # not submodules (the user's module is inside ``wrapped`` already)
         self.__dict__["_strategy"] = strategy
         self.__dict__["_module"] = module
         self.__dict__["_micro"] = micro
+        self.__dict__["_ready"] = ready  # sets pending models up (see Runtime._ready)
 
     @property
     def module(self) -> nn.Module:
@@ -56,6 +60,7 @@ class SetUpModel(nn.Module):
 
     @override
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.__dict__["_ready"]()
         strategy: Strategy = self.__dict__["_strategy"]
         with self.local_context(), strategy.autocast():
             output = self.wrapped(*args, **kwargs)
@@ -115,11 +120,15 @@ class SetUpOptimizer:
         optimizer: torch.optim.Optimizer,
         inner: torch.optim.Optimizer,
         micro: Callable[[], MicroBatch | None],
+        ready: Callable[[], None] = lambda: None,
     ) -> None:
         self._strategy = strategy
         self.optimizer = optimizer  # the user's
-        self._inner = inner  # the strategy's (Horovod's DistributedOptimizer, ...)
+        #: the strategy's (Horovod's DistributedOptimizer, ...); the user's until a backend
+        #: that sets everything up together (legacy apex) did so at the first use
+        self._inner = inner
         self._micro = micro
+        self._ready = ready
         self._clip: GradientClip | None = None
         #: what the last step did (stepped, or skipped on an fp16 overflow)
         self.last_outcome: StepOutcome | None = None
@@ -151,6 +160,7 @@ class SetUpOptimizer:
                 "a set-up optimizer's step() takes no closure: compute the loss, call "
                 "rt.backward(loss), then optimizer.step()"
             )
+        self._ready()
         if self._window_open():
             return
         clip, self._clip = self._clip, None
@@ -171,9 +181,11 @@ class SetUpOptimizer:
             self._inner.zero_grad()  # Horovod's takes no argument (it sets to None)
 
     def state_dict(self) -> dict[str, Any]:
+        self._ready()
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._ready()
         self.optimizer.load_state_dict(state)
         self.follow_loaded_state()
 

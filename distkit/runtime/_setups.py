@@ -48,6 +48,19 @@ class SetupCache:
             self._optimizers[optimizer] = self.strategy.setup_optimizer(wrapped, optimizer)
         return wrapped, self._optimizers[optimizer]
 
+    def setup_together(
+        self, entries: list[tuple[nn.Module, list[torch.optim.Optimizer], Placement]]
+    ) -> list[tuple[nn.Module, list[torch.optim.Optimizer]]]:
+        """Set several models (each with its optimizers) up in one strategy call, for a
+        backend that sets up everything at once (legacy apex's ``amp.initialize``)."""
+        done = self.strategy.setup_together([(model, opts) for model, opts, _ in entries])
+        for (model, opts, placement), (wrapped, inners) in zip(entries, done, strict=True):
+            self._placements[model] = placement
+            self._models[model] = wrapped
+            for opt, inner in zip(opts, inners, strict=True):
+                self._optimizers[opt] = inner
+        return done
+
     def placement(self, model: nn.Module) -> Placement:
         """Where ``model`` was when it was set up, or where it is now if it was not."""
         known = self._placements.get(model)

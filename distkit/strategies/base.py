@@ -67,7 +67,7 @@ import contextlib
 import functools
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -284,6 +284,34 @@ class Strategy(Collectives, ABC):
     ) -> torch.optim.Optimizer:
         """Prepare another optimizer for a model :meth:`setup` already wrapped (default: as is)."""
         return optimizer
+
+    @property
+    def sets_up_together(self) -> bool:
+        """Whether this backend sets every model and optimizer of a loop up in one call
+        (:meth:`setup_together`), as legacy apex's ``amp.initialize`` must; a user's loop
+        then sets them up at its first forward. Default: False (one at a time)."""
+        return False
+
+    def setup_together(
+        self, entries: Sequence[tuple[nn.Module, Sequence[torch.optim.Optimizer]]]
+    ) -> list[tuple[nn.Module, list[torch.optim.Optimizer]]]:
+        """Set several models up at once, each with its optimizers (possibly none): the
+        wrapped model and the strategy's optimizers, in the order given.
+
+        Default: each model with :meth:`setup` (its first optimizer) and
+        :meth:`setup_optimizer` (the others); a model without optimizers is placed only.
+        """
+        out: list[tuple[nn.Module, list[torch.optim.Optimizer]]] = []
+        for model, optimizers in entries:
+            if not optimizers:
+                self.start()
+                place(model, self.device, self.name, self.placement_refusal)
+                out.append((model, []))
+                continue
+            wrapped, first = self.setup(model, optimizers[0])
+            rest = [self.setup_optimizer(wrapped, opt) for opt in optimizers[1:]]
+            out.append((wrapped, [first, *rest]))
+        return out
 
     def convert_sync_batchnorm(self, model: nn.Module) -> nn.Module:
         """Replace BatchNorm layers with ones that use statistics of the global batch."""

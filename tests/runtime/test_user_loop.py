@@ -140,7 +140,9 @@ def gan_loop(strategy: str, batch: int) -> dict[str, Any]:
             rt.backward(bce(scores, labels))
             opt_d.step()
             opt_g.zero_grad()
-            rt.backward(bce(disc(fake), torch.ones(len(x), 1)))
+            # optimizer=: the loss reaches both models; legacy apex needs to know (see
+            # test_user_loop_apex), every other backend ignores it
+            rt.backward(bce(disc(fake), torch.ones(len(x), 1)), optimizer=opt_g)
             opt_g.step()
         return {"gen": rt.full_state_dict(gen), "disc": rt.full_state_dict(disc)}
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 import torch
@@ -29,6 +29,7 @@ from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ApexNeedsCudaError, DistkitError
 from distkit.launch.families import TORCH_LAUNCHERS
 from distkit.strategies import _torch_dist, _torch_group
+from distkit.strategies._placement import place
 from distkit.strategies._steps import GradientClip, clip_, local_norm
 from distkit.strategies.apex import _doctor
 from distkit.strategies.apex._detect import ApexInstall, detect_apex
@@ -163,6 +164,33 @@ class ApexStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         if self.settings.fused_optimizer:  # before amp.initialize, which patches the optimizer
             optimizer = fused_twin(optimizer, importlib.import_module("apex.optimizers"))
         return self.generation.setup(model, optimizer)
+
+    @property
+    @override
+    def sets_up_together(self) -> bool:
+        # legacy amp: one amp.initialize for every model and optimizer (apex's rule)
+        return isinstance(self.generation, LegacyApex)
+
+    @override
+    def setup_together(
+        self, entries: Sequence[tuple[nn.Module, Sequence[torch.optim.Optimizer]]]
+    ) -> list[tuple[nn.Module, list[torch.optim.Optimizer]]]:
+        generation = self.generation
+        if not isinstance(generation, LegacyApex):
+            return super().setup_together(entries)
+        self.start()
+        models: list[nn.Module] = []
+        optimizers: list[list[torch.optim.Optimizer]] = []
+        for model, opts in entries:
+            place(model, self.device, self.name, self.placement_refusal)
+            if self.options.sync_batchnorm:
+                model = self.convert_sync_batchnorm(model)
+            models.append(model)
+            if self.settings.fused_optimizer:
+                apex_optimizers = importlib.import_module("apex.optimizers")
+                opts = [fused_twin(opt, apex_optimizers) for opt in opts]
+            optimizers.append(list(opts))
+        return generation.setup_together(models, optimizers)
 
     # ------------------------------------------------------------------ the generation's hooks
     @override

@@ -30,23 +30,41 @@ from distkit.strategies.precision import Precision
 
 
 def amp_to_grad_scaler(amp_state: Mapping[str, Any]) -> dict[str, Any]:
-    """apex ``amp.state_dict()`` -> torch ``GradScaler.state_dict()`` form."""
+    """apex ``amp.state_dict()`` -> torch ``GradScaler.state_dict()`` form.
+
+    The form holds amp's first loss scaler; with several (``num_losses``: one per optimizer
+    of a user's loop) every one is kept under ``"amp_loss_scalers"`` too, a key torch's
+    ``GradScaler`` ignores, so that legacy apex resumes each scale exactly.
+    """
     scaler = amp_state.get("loss_scaler0")
     if not scaler:
         return {}
-    return {
+    form: dict[str, Any] = {
         "scale": float(scaler["loss_scale"]),
         "growth_factor": 2.0,
         "backoff_factor": 0.5,
         "growth_interval": 2000,
         "_growth_tracker": int(scaler.get("unskipped", 0)),
     }
+    if len(amp_state) > 1:
+        form["amp_loss_scalers"] = [
+            [float(one["loss_scale"]), int(one.get("unskipped", 0))]
+            for key, one in amp_state.items()
+            if key.startswith("loss_scaler")
+        ]
+    return form
 
 
 def grad_scaler_to_amp(scaler_state: Mapping[str, Any]) -> dict[str, Any]:
     """torch ``GradScaler.state_dict()`` -> apex ``amp.state_dict()`` form."""
     if not scaler_state:
         return {}
+    several = scaler_state.get("amp_loss_scalers")
+    if several:
+        return {
+            f"loss_scaler{i}": {"loss_scale": float(scale), "unskipped": int(unskipped)}
+            for i, (scale, unskipped) in enumerate(several)
+        }
     return {
         "loss_scaler0": {
             "loss_scale": float(scaler_state["scale"]),
@@ -87,7 +105,10 @@ class LegacyApex:
         self._amp = importlib.import_module("apex.amp")
         self._parallel = importlib.import_module("apex.parallel")
         self._accumulating = False  # inside no_sync: amp leaves the gradients scaled
-        self._overflowed = False  # the last unscaling backward made amp skip the next step
+        #: the optimizers (by id) whose next step amp made a skip (their loss overflowed)
+        self._overflowed: set[int] = set()
+        self._initialized = False  # amp.initialize ran (apex allows it once)
+        self._loss_ids: dict[int, int] = {}  # optimizer id -> its loss scaler (num_losses)
         self._o1: O1Patches | None = None  # O1's torch patches, in place only in forwards
 
     def describe(self) -> str:
@@ -96,6 +117,23 @@ class LegacyApex:
     def setup(
         self, model: nn.Module, optimizer: torch.optim.Optimizer
     ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        [(wrapped, [amp_optimizer])] = self.setup_together([model], [[optimizer]])
+        return wrapped, amp_optimizer
+
+    def setup_together(
+        self, models: list[nn.Module], optimizers: list[list[torch.optim.Optimizer]]
+    ) -> list[tuple[nn.Module, list[torch.optim.Optimizer]]]:
+        """Every model and optimizer through one ``amp.initialize`` (apex allows one call:
+        it patches torch and each optimizer once), with one loss scaler per optimizer
+        (``num_losses``), then each model in apex's DDP."""
+        if self._initialized:
+            raise UnsupportedFeatureError(
+                "legacy apex amp is initialised once per process (amp.initialize takes every "
+                "model and optimizer in one call, and patches torch and the optimizers once): "
+                "set every model up before the first forward (rt.setup(gen, opt_g); "
+                "rt.setup(disc, opt_d); then the loop), or train the later model in a new "
+                "process"
+            )
         if self._strategy.options.find_unused_parameters:
             raise UnsupportedFeatureError(
                 "apex.parallel.DistributedDataParallel has no find_unused_parameters; its "
@@ -103,20 +141,30 @@ class LegacyApex:
                 f"strategy={_torch_dist.native_alternative()!r} (torch DDP) for models that "
                 "skip parameters, or make every parameter take part."
             )
+        flat = [opt for opts in optimizers for opt in opts]
         # apex requires amp.initialize before its DDP wrapper, never after
-        model, optimizer = self._amp.initialize(
-            model,
-            optimizer,
+        initialized = self._amp.initialize(
+            list(models),
+            list(flat) if flat else None,
             opt_level=self.plan.opt_level,
             keep_batchnorm_fp32=self._settings.keep_batchnorm_fp32,
             loss_scale=self._settings.loss_scale,
+            num_losses=max(1, len(flat)),
         )
+        amp_models, amp_flat = initialized if flat else (initialized, [])
+        self._initialized = True
+        self._loss_ids = {id(opt): i for i, opt in enumerate(amp_flat)}
         self._o1 = O1Patches.take(getattr(self._amp_state(), "handle", None))
-        if self._strategy.world_size > 1:
-            model = self._parallel.DistributedDataParallel(
-                model, delay_allreduce=self._settings.delay_allreduce
-            )
-        return model, optimizer
+        out: list[tuple[nn.Module, list[torch.optim.Optimizer]]] = []
+        start = 0
+        for model, opts in zip(amp_models, optimizers, strict=True):
+            if self._strategy.world_size > 1:
+                model = self._parallel.DistributedDataParallel(
+                    model, delay_allreduce=self._settings.delay_allreduce
+                )
+            out.append((model, list(amp_flat[start : start + len(opts)])))
+            start += len(opts)
+        return out
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
         # amp casts: O1 through its patched torch functions, in place for this block only
@@ -124,20 +172,24 @@ class LegacyApex:
         return contextlib.nullcontext() if self._o1 is None else self._o1.active()
 
     def backward(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
-        before = self._loss_scale()
+        loss_id = self._loss_ids.get(id(optimizer), 0)
+        before = self._loss_scale(loss_id)
         # unscaling waits for the last micro-batch of an accumulation window
-        with self._amp.scale_loss(loss, optimizer, delay_unscale=self._accumulating) as scaled:
+        with self._amp.scale_loss(
+            loss, optimizer, loss_id=loss_id, delay_unscale=self._accumulating
+        ) as scaled:
             scaled.backward()
-        # amp halves a dynamic scale exactly when it overflows and patches the next
-        # optimizer.step() into a skip (distkit sets no min_loss_scale); a static scale never
+        # amp halves a dynamic scale exactly when it overflows and patches the optimizer's
+        # next step() into a skip (distkit sets no min_loss_scale); a static scale never
         # skips. So a lower scale is the public sign of a skip.
-        self._overflowed = self._loss_scale() < before
+        if self._loss_scale(loss_id) < before:
+            self._overflowed.add(id(optimizer))
 
     def optimizer_step(
         self, optimizer: torch.optim.Optimizer, *, skip_nonfinite: bool
     ) -> StepOutcome:
-        overflowed, self._overflowed = self._overflowed, False
-        if overflowed:
+        if id(optimizer) in self._overflowed:
+            self._overflowed.discard(id(optimizer))
             # amp patched this step into a skip: call it, or the armed skip would swallow
             # the next real step (and distkit would count that one as taken)
             optimizer.step()
@@ -201,5 +253,5 @@ class LegacyApex:
         state = getattr(self._amp, "_amp_state", None)
         return getattr(state, "_amp_state", state)
 
-    def _loss_scale(self) -> float:
-        return float(self._amp.state_dict()["loss_scaler0"]["loss_scale"])
+    def _loss_scale(self, loss_id: int) -> float:
+        return float(self._amp.state_dict()[f"loss_scaler{loss_id}"]["loss_scale"])
