@@ -130,7 +130,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     disc(fake), torch.ones(len(real), 1, device=rt.device)
                 )
                 opt_g.zero_grad()
-                rt.backward(g_loss)
+                # this loss reaches both models: say which optimizer it is for (legacy apex
+                # scales it with that optimizer's loss scale; other backends ignore it)
+                rt.backward(g_loss, optimizer=opt_g)
                 opt_g.step()
                 sums += torch.stack([d_loss.detach().cpu(), g_loss.detach().cpu(), torch.ones(())])
             means = rt.all_reduce(sums, op="sum")

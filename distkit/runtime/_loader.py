@@ -35,7 +35,7 @@ class RuntimeLoader:
         seed: int,
         rank: int,
         device: Any,
-        enter: Callable[[MicroBatch | None], None],
+        enter: Callable[[MicroBatch | None, int], None],
     ) -> None:
         self._feed = feed
         self._seed = seed
@@ -76,11 +76,11 @@ class RuntimeLoader:
         try:
             for batch, micro in self._feed.epoch(epoch, start, worker_seed):
                 self._position += micro.samples  # handed out: a save from here on skips it
-                self._enter(micro)
+                self._enter(micro, epoch)
                 yield to_device(batch, self._device)
             self._epoch, self._position = epoch + 1, 0
         finally:
-            self._enter(None)
+            self._enter(None, epoch)
             self._iterating = False
 
     def state_dict(self) -> dict[str, int]:

@@ -42,6 +42,9 @@ from distkit.strategies._steps import GradientClip
 from distkit.strategies.base import Strategy, Topology, TrainOptions
 from distkit.strategies.precision import normalize_precision
 
+#: set on an exception a fail-fast guard handled (the peers know): outer guards let it pass
+_HANDLED = "_distkit_failure_handled"
+
 
 class Runtime:
     """One process's part of a data-parallel job: the strategy, started, and what lives as
@@ -118,6 +121,8 @@ class Runtime:
             tuple[nn.Module, list[torch.optim.Optimizer], Placement, SetUpModel, list[Any]]
         ] = []
         self._together_done = False
+        self._backwards = 0  # rt.backward calls so far (a step checks it had one)
+        self._block_guard: contextlib.AbstractContextManager[None] | None = None
 
     @property
     def options(self) -> TrainOptions:
@@ -125,10 +130,24 @@ class Runtime:
         return self.strategy.options
 
     def __enter__(self) -> Runtime:
+        """The block runs under the fail-fast guard (see :meth:`guarded`): an error on one
+        rank stops every rank within ``fault_timeout`` seconds, Ctrl-C and SIGTERM stop the
+        whole job, and a collective stuck longer than ``hang_warning`` names the rank that
+        holds it up. The Runtime closes at the block's end."""
+        guard = self.guarded(fault_timeout=self.fault_timeout, hang_warning=self.hang_warning)
+        guard.__enter__()
+        self._block_guard = guard
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any
+    ) -> None:
+        guard, self._block_guard = self._block_guard, None
+        try:
+            if guard is not None:
+                guard.__exit__(exc_type, exc, tb)  # raises what replaces ``exc``, if anything
+        finally:
+            self.close()
 
     @override
     def __repr__(self) -> str:
@@ -195,15 +214,33 @@ class Runtime:
     @contextlib.contextmanager
     def guarded(self, *, fault_timeout: float | None, hang_warning: float | None) -> Iterator[None]:
         """Run the block under the fail-fast guard: an error on this rank stops every rank
-        (see :mod:`distkit.faults._faults`); this runtime closes after a failure."""
-        with fail_fast(
-            self.strategy,
-            fault_timeout=fault_timeout,
-            hang_warning=hang_warning,
-            progress=self.progress,
-            on_failure=self.close_after_failure,
-        ):
-            yield
+        (see :mod:`distkit.faults._faults`); this runtime closes after a failure.
+
+        Nested (a Trainer's fit inside ``with distkit.Runtime(...)``), the inner guard
+        handles a failure and the outer one lets that exception pass as it is: the peers
+        were told once, and a loop that catches the fit's error goes on with them.
+        """
+        passed: BaseException | None = None
+        try:
+            with fail_fast(
+                self.strategy,
+                fault_timeout=fault_timeout,
+                hang_warning=hang_warning,
+                progress=self.progress,
+                on_failure=self.close_after_failure,
+            ):
+                try:
+                    yield
+                except BaseException as exc:
+                    if not getattr(exc, _HANDLED, False):
+                        raise
+                    passed = exc  # an inner guard handled it
+        except BaseException as exc:
+            with contextlib.suppress(AttributeError, TypeError):
+                setattr(exc, _HANDLED, True)
+            raise
+        if passed is not None:
+            raise passed
 
     # ------------------------------------------------------------------ a user's own loop
     def setup(self, model: nn.Module, *optimizers: torch.optim.Optimizer) -> Any:
@@ -245,7 +282,9 @@ class Runtime:
         if strategy.sets_up_together:  # legacy apex: every model at the first use
             set_up = SetUpModel(strategy, model, model, self._current_micro, self._ready)
             wrappers = [
-                SetUpOptimizer(strategy, opt, opt, self._current_micro, self._ready)
+                SetUpOptimizer(
+                    strategy, opt, opt, self._current_micro, self._ready, self._backwards_done
+                )
                 for opt in optimizers
             ]
             self._pending.append((model, list(optimizers), placement, set_up, wrappers))
@@ -256,7 +295,9 @@ class Runtime:
             wrapped = self.setups.wrapped(model)
             set_up = SetUpModel(strategy, model, wrapped, self._current_micro)
             wrappers = [
-                SetUpOptimizer(strategy, opt, inner, self._current_micro)
+                SetUpOptimizer(
+                    strategy, opt, inner, self._current_micro, backwards=self._backwards_done
+                )
                 for opt, inner in zip(optimizers, inners, strict=True)
             ]
         self._set_up[model] = set_up
@@ -358,6 +399,7 @@ class Runtime:
         # dp may gather one loss per replica: weighted by the batch's samples, as in the Trainer
         loss = self.strategy.reduce_loss(loss, 0 if micro is None else micro.count)
         weight = 1.0 if micro is None else micro.weight
+        self._backwards += 1
         self._ready()
         target = self._backward_optimizer(loss, optimizer)
         with contextlib.ExitStack() as stack:
@@ -459,11 +501,22 @@ class Runtime:
         micro = self._micro
         return micro is None or micro.last_in_step
 
+    def _backwards_done(self) -> int:
+        return self._backwards
+
     def _current_micro(self) -> MicroBatch | None:
         return self._micro
 
-    def _enter(self, micro: MicroBatch | None) -> None:
+    def _enter(self, micro: MicroBatch | None, epoch: int) -> None:
         self._micro = micro
+        progress = self.progress  # where this rank is, for the watchdog's hang reports
+        if micro is None:
+            progress.phase = "user code"
+        else:
+            if progress.phase != "training":
+                progress.epoch, progress.phase = epoch, "training"
+            if micro.last_in_step:
+                progress.step += 1
 
     # ------------------------------------------------------------------ collectives
     def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:

@@ -21,6 +21,7 @@ from torch import nn
 from typing_extensions import override
 
 from distkit.data import MicroBatch
+from distkit.errors import ConfigurationError
 from distkit.strategies._steps import GradientClip, StepOutcome
 from distkit.strategies.base import Strategy
 from distkit.strategies.syncbn import placeholder_batch
@@ -121,6 +122,7 @@ class SetUpOptimizer:
         inner: torch.optim.Optimizer,
         micro: Callable[[], MicroBatch | None],
         ready: Callable[[], None] = lambda: None,
+        backwards: Callable[[], int] = lambda: 0,
     ) -> None:
         self._strategy = strategy
         self.optimizer = optimizer  # the user's
@@ -129,6 +131,8 @@ class SetUpOptimizer:
         self._inner = inner
         self._micro = micro
         self._ready = ready
+        self._backwards = backwards  # how many rt.backward calls the runtime made so far
+        self._backwards_at_step = 0  # ... when this optimizer last stepped
         self._clip: GradientClip | None = None
         #: what the last step did (stepped, or skipped on an fp16 overflow)
         self.last_outcome: StepOutcome | None = None
@@ -163,12 +167,33 @@ class SetUpOptimizer:
         self._ready()
         if self._window_open():
             return
+        self._check_backward()
         clip, self._clip = self._clip, None
         outcome, norm = self._strategy.step(self._inner, clip=clip)
         self.last_outcome, self.last_grad_norm = outcome, norm
         if self._inner is not self.optimizer:
             # torch's LR schedulers watch the user's optimizer's step (see mark_stepped)
             self.optimizer._opt_called = True  # type: ignore[attr-defined]
+
+    def _check_backward(self) -> None:
+        """Refuse a step on gradients that no ``rt.backward`` made (``loss.backward()``
+        called directly): they lack the weight that makes N processes equal one (an uneven
+        last batch, accumulation) and fp16's scaling, and with it the step would be a silent
+        wrong one at some world sizes only."""
+        done = self._backwards()
+        if done != self._backwards_at_step:
+            self._backwards_at_step = done
+            return
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        if any(p.grad is not None for p in params):
+            raise ConfigurationError(
+                "optimizer.step() on gradients that rt.backward did not make: call "
+                "rt.backward(loss), not loss.backward(). rt.backward weights the loss by "
+                "this rank's share of the global batch (so N processes train like one with "
+                "N times the batch, uneven last batches and accumulation included), skips "
+                "the gradient sync mid-accumulation and scales fp16; a direct "
+                "loss.backward() does none of it"
+            )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients at the end of an accumulation window (mid-window: keep

@@ -181,3 +181,24 @@ def test_a_per_replica_loss_outside_the_loader_is_refused():
         x, y = make_dataset(4).tensors
         with pytest.raises(distkit.ConfigurationError, match=r"a loss of shape \(1,\) outside"):
             rt.backward(_loss(model(x), y).reshape(1))
+
+
+def test_a_step_on_gradients_of_a_direct_loss_backward_is_refused():
+    """loss.backward() skips rt.backward's weight (and fp16's scale): the step on those
+    gradients is refused at every world size, naming rt.backward; after rt.backward the
+    same loop steps."""
+    with distkit.Runtime("dp") as rt:
+        model, optimizer = _set_up(rt)
+        x, y = make_dataset(8).tensors
+        _loss(model(x), y).backward()
+        with pytest.raises(distkit.ConfigurationError, match=r"call rt\.backward\(loss\)"):
+            optimizer.step()
+        optimizer.zero_grad()
+        optimizer.step()  # no gradients at all: nothing to refuse (torch skips them too)
+        for _ in range(2):
+            rt.backward(_loss(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+        _loss(model(x), y).backward()  # again, after steps that were right
+        with pytest.raises(distkit.ConfigurationError, match="did not make"):
+            optimizer.step()
