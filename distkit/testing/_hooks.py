@@ -16,7 +16,7 @@ from torch import nn
 from typing_extensions import override
 
 from distkit.callbacks import Callback
-from distkit.testing import _training
+from distkit.testing import _workload
 from distkit.testing._processes import plain_env, run_on_ranks
 from distkit.testing._promise import Promise, close, expect, max_abs_diff
 from distkit.testing._target import StrategyUnderTest
@@ -56,11 +56,9 @@ def clipped_fit(target: StrategyUnderTest, batch_size: int) -> dict[str, Any]:
         val_every_n_steps=VAL_EVERY,
         callbacks=[recorder],
     ) as t:
-        import torch
-
-        model = _training._model(0)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        data = _training._dataset()
+        model = _workload.model(0)
+        optimizer = _workload.optimizer(model)
+        data = _workload.dataset()
         result = t.fit(model, optimizer, data, loss_fn=nn.functional.cross_entropy, val_data=data)
         return {
             "weights": t.full_state_dict(),
@@ -70,7 +68,7 @@ def clipped_fit(target: StrategyUnderTest, batch_size: int) -> dict[str, Any]:
 
 
 def _reference_clipped(batch_size: int) -> dict[str, Any]:
-    return clipped_fit(StrategyUnderTest(_training._reference_strategy()), batch_size)
+    return clipped_fit(StrategyUnderTest(_workload.reference_strategy()), batch_size)
 
 
 @cache
@@ -78,7 +76,7 @@ def reference_clipped(world_size: int) -> dict[str, Any]:
     """One plain CPU process at ``world_size * BATCH_SIZE`` with the same clipping."""
     results = run_on_ranks(
         _reference_clipped,
-        world_size * _training.BATCH_SIZE,
+        world_size * _workload.BATCH_SIZE,
         world_size=1,
         launcher_env=plain_env,
         env={"CUDA_VISIBLE_DEVICES": ""},
@@ -87,11 +85,11 @@ def reference_clipped(world_size: int) -> dict[str, Any]:
 
 
 def _clipping_body(target: StrategyUnderTest, workdir: Path) -> Any:
-    return clipped_fit(target, _training.BATCH_SIZE)
+    return clipped_fit(target, _workload.BATCH_SIZE)
 
 
 def _verify_clipping(results: list[dict[str, Any]], world: int) -> None:
-    tol = _training.TOLERANCE
+    tol = _workload.TOLERANCE
     one = reference_clipped(world)
     expect(
         any(norm > CLIP_NORM for norm in one["norms"]),
@@ -132,11 +130,11 @@ class _StopOnLastRank(Callback):
 def _stop_body(target: StrategyUnderTest, workdir: Path) -> Any:
     import torch
 
-    options = {"batch_size": _training.BATCH_SIZE, "max_epochs": 2, "seed": 3}
+    options = {"batch_size": _workload.BATCH_SIZE, "max_epochs": 2, "seed": 3}
     with target.trainer(callbacks=[_StopOnLastRank()], **options) as t:
-        model = _training._model(0)
+        model = _workload.model(0)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        result = t.fit(model, optimizer, _training._dataset(), loss_fn=nn.functional.cross_entropy)
+        result = t.fit(model, optimizer, _workload.dataset(), loss_fn=nn.functional.cross_entropy)
         return {
             "step": t.global_step,
             "stopped_early": result.stopped_early,
@@ -162,11 +160,11 @@ def _patience_fit(target: StrategyUnderTest, folder: Path, max_epochs: int) -> d
 
     # the training loss falls every epoch, so mode="max" sees no improvement after the first
     stopper = EarlyStopping(monitor="train_loss", mode="max", patience=3)
-    options = {"batch_size": _training.BATCH_SIZE, "max_epochs": max_epochs, "seed": 3}
+    options = {"batch_size": _workload.BATCH_SIZE, "max_epochs": max_epochs, "seed": 3}
     with target.trainer(checkpoint_dir=folder, resume="auto", callbacks=[stopper], **options) as t:
-        model = _training._model(0)
+        model = _workload.model(0)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        result = t.fit(model, optimizer, _training._dataset(), loss_fn=nn.functional.cross_entropy)
+        result = t.fit(model, optimizer, _workload.dataset(), loss_fn=nn.functional.cross_entropy)
         return {
             "epochs": len(result.history),
             "stopped_early": result.stopped_early,

@@ -13,7 +13,7 @@ from distkit.strategies.base import Strategy
 
 @dataclass(frozen=True)
 class StrategyUnderTest:
-    """A picklable recipe for a fresh strategy instance on each rank, for each Trainer.
+    """A picklable recipe for a fresh strategy instance on each rank, for each Trainer or Runtime.
 
     Attributes:
         strategy: a registered name (built-in or a plugin's entry point, which every process
@@ -45,3 +45,7 @@ class StrategyUnderTest:
     def trainer(self, **options: Any) -> distkit.Trainer:
         """A Trainer on a new instance, without a progress bar."""
         return distkit.Trainer(self.build(), progress=False, **options)
+
+    def runtime(self, **options: Any) -> distkit.Runtime:
+        """A Runtime on a new instance, for a user's own loop."""
+        return distkit.Runtime(self.build(), **options)

@@ -1,8 +1,8 @@
-"""Promises about whole fits: world-size invariance and the checkpoint round trip.
+"""Promises about the Trainer's fits: world-size invariance and the checkpoint round trip.
 
-The workload is small and deterministic: 61 samples (so the last global batch is short and
-splits unevenly over two ranks), an MLP, SGD with momentum (optimizer state that a checkpoint
-must carry), two epochs.
+Two epochs of the workload (:mod:`distkit.testing._workload`) through ``Trainer.fit``; the
+round trip goes through ``save_checkpoint`` / ``load_checkpoint`` (the strategy's
+``state_io.checkpoint_state``: sharded checkpoints where the strategy writes them).
 """
 
 from __future__ import annotations
@@ -13,40 +13,21 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import TensorDataset
 
-from distkit.launch._env import LaunchEnv, Launcher
 from distkit.testing._processes import plain_env, run_on_ranks
 from distkit.testing._promise import Promise, expect, max_abs_diff
 from distkit.testing._target import StrategyUnderTest
+from distkit.testing._workload import (
+    BATCH_SIZE,
+    TOLERANCE,
+    dataset,
+    model,
+    optimizer,
+    reference_strategy,
+)
 
-#: the largest parameter difference the training promises allow
-TOLERANCE = 1e-5
-#: samples per process per step
-BATCH_SIZE = 4
 #: optimizer steps before the checkpoint of the round trip (mid-epoch at any world size)
 STEPS_BEFORE_SAVE = 5
-#: the launcher of the reference run, "one process at N * batch size": plain python, whose
-#: strategy "auto" picks from the registry
-REFERENCE_LAUNCHER: Launcher = "none"
-
-
-def _reference_strategy() -> str:
-    from distkit.registry import auto_strategy_name
-
-    return auto_strategy_name(LaunchEnv(launcher=REFERENCE_LAUNCHER))
-
-
-def _dataset() -> TensorDataset:
-    generator = torch.Generator().manual_seed(1)
-    x = torch.randn(61, 6, generator=generator)
-    y = (x[:, :3].argmax(dim=1) + (x[:, -1] > 1).long()) % 3
-    return TensorDataset(x, y)
-
-
-def _model(seed: int) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
 
 
 def fit(
@@ -60,18 +41,17 @@ def fit(
 ) -> dict[str, torch.Tensor]:
     """Train the workload for two epochs (or ``max_steps``); the full final weights."""
     with target.trainer(batch_size=batch_size, max_epochs=2, max_steps=max_steps, seed=3) as t:
-        model = _model(model_seed)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        net = model(model_seed)
         if resume_from is not None:
             t.load_checkpoint(resume_from)
-        t.fit(model, optimizer, _dataset(), loss_fn=nn.functional.cross_entropy)
+        t.fit(net, optimizer(net), dataset(), loss_fn=nn.functional.cross_entropy)
         if save_to is not None:
             t.save_checkpoint(save_to)
         return t.full_state_dict()
 
 
 def _reference_fit(batch_size: int) -> dict[str, torch.Tensor]:
-    return fit(StrategyUnderTest(_reference_strategy()), batch_size)
+    return fit(StrategyUnderTest(reference_strategy()), batch_size)
 
 
 @cache
@@ -104,7 +84,7 @@ def _verify_world_size_invariance(results: list[dict[str, torch.Tensor]], world:
     expect(
         diff <= TOLERANCE,
         f"{world} processes at batch size {BATCH_SIZE} end {diff:.3g} away from one process "
-        f"({_reference_strategy()!r}) at batch size {world * BATCH_SIZE} (allowed {TOLERANCE:g})",
+        f"({reference_strategy()!r}) at batch size {world * BATCH_SIZE} (allowed {TOLERANCE:g})",
     )
 
 

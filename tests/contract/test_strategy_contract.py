@@ -76,5 +76,6 @@ def contract(request: pytest.FixtureRequest) -> distkit.testing.ContractRun:
 
 @pytest.mark.parametrize("promise", distkit.testing.PROMISES)
 def test_strategy_keeps_its_promise(contract: distkit.testing.ContractRun, promise: str) -> None:
-    """A single-process backend (dp) skips world_size_invariance, saying why."""
+    """A single-process backend (dp) skips the promises that compare world sizes
+    (world_size_invariance, runtime_world_size_invariance, clipping), saying why."""
     contract.check(promise)

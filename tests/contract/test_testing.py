@@ -12,13 +12,16 @@ import sys
 import time
 import unittest
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
+from typing_extensions import override
 
 import distkit
 import distkit.testing
+from distkit.strategies.capabilities import StateIO
 from distkit.strategies.ddp import DDPStrategy
 
 pytestmark = pytest.mark.timeout(180)
@@ -46,6 +49,28 @@ class _SummingDDP(DDPStrategy):
 
     def backward(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
         super().backward(loss * self.world_size, optimizer)
+
+
+class _NoOptimizerStateIO(StateIO):
+    """Writes the optimizer's hyperparameters but not its state (SGD's momentum buffers)."""
+
+    @override
+    def optimizer_state_dict(
+        self, optimizer: torch.optim.Optimizer, *, rank0_only: bool = False
+    ) -> dict[str, Any]:
+        state = super().optimizer_state_dict(optimizer, rank0_only=rank0_only)
+        return {**state, "state": {}} if state else state
+
+
+class _ForgetfulDDP(DDPStrategy):
+    """Saves optimizers without their state: a resumed run starts its momentum afresh."""
+
+    name = "forgetful-ddp"
+
+    @property
+    @override
+    def state_io(self) -> StateIO:
+        return _NoOptimizerStateIO(self)
 
 
 class _StuckUnwrapDDP(DDPStrategy):
@@ -83,6 +108,11 @@ def test_testing_public_names_are_pinned():
         "unwrap",
         "no_sync_is_local",
         "mean_gradients",
+        "runtime_world_size_invariance",
+        "runtime_accumulation",
+        "runtime_clipping",
+        "runtime_two_models",
+        "runtime_checkpoint_round_trip",
         "world_size_invariance",
         "checkpoint_round_trip",
         "clipping",
@@ -115,12 +145,23 @@ def test_testing_names_each_broken_promise_and_keeps_checking_the_others():
     assert "rank 0 raised" in unwrap and "NotImplementedError: unwrap is not written" in unwrap
 
 
-def test_testing_catches_summed_gradients_in_mean_gradients_and_world_size_invariance():
-    run = distkit.testing.run_promises(_SummingDDP, ["mean_gradients", "world_size_invariance"])
+def test_testing_catches_summed_gradients_in_the_trainer_and_in_a_user_loop():
+    promises = ["mean_gradients", "world_size_invariance", "runtime_world_size_invariance"]
+    run = distkit.testing.run_promises(_SummingDDP, promises)
     assert "expected the mean over ranks" in _failure(run, "mean_gradients")
     invariance = _failure(run, "world_size_invariance")
     assert "2 processes at batch size 4 end" in invariance
     assert "from one process ('dp') at batch size 8 (allowed 1e-05)" in invariance
+    loop = _failure(run, "runtime_world_size_invariance")
+    assert "a user loop at 2 process(es) with batch size 4 ends" in loop
+    assert "from one process ('dp') at batch size 8 (allowed 1e-05)" in loop
+
+
+def test_testing_catches_a_user_loop_checkpoint_without_the_optimizer_state():
+    run = distkit.testing.run_promises(_ForgetfulDDP, ["runtime_checkpoint_round_trip"])
+    message = _failure(run, "runtime_checkpoint_round_trip")
+    assert "rt.save'd after 2 steps, then rt.load'ed in a new Runtime and finished" in message
+    assert "away from the uninterrupted loop" in message
 
 
 def test_testing_a_hung_launch_still_reports_the_promises_that_finished():
@@ -133,9 +174,10 @@ def test_testing_a_hung_launch_still_reports_the_promises_that_finished():
         assert "reported no result" in message and "timed out after 10" in message
 
 
-def test_testing_single_process_strategy_skips_world_size_invariance_with_the_reason():
+@pytest.mark.parametrize("promise", ["world_size_invariance", "runtime_world_size_invariance"])
+def test_testing_single_process_strategy_skips_world_size_invariance_with_the_reason(promise):
     with pytest.raises(unittest.SkipTest, match="no other world size to compare with"):
-        distkit.testing.check_promise("world_size_invariance", "dp")
+        distkit.testing.check_promise(promise, "dp")
 
 
 @pytest.mark.parametrize(

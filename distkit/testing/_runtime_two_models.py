@@ -1,0 +1,97 @@
+"""A promise about a user loop with two models: a GAN's, trained like one process.
+
+A generator and a discriminator, each set up with its own optimizer (Adam and SGD); two
+``rt.backward`` calls per batch, the second reaching both models' parameters (the
+generator's loss goes through the discriminator). The generator's input is a function of
+the batch, so every world size draws the same.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from distkit.testing._processes import plain_env, run_on_ranks
+from distkit.testing._promise import Promise, expect, max_abs_diff
+from distkit.testing._target import StrategyUnderTest
+from distkit.testing._workload import (
+    BATCH_SIZE,
+    DATA_SEED,
+    TOLERANCE,
+    dataset,
+    reference_strategy,
+)
+
+EPOCHS = 2
+
+
+def train_two_models(target: StrategyUnderTest, batch_size: int) -> dict[str, Any]:
+    """The GAN loop on a new Runtime of ``target``; both models' full final weights."""
+    with target.runtime(seed=DATA_SEED) as rt:
+        torch.manual_seed(0)
+        gen = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 6))
+        disc = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 1))
+        gen, opt_g = rt.setup(gen, torch.optim.Adam(gen.parameters(), lr=1e-2))
+        disc, opt_d = rt.setup(disc, torch.optim.SGD(disc.parameters(), lr=0.1))
+        bce = nn.functional.binary_cross_entropy_with_logits
+        loader = rt.loader(dataset(), batch_size=batch_size, shuffle=True)
+        for _ in range(EPOCHS):
+            for x, _ in loader:
+                real, fake_labels = torch.ones(len(x), 1), torch.zeros(len(x), 1)
+                real, fake_labels = real.to(x.device), fake_labels.to(x.device)
+                fake = gen(torch.tanh(x[:, :4]))
+                scores = disc(torch.cat([x, fake.detach()]))
+                opt_d.zero_grad()
+                rt.backward(bce(scores, torch.cat([real, fake_labels])))
+                opt_d.step()
+                opt_g.zero_grad()
+                rt.backward(bce(disc(fake), real))
+                opt_g.step()
+        return {"generator": rt.full_state_dict(gen), "discriminator": rt.full_state_dict(disc)}
+
+
+def _train_reference(batch_size: int) -> dict[str, Any]:
+    return train_two_models(StrategyUnderTest(reference_strategy()), batch_size)
+
+
+@cache
+def _reference(world_size: int) -> dict[str, Any]:
+    results = run_on_ranks(
+        _train_reference,
+        world_size * BATCH_SIZE,
+        world_size=1,
+        launcher_env=plain_env,
+        env={"CUDA_VISIBLE_DEVICES": ""},
+    )
+    return dict(results[0])
+
+
+def _body(target: StrategyUnderTest, workdir: Path) -> Any:
+    return train_two_models(target, BATCH_SIZE)
+
+
+def _verify(results: list[dict[str, Any]], world: int) -> None:
+    one = _reference(world)
+    for rank, r in enumerate(results):
+        for name in ("generator", "discriminator"):
+            diff = max_abs_diff(r[name], one[name])
+            expect(
+                diff <= TOLERANCE,
+                f"rank {rank}: with two models, two optimizers and two rt.backward calls per "
+                f"batch, {world} process(es) at batch size {BATCH_SIZE} end with a {name} "
+                f"{diff:.3g} away from one process ({reference_strategy()!r}) at batch size "
+                f"{world * BATCH_SIZE} (allowed {TOLERANCE:g})",
+            )
+
+
+RUNTIME_TWO_MODELS = Promise(
+    "runtime_two_models",
+    "a GAN's loop (two models, two optimizers, two rt.backward per batch) at N processes "
+    f"with batch b trains like one process at N * b (within {TOLERANCE:g})",
+    _body,
+    _verify,
+)
