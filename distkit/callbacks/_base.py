@@ -86,7 +86,11 @@ class Callback:
         and does not replace ``exc``."""
 
     def state_dict(self) -> dict[str, Any]:
-        """This callback's state, saved in every checkpoint (default: none)."""
+        """This callback's state, saved in every checkpoint (default: none).
+
+        Called on every rank at the same point of each save, before the ranks agree on it
+        (rank 0's goes into the file), so it may hold a collective that every rank meets
+        (:class:`~distkit.callbacks.EMA` gathers fsdp's sharded averages here)."""
         return {}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
