@@ -6,13 +6,16 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
+    import torch
+
     from distkit.trainer import FitResult, Trainer
 
 
 class Callback:
     """Hooks that :meth:`distkit.Trainer.fit` calls on **every rank**, in this order.
 
-    ``on_fit_start`` -> per optimizer step ``on_train_step_end`` (and around each validation,
+    ``on_fit_start`` -> per optimizer step ``on_before_optimizer_step`` (on the step's final
+    gradients) and ``on_train_step_end`` (and around each validation,
     every ``val_every_n_steps`` and at each epoch's end, ``on_validation_start`` and
     ``on_validation_end``) -> per epoch ``on_epoch_end`` -> ``on_fit_end``; ``on_exception``
     instead when ``fit`` raises.
@@ -38,6 +41,18 @@ class Callback:
 
     def on_fit_start(self, trainer: Trainer) -> None:
         """Before the first step of ``fit`` (after a resume's state is loaded)."""
+
+    def on_before_optimizer_step(self, trainer: Trainer, optimizer: torch.optim.Optimizer) -> None:
+        """Once per optimizer step, at the end of its accumulation window, before clipping and
+        the step: the gradients (``p.grad`` of ``optimizer``'s parameters) are final, averaged
+        over ranks and unscaled (fp16), the same on every backend, so you may read, log or
+        change them in place (a gradient norm, your own clipping). ``optimizer`` is the one
+        you passed to ``fit``; under fsdp each gradient is a DTensor holding this rank's
+        shard (``.full_tensor()`` gathers it: a collective, call it on every rank).
+
+        Overriding it costs each step an early finalization of the gradients (fp16: the
+        unscale that clipping does too); fits without such a callback do not pay it.
+        """
 
     def on_train_step_end(self, trainer: Trainer, logs: Mapping[str, Any]) -> None:
         """After each optimizer step.
@@ -71,7 +86,11 @@ class Callback:
         and does not replace ``exc``."""
 
     def state_dict(self) -> dict[str, Any]:
-        """This callback's state, saved in every checkpoint (default: none)."""
+        """This callback's state, saved in every checkpoint (default: none).
+
+        Called on every rank at the same point of each save, before the ranks agree on it
+        (rank 0's goes into the file), so it may hold a collective that every rank meets
+        (:class:`~distkit.callbacks.EMA` gathers fsdp's sharded averages here)."""
         return {}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

@@ -48,6 +48,11 @@ class CallbackList:
             for c in self.callbacks
         )
 
+    def overriding(self, hook: str) -> list[Callback]:
+        """The callbacks whose class overrides ``hook`` (the base's does nothing)."""
+        default = getattr(Callback, hook)
+        return [c for c in self.callbacks if getattr(type(c), hook) is not default]
+
     def describe(self) -> str:
         """What every rank must agree on: the callbacks' kinds, in order, and whether one may
         stop after each step (then every step ends in a stop check, a collective: ranks that

@@ -97,6 +97,9 @@ def prepare_save(
             "extra must be a dict (of tensors, numbers, strings, lists and dicts), got "
             f"{type(extra).__name__}"
         )
+    # before the checks that differ between ranks: a callback's state may be a collective
+    # (EMA's averages under fsdp are gathered), met here by every rank, or by none
+    states = callbacks.state_dict()  # checked on every rank, before the agreement
     if path is not None:
         check_path("path", path, "a file path (str or os.PathLike)")
         if strategy.is_main and Path(path).is_dir():  # rank 0 writes
@@ -105,5 +108,4 @@ def prepare_save(
                 f"{Path(path) / 'model.pt'}"
             )
     shared = _resume.rank_state(run.state)
-    states = callbacks.state_dict()  # checked on every rank, before any collective
     return _agreement.Proposal({"global step": str(run.state.global_step)}, states, shared)

@@ -8,6 +8,7 @@ its work now, and adapts a plugin that still overrides the state hooks.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -140,3 +141,12 @@ def _own(strategy: object, name: str) -> Callable[..., Any] | None:
     if not overrides(type(strategy), name):
         return None
     return getattr(strategy, name)
+
+
+def takes_before_step(strategy: object) -> bool:
+    """Whether ``strategy.step`` takes ``before_step`` (a plugin's own ``step`` written before
+    the keyword existed does not: it gets every step without it)."""
+    parameters = inspect.signature(strategy.step).parameters  # type: ignore[attr-defined]
+    return "before_step" in parameters or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()
+    )

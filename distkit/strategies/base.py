@@ -31,11 +31,13 @@ the same order; a hook marked *collective* must be called on every rank, or the 
    last, :meth:`autocast` around the forward pass and the loss, :meth:`reduce_loss`, then
    :meth:`backward` (*collective* on the last micro-batch: ddp and apex all-reduce in their
    hooks, fsdp reduce-scatters, horovod starts its asynchronous all-reduces); then once per
-   step, :meth:`step` with the step's decisions (clip, skip non-finite): by default, only
-   when clipping, :meth:`finalize_gradients` (fp16: unscales) and :meth:`clip_gradients`
-   (fsdp: *collective*, the norm sums every rank's slice), then :meth:`optimizer_step`;
-   horovod's :meth:`step` is *collective* (it waits for its all-reduces, once, before
-   clipping or in its optimizer's step); then, at each save point of an elastic backend,
+   step, :meth:`step` with the step's decisions (clip, skip non-finite, the callbacks'
+   ``before_step``): by default, only when clipping or given ``before_step``,
+   :meth:`finalize_gradients` (fp16: unscales), ``before_step()`` (the callbacks'
+   ``on_before_optimizer_step``) and :meth:`clip_gradients` (fsdp: *collective*, the norm
+   sums every rank's slice), then :meth:`optimizer_step`; horovod's :meth:`step` is
+   *collective* (it waits for its all-reduces, once, before ``before_step`` and clipping,
+   or in its optimizer's step); then, at each save point of an elastic backend,
    ``elastic.commit()`` (*collective*).
 4. **Evaluation**: :meth:`eval_model` gives the module to run, :meth:`eval_rounds` how many
    forward passes every rank makes (a backend with collectives in its forward needs the same
@@ -378,21 +380,30 @@ class Strategy(Collectives, ABC):
         *,
         clip: GradientClip | None = None,
         skip_nonfinite: bool = False,
+        before_step: Callable[[], None] | None = None,
     ) -> tuple[StepOutcome, torch.Tensor | None]:
         """One optimizer step with the step's decisions: what happened, and the gradients'
         total norm before clipping (None without ``clip``). The loop calls only this.
 
-        Default: :meth:`finalize_gradients` and :meth:`clip_gradients` when clipping, then
+        Default: when clipping or given ``before_step``, :meth:`finalize_gradients`, then
+        ``before_step()`` (the callbacks' ``on_before_optimizer_step``: it may read or change
+        the final gradients), then :meth:`clip_gradients` when clipping; then
         :meth:`optimizer_step`. A backend whose steps need another order overrides this one
         hook instead of passing flags between those three (Horovod: all-reduce once, then
-        clip, then step without a second all-reduce).
+        ``before_step`` and clip, then step without a second all-reduce); it calls
+        ``before_step`` once, on the finalized gradients, before clipping. (The loop passes
+        ``before_step`` only when a callback uses it: a plugin's ``step`` without the
+        keyword keeps working for every other fit.)
         """
         norm = None
-        if clip is not None:
-            # averaged and unscaled first, so that every rank clips the same gradients,
-            # those one process would have
+        if clip is not None or before_step is not None:
+            # averaged and unscaled first, so that every rank clips (and shows the
+            # callbacks) the same gradients, those one process would have
             self.finalize_gradients(optimizer)
-            norm = self.clip_gradients(optimizer, clip)
+            if before_step is not None:
+                before_step()
+            if clip is not None:
+                norm = self.clip_gradients(optimizer, clip)
         # every rank sees the same averaged gradients, so every rank decides alike
         return self.optimizer_step(optimizer, skip_nonfinite=skip_nonfinite), norm
 

@@ -9,6 +9,7 @@ never the Trainer (``owner`` is only handed to the callbacks).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -96,6 +97,13 @@ def train(
             input_device=config.input_device_override,
         )
 
+    before_step = None
+    if callbacks.overriding("on_before_optimizer_step"):
+        # the user's optimizer (not a backend's wrapper of it), with the final gradients
+        before_step = functools.partial(
+            callbacks.call, "on_before_optimizer_step", owner, optimizer
+        )
+
     def body() -> None:
         # an elastic strategy runs this again in a re-formed group: new rank, new size
         runtime.renew_topology()
@@ -122,6 +130,7 @@ def train(
             placement=prepared.placement,
             losses=LossLedger(strategy.device, watch=config.nonfinite == "raise"),
             watch=NonFiniteWatch(config.nonfinite == "raise", config.log_every_n_steps),
+            before_step=before_step,
         )
         run = EpochLoop(
             config=config,

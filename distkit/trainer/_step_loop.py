@@ -14,10 +14,12 @@ from tqdm.auto import tqdm
 
 from distkit.batch import batch_size_of, split_batch, to_device
 from distkit.data._feed import Feed
+from distkit.errors import ConfigurationError
 from distkit.errors import NonFiniteLossError as NonFiniteLossError  # its old home
 from distkit.faults._progress import Progress
 from distkit.runtime._arguments import check_loss
 from distkit.runtime._fit_state import FitState as FitState  # its old home
+from distkit.strategies._legacy_hooks import takes_before_step
 from distkit.strategies._placement import Placement, follow_output
 from distkit.strategies._steps import GradientClip, StepOutcome
 from distkit.strategies.base import Strategy
@@ -81,6 +83,21 @@ class StepLoop:
     losses: LossLedger
     #: ``nonfinite="raise"``'s check of the noted losses, at EpochLoop's check points
     watch: NonFiniteWatch = field(default_factory=lambda: NonFiniteWatch(enabled=False, every=1))
+    #: the callbacks' ``on_before_optimizer_step``, run by the strategy's step on the final
+    #: gradients; None when no callback overrides it: the step then finalizes nothing early
+    before_step: Callable[[], None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.before_step is not None and not takes_before_step(self.strategy):
+            # every rank holds the same strategy class: all raise here, before any step
+            name = type(self.strategy).__qualname__
+            raise ConfigurationError(
+                f"a callback overrides on_before_optimizer_step, but {name}.step(optimizer, "
+                "clip=..., skip_nonfinite=...) takes no before_step, so it cannot run on the "
+                f"step's final gradients. Add the keyword to {name}.step and call "
+                "before_step() once the gradients are averaged and unscaled, before "
+                "clipping (see Strategy.step), or drop that callback"
+            )
 
     def run_epoch(
         self, state: FitState, after_step: Callable[[FitState, StepResult], bool]
@@ -220,9 +237,18 @@ class StepLoop:
 
     def _step(self, state: FitState) -> tuple[StepOutcome, torch.Tensor | None]:
         optimizer, settings = self.optimizer, self.settings
-        outcome, norm = self.strategy.step(
-            optimizer, clip=settings.clip, skip_nonfinite=settings.nonfinite == "skip"
-        )
+        skip_nonfinite = settings.nonfinite == "skip"
+        if self.before_step is None:  # as before the hook existed: no early finalizing
+            outcome, norm = self.strategy.step(
+                optimizer, clip=settings.clip, skip_nonfinite=skip_nonfinite
+            )
+        else:
+            outcome, norm = self.strategy.step(
+                optimizer,
+                clip=settings.clip,
+                skip_nonfinite=skip_nonfinite,
+                before_step=self.before_step,
+            )
         state.global_step += 1
         if not outcome.stepped:
             state.skipped_steps += 1

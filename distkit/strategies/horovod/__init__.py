@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -214,17 +215,22 @@ class HorovodStrategy(Strategy):
         *,
         clip: GradientClip | None = None,
         skip_nonfinite: bool = False,
+        before_step: Callable[[], None] | None = None,
     ) -> tuple[StepOutcome, torch.Tensor | None]:
-        if clip is None and not skip_nonfinite and self.precision.scaler is None:
+        plain = clip is None and before_step is None and not skip_nonfinite
+        if plain and self.precision.scaler is None:
             return super().optimizer_step(optimizer), None  # DistributedOptimizer.step all-reduces
-        # Clipping, the finiteness check and the scaler must see averaged gradients: all-reduce
-        # once now (Horovod's documented sequence for clipping and for GradScaler), then step
-        # without a second synchronisation.
+        # Clipping, the callbacks, the finiteness check and the scaler must see averaged
+        # gradients: all-reduce once now (Horovod's documented sequence for clipping and for
+        # GradScaler), then step without a second synchronisation.
         optimizer.synchronize()  # type: ignore[attr-defined]
         norm = None
-        if clip is not None:
+        if clip is not None or before_step is not None:
             self.precision.unscale_(optimizer)
-            norm = self.clip_gradients(optimizer, clip)
+            if before_step is not None:
+                before_step()
+            if clip is not None:
+                norm = self.clip_gradients(optimizer, clip)
         try:
             with optimizer.skip_synchronize():  # type: ignore[attr-defined]
                 return super().optimizer_step(optimizer, skip_nonfinite=skip_nonfinite), norm
