@@ -34,6 +34,9 @@ FIXES = {
     "same resume= file), the same data and model, and the same Trainer settings.",
     "evaluate": "Give every rank the whole evaluation data: distkit shards it itself.",
     "save_checkpoint": COLLECTIVE + ".",
+    "setup": "Set up the same model (the same shapes) with the same optimizers on every rank.",
+    "loader": "Iterate the loader on every rank, the same epochs in the same order (no "
+    "loop under `if rt.is_main:`; loader.epoch(e) with the same e everywhere).",
 }
 
 
@@ -137,7 +140,7 @@ def disagreement(messages: Sequence[Message]) -> str | None:
 
 def _explain(messages: Sequence[Message], detail: str = "") -> str:
     """The disagreement, where it lies, and the fix (ranks in different calls carry theirs)."""
-    fix = "" if len({m.call for m in messages}) > 1 else f"\n{FIXES[messages[0].call]}"
+    fix = "" if len({m.call for m in messages}) > 1 else f"\n{FIXES.get(messages[0].call, '')}"
     return f"{disagreement(messages)}{detail}{fix}"
 
 

@@ -36,6 +36,8 @@ CALLS = {
     "log": "fit's log point",
     "nonfinite": "fit's non-finite loss check",
     "setup": "rt.setup",
+    "loader": "an epoch of rt.loader (its first batch)",
+    "barrier": "rt.barrier",
 }
 _CODES = {call: float(code) for code, call in enumerate(CALLS, start=1)}
 _NAMES = {code: CALLS[call] for call, code in _CODES.items()}

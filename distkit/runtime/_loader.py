@@ -36,12 +36,14 @@ class RuntimeLoader:
         rank: int,
         device: Any,
         enter: Callable[[MicroBatch | None, int], None],
+        agree: Callable[[int, int], None] = lambda epoch, position: None,
     ) -> None:
         self._feed = feed
         self._seed = seed
         self._rank = rank
         self._device = device
         self._enter = enter  # tells the runtime which micro-batch the loop now holds
+        self._agree = agree  # every rank starts the same epoch here, at the same place
         self._epoch = 0
         self._position = 0  # samples (over all ranks) of the epoch already handed out
         self._iterating = False
@@ -70,8 +72,11 @@ class RuntimeLoader:
                 "this loader is already being iterated: finish (or break out of) that loop "
                 "first; a loader yields one epoch at a time"
             )
-        self._iterating = True
         epoch, start = self._epoch, self._position
+        # a collective: a rank iterating alone (its loop under `if rt.is_main:`) or at
+        # another epoch fails here on every rank, instead of hanging in its backward
+        self._agree(epoch, start)
+        self._iterating = True
         worker_seed = self._seed * 1000003 + self._rank * 7919 + epoch
         try:
             for batch, micro in self._feed.epoch(epoch, start, worker_seed):

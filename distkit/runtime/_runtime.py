@@ -31,6 +31,7 @@ from distkit.faults._progress import Progress
 from distkit.registry import make_strategy
 from distkit.runtime import _agreement
 from distkit.runtime._arguments import check_loss, check_runtime_arguments, check_setup_args
+from distkit.runtime._call_tags import tagged_sum
 from distkit.runtime._evaluation import LossFn, Metrics, as_score, evaluate_shard
 from distkit.runtime._loader import RuntimeLoader
 from distkit.runtime._preparation import checked_placement, prepare_evaluate
@@ -358,8 +359,26 @@ class Runtime:
             strategy, spec, plan, seed=self.seed, grad_accum_steps=accum, drop_last=drop_last
         )
         return RuntimeLoader(
-            feed, seed=self.seed, rank=self.rank, device=self.device, enter=self._enter
+            feed,
+            seed=self.seed,
+            rank=self.rank,
+            device=self.device,
+            enter=self._enter,
+            agree=self._agree_on_epoch,
         )
+
+    def _agree_on_epoch(self, epoch: int, position: int) -> None:
+        """Every rank starts iterating a loader at the same epoch and place (one small
+        collective per epoch; none in a world of one or under an elastic strategy)."""
+        self.require_open("loader iteration")
+        if self.world_size == 1 or self.strategy.elastic:
+            return
+
+        def prepare() -> _agreement.Proposal[None]:
+            agreed = {"epoch": str(epoch), "samples already handed out": str(position)}
+            return _agreement.Proposal(agreed, None)
+
+        _agreement.exchange(self.strategy, "loader", prepare)
 
     def backward(self, loss: torch.Tensor, *, optimizer: Any = None) -> None:
         """Backpropagate ``loss``, the mean loss of the batch the loop holds.
@@ -540,7 +559,9 @@ class Runtime:
     def barrier(self) -> None:
         """Wait until every rank got here. A collective."""
         self.require_open("barrier")
-        self.strategy.barrier()
+        # a tagged sum waits for every rank as a barrier does, and a rank that is in another
+        # distkit call (a loader's epoch, a save) fails every rank instead of pairing with it
+        tagged_sum(self.strategy, "barrier")
 
     @contextlib.contextmanager
     def main_process_first(self) -> Iterator[None]:

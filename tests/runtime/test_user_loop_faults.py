@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import distkit
-from distkit.errors import PeerFailureError
+from distkit.errors import PeerFailureError, RankDisagreementError
 from tests.support.workloads import make_dataset, make_mlp
 
 pytestmark = pytest.mark.timeout(300)
@@ -91,3 +91,46 @@ def test_a_fit_failing_inside_a_runtime_block_is_reported_once(run_on_ranks):
     results = run_on_ranks(fit_failing_inside_the_block, 0, world_size=2)
     assert results[0] == {"kind": "own", "closed": True}
     assert results[1] == {"kind": "peer", "failed_rank": 0, "closed": True}
+
+
+def loader_on_rank_zero_only() -> str:
+    """The loop under ``if rt.is_main:`` (rank 0 trains alone) while rank 1 goes on to the
+    barrier after it: every rank fails at once, naming both calls."""
+    with distkit.Runtime("ddp", fault_timeout=10.0) as rt:
+        model = make_mlp()
+        model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        loader = rt.loader(make_dataset(16), batch_size=4)
+        try:
+            if rt.is_main:
+                for x, y in loader:
+                    rt.backward(_loss(model(x), y))
+                    optimizer.step()
+                    optimizer.zero_grad()
+            rt.barrier()
+        except RankDisagreementError as exc:
+            return str(exc)
+    return "no error"
+
+
+def test_a_loader_iterated_on_one_rank_only_fails_every_rank(run_on_ranks):
+    for error in run_on_ranks(loader_on_rank_zero_only, world_size=2):
+        assert "rank 0 in an epoch of rt.loader" in error, error
+        assert "rank 1 in rt.barrier" in error, error
+
+
+def epochs_apart() -> str:
+    """Rank 1 skips an epoch (``loader.epoch(1)``): refused at the first batch, naming it."""
+    with distkit.Runtime("ddp", fault_timeout=10.0) as rt:
+        loader = rt.loader(make_dataset(16), batch_size=4)
+        try:
+            for _ in loader.epoch(rt.rank):
+                break
+        except RankDisagreementError as exc:
+            return str(exc)
+    return "no error"
+
+
+def test_ranks_iterating_other_epochs_are_refused(run_on_ranks):
+    for error in run_on_ranks(epochs_apart, world_size=2):
+        assert "epoch: rank 0: 0; rank 1: 1" in error, error
+        assert "the same epochs in the same order" in error, error
