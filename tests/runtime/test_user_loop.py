@@ -164,3 +164,54 @@ def test_a_gan_on_horovod_at_two_ranks_equals_one_process(run_on_ranks, tmp_path
     for (result,) in run_with_horovodrun(calls, tmp_path):
         assert max_abs_diff(result["gen"], one["gen"]) <= TOL
         assert max_abs_diff(result["disc"], one["disc"]) <= TOL
+
+
+def parts_loop(strategy: str, batch: int) -> dict[str, Any]:
+    """One model, two optimizers over its two parts (SGD for the body, Adam for the head),
+    stepped one after the other; accumulation 2 with an uneven last window."""
+    torch.manual_seed(0)
+    with distkit.Runtime(strategy, grad_accum_steps=2, seed=3) as rt:
+        model = make_mlp()
+        body, head = list(model.parameters())[:2], list(model.parameters())[2:]
+        model, opt_body, opt_head = rt.setup(
+            model, torch.optim.SGD(body, lr=0.1, momentum=0.9), torch.optim.Adam(head, lr=1e-2)
+        )
+        for _ in range(2):
+            for x, y in rt.loader(make_dataset(N), batch_size=batch):
+                rt.backward(_loss(model(x), y))
+                opt_body.step()
+                opt_head.step()
+                opt_body.zero_grad()
+                opt_head.zero_grad()
+        return {"state": rt.full_state_dict(model)}
+
+
+def test_one_model_with_two_optimizers_at_two_ranks_equals_one_process(run_on_ranks):
+    one = run_on_ranks(parts_loop, "ddp", 8, world_size=1)[0]
+    for rank in run_on_ranks(parts_loop, "ddp", 4, world_size=2):
+        assert max_abs_diff(rank["state"], one["state"]) <= TOL
+
+
+def overlapping_optimizers() -> str:
+    with distkit.Runtime("horovod") as rt:
+        model = make_mlp()
+        try:
+            rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                     torch.optim.Adam(list(model.parameters())[2:]))  # fmt: skip
+        except distkit.UnsupportedFeatureError as exc:
+            return str(exc)
+    return "no error"
+
+
+@needs("horovod")
+def test_one_model_with_two_optimizers_on_horovod_equals_one_process(run_on_ranks, tmp_path):
+    """A DistributedOptimizer per optimizer, each over its own part of the model; two
+    optimizers over the same parameters are refused (Horovod's hooks cannot be shared)."""
+    one = run_on_ranks(parts_loop, "ddp", 8, world_size=1)[0]
+    calls = [
+        ("tests.runtime.test_user_loop", "parts_loop", ("horovod", 4), {}),
+        ("tests.runtime.test_user_loop", "overlapping_optimizers", (), {}),
+    ]
+    for result, refusal in run_with_horovodrun(calls, tmp_path):
+        assert max_abs_diff(result["state"], one["state"]) <= TOL
+        assert "2 parameter(s) of this Adam belong to an optimizer set up before" in refusal

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
+import weakref
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -82,6 +83,10 @@ class HorovodStrategy(Strategy):
         self._elastic = False  # horovodrun --min-np/--max-np (HOROVOD_ELASTIC=1)
         self._elastic_runner: HorovodElastic | None = None  # set up in an elastic job
         self._models_set_up = 0  # models set up so far (their all-reduces' names differ)
+        self._prefixes: dict[int, str] = {}  # a set-up model (by id) -> its names' prefix
+        #: parameters a DistributedOptimizer hooks, by id (held weakly: the id of a freed
+        #: model's parameter gets reused, and a live one is the same object)
+        self._hooked: dict[int, weakref.ref[torch.Tensor]] = {}
 
     @property
     def _hvd(self) -> Any:
@@ -162,6 +167,15 @@ class HorovodStrategy(Strategy):
         # parameters one backward reaches together with the generator's) gets names of its own
         prefix = f"model{self._models_set_up}." if self._models_set_up else ""
         self._models_set_up += 1
+        self._prefixes[id(model)] = prefix
+        return model, self._distributed(model, optimizer, prefix)
+
+    def _distributed(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, prefix: str
+    ) -> torch.optim.Optimizer:
+        """``optimizer`` as a DistributedOptimizer (its parameters named after ``model``'s),
+        with resumed state broadcast from rank 0."""
+        hvd = self._hvd
         distributed = hvd.DistributedOptimizer(
             optimizer,
             named_parameters=[(prefix + name, p) for name, p in model.named_parameters()],
@@ -171,6 +185,7 @@ class HorovodStrategy(Strategy):
             backward_passes_per_step=self.options.grad_accum_steps,
             op=hvd.Adasum if self.op == "adasum" else hvd.Average,
         )
+        self._hooked.update((id(p), weakref.ref(p)) for p in _params_of(optimizer))
         # Horovod builds a new optimizer over the same param_groups (so LR schedulers bound to
         # the user's optimizer still work); share the state too, so the user's optimizer
         # object holds the trained state afterwards.
@@ -180,11 +195,11 @@ class HorovodStrategy(Strategy):
         # zero-gradient step, which advances Adam's step count and applies AdamW's weight decay
         # once: the run would then differ from DDP's. Only resumed state is broadcast.
         if self._elastic:
-            return model, distributed
+            return distributed
         has_state = self.all_reduce(torch.tensor([float(bool(optimizer.state))]), op="sum")
         if has_state.item() > 0:
             hvd.broadcast_optimizer_state(distributed, root_rank=0)
-        return model, distributed
+        return distributed
 
     # ------------------------------------------------------------------ elastic (horovodrun)
     @override
@@ -201,12 +216,23 @@ class HorovodStrategy(Strategy):
     def setup_optimizer(
         self, model: nn.Module, optimizer: torch.optim.Optimizer
     ) -> torch.optim.Optimizer:
-        raise UnsupportedFeatureError(
-            "Horovod's DistributedOptimizer registers gradient hooks on the model's parameters "
-            "that cannot be removed, so a model trains with one optimizer per process. Keep "
-            "the first optimizer (change its param_groups' lr etc. instead), or start a new "
-            "process for the new optimizer."
-        )
+        """Another optimizer for a model set up already: a DistributedOptimizer of its own
+        over its own parameters (a model trained in parts: ``rt.setup(model, opt_a,
+        opt_b)``). Parameters another DistributedOptimizer hooks already are refused: its
+        gradient hooks cannot be removed, and two would all-reduce them twice."""
+        hooked = self._hooked
+        shared = [p for p in _params_of(optimizer) if id(p) in hooked and hooked[id(p)]() is p]
+        if shared:
+            raise UnsupportedFeatureError(
+                f"Horovod's DistributedOptimizer registers gradient hooks on the model's "
+                f"parameters that cannot be removed, and {len(shared)} parameter(s) of this "
+                f"{type(optimizer).__name__} belong to an optimizer set up before: a "
+                "parameter trains with one optimizer per process. Keep the first optimizer "
+                "(change its param_groups' lr etc. instead), give each optimizer its own "
+                "parameters (rt.setup(model, opt_a, opt_b) over disjoint parts), or start a "
+                "new process for the new optimizer."
+            )
+        return self._distributed(model, optimizer, self._prefixes[id(model)])
 
     @override
     def step(
@@ -337,3 +363,7 @@ def _collect_before_zero_grad(optimizer: Any) -> None:
         return clear(*args, **kwargs)
 
     optimizer.zero_grad = zero_grad
+
+
+def _params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
