@@ -49,7 +49,9 @@ def train_two_models(target: StrategyUnderTest, batch_size: int) -> dict[str, An
                 rt.backward(bce(scores, torch.cat([real, fake_labels])))
                 opt_d.step()
                 opt_g.zero_grad()
-                rt.backward(bce(disc(fake), real))
+                # reaches both models: name the optimizer (legacy apex scales the loss with
+                # its loss scale; every other backend checks it and goes on)
+                rt.backward(bce(disc(fake), real), optimizer=opt_g)
                 opt_g.step()
         return {"generator": rt.full_state_dict(gen), "discriminator": rt.full_state_dict(disc)}
 
