@@ -11,7 +11,7 @@ synchronised and ``optimizer.step()`` steps).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from typing import Any
 
 from distkit.batch import to_device
@@ -46,6 +46,9 @@ class RuntimeLoader:
         self._agree = agree  # every rank starts the same epoch here, at the same place
         self._epoch = 0
         self._position = 0  # samples (over all ranks) of the epoch already handed out
+        #: this rank's samples of the epoch handed out, where known after a resume (for data
+        #: each rank reads on its own; None: unknown, after a resume at another world size)
+        self._local_position: int | None = None
         self._iterating = False
 
     def __len__(self) -> int:
@@ -58,15 +61,30 @@ class RuntimeLoader:
         """Iterate ``epoch`` next (from its start): ``for batch in loader.epoch(3): ...``."""
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ConfigurationError(f"epoch must be an integer >= 0, got {epoch!r}")
-        self._epoch, self._position = epoch, 0
+        self._epoch, self._position, self._local_position = epoch, 0, None
         return self
+
+    def resume_at(self, epoch: int, position: int, local_position: int | None) -> RuntimeLoader:
+        """Iterate ``epoch`` next from sample ``position`` (of every rank's); this rank's
+        ``local_position`` where known (a Trainer's resumed fit)."""
+        self._epoch, self._position, self._local_position = epoch, position, local_position
+        return self
+
+    def remaining(self) -> int | None:
+        """This rank's batches left in the epoch the next iteration yields (None: a stream)."""
+        return self._feed.remaining(self._epoch, self._position)
+
+    @property
+    def num_workers(self) -> int:
+        """DataLoader worker processes per rank."""
+        return self._feed.num_workers
 
     @property
     def current_epoch(self) -> int:
         """The epoch the next iteration yields (or the one being yielded)."""
         return self._epoch
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Generator[Any, None, None]:
         if self._iterating:
             raise ConfigurationError(
                 "this loader is already being iterated: finish (or break out of) that loop "
@@ -79,7 +97,8 @@ class RuntimeLoader:
         self._iterating = True
         worker_seed = self._seed * 1000003 + self._rank * 7919 + epoch
         try:
-            for batch, micro in self._feed.epoch(epoch, start, worker_seed):
+            local, self._local_position = self._local_position, None
+            for batch, micro in self._feed.epoch(epoch, start, worker_seed, local_position=local):
                 self._position += micro.samples  # handed out: a save from here on skips it
                 self._enter(micro, epoch)
                 yield to_device(batch, self._device)

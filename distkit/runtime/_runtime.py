@@ -32,6 +32,7 @@ from distkit.registry import make_strategy
 from distkit.runtime import _agreement
 from distkit.runtime._arguments import check_loss, check_runtime_arguments, check_setup_args
 from distkit.runtime._call_tags import tagged_sum
+from distkit.runtime._compile import Compiler
 from distkit.runtime._evaluation import LossFn, Metrics, as_score, evaluate_shard
 from distkit.runtime._loader import RuntimeLoader
 from distkit.runtime._preparation import checked_placement, prepare_evaluate
@@ -117,6 +118,9 @@ class Runtime:
         self._set_up = weakref.WeakKeyDictionary()  # the user's module -> what setup returned
         self._optimizers: list[SetUpOptimizer] = []
         self._owners: dict[SetUpOptimizer, SetUpModel] = {}  # each optimizer's model
+        #: the model and optimizer of the Trainer's fit running on this runtime (see
+        #: :meth:`set_up_fit`): one at a time, so a sweep of fits holds none of the last
+        self._fit: tuple[SetUpModel, SetUpOptimizer] | None = None
         # legacy apex: models set up but not yet initialised (see _ready)
         self._pending: list[
             tuple[nn.Module, list[torch.optim.Optimizer], Placement, SetUpModel, list[Any]]
@@ -307,6 +311,40 @@ class Runtime:
             self._owners[wrapper] = set_up
         return (set_up, *wrappers) if optimizers else set_up
 
+    def set_up_fit(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        placement: Placement,
+        compiler: Compiler | None,
+    ) -> tuple[SetUpModel, SetUpOptimizer]:
+        """The Trainer's fit as a user loop of this runtime: ``model`` and ``optimizer`` set
+        up (once per runtime: a later fit of the same model reuses them, as a sweep does)
+        and wrapped like :meth:`setup`'s, the forward compiled when ``compiler`` says so.
+        They are this runtime's running fit until :meth:`end_fit`."""
+        wrapped, inner = self.setups.setup(model, optimizer, placement)
+        forward = self.setups.compiled(model, compiler)
+        set_up = SetUpModel(self.strategy, model, wrapped, self._current_micro, forward=forward)
+        opt = SetUpOptimizer(
+            self.strategy, optimizer, inner, self._current_micro, backwards=self._backwards_done
+        )
+        self._fit = (set_up, opt)
+        return set_up, opt
+
+    def end_fit(self) -> None:
+        """The fit is over: its model and optimizer are no longer this runtime's."""
+        self._fit, self._micro = None, None
+
+    @property
+    def held(self) -> MicroBatch | None:
+        """The micro-batch the loop holds now (None: outside a loader's batches)."""
+        return self._micro
+
+    def hold(self, micro: MicroBatch | None) -> None:
+        """The loop now holds ``micro`` (None: no loader batch): where it ends its window,
+        its weight (see :meth:`backward`)."""
+        self._micro = micro
+
     def _ready(self) -> None:
         """Set the pending models up, where the backend sets every model up together
         (legacy apex: one ``amp.initialize`` for all): at the loop's first use of any."""
@@ -380,7 +418,7 @@ class Runtime:
 
         _agreement.exchange(self.strategy, "loader", prepare)
 
-    def backward(self, loss: torch.Tensor, *, optimizer: Any = None) -> None:
+    def backward(self, loss: torch.Tensor, *, optimizer: Any = None) -> torch.Tensor:
         """Backpropagate ``loss``, the mean loss of the batch the loop holds.
 
         Weighted by that batch's share of its global batch, so that N processes with batch
@@ -393,9 +431,12 @@ class Runtime:
         scale), and only where the loss reaches the parameters of several optimizers (a
         GAN's generator loss reaches the discriminator's too); anywhere else it is checked
         and otherwise unused, so a loop that passes it runs on every backend.
+
+        Returns the loss as it was backpropagated before its weight: one value (dp's
+        per-replica losses reduced), still on the device (reading it syncs the host).
         """
         self.require_open("backward")
-        if not self._set_up:
+        if not self._set_up and self._fit is None:
             raise ConfigurationError(
                 "rt.backward(loss) before rt.setup(model, optimizer): set the model up first, "
                 "so that its gradients are synchronised over the ranks"
@@ -421,16 +462,28 @@ class Runtime:
         self._backwards += 1
         self._ready()
         target = self._backward_optimizer(loss, optimizer)
-        with contextlib.ExitStack() as stack:
-            if micro is not None and not micro.last_in_step:
-                for set_up in list(self._set_up.values()):
-                    stack.enter_context(self.strategy.no_sync(set_up.wrapped))
+        if micro is None or micro.last_in_step:
             self.strategy.backward(loss if weight == 1.0 else loss * weight, target)
+            return loss
+        with contextlib.ExitStack() as stack:  # mid-window: no gradient synchronisation
+            for set_up in self._models():
+                stack.enter_context(set_up.unsynced())
+            self.strategy.backward(loss if weight == 1.0 else loss * weight, target)
+        return loss
+
+    def _models(self) -> list[SetUpModel]:
+        """Every set-up model: the user loop's, and the running fit's."""
+        models = list(self._set_up.values())
+        if self._fit is not None:
+            models.append(self._fit[0])
+        return models
 
     def _backward_optimizer(self, loss: torch.Tensor, given: Any) -> Any:
         """The strategy's optimizer that ``rt.backward(loss)``'s gradients are for (see
         :meth:`backward`), or None when no optimizer is set up."""
         if given is not None:
+            if self._fit is not None and given is self._fit[1]:
+                return given._inner
             if not isinstance(given, SetUpOptimizer) or given not in self._owners:
                 raise ConfigurationError(
                     f"rt.backward's optimizer= takes an optimizer this Runtime's rt.setup "

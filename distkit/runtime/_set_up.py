@@ -42,6 +42,8 @@ class SetUpModel(nn.Module):
         wrapped: nn.Module,
         micro: Callable[[], MicroBatch | None],
         ready: Callable[[], None] = lambda: None,
+        *,
+        forward: nn.Module | None = None,
     ) -> None:
         super().__init__()
         #: a submodule: .train()/.eval()/.to() reach it. The user's module itself until a
@@ -52,6 +54,9 @@ class SetUpModel(nn.Module):
         self.__dict__["_module"] = module
         self.__dict__["_micro"] = micro
         self.__dict__["_ready"] = ready  # sets pending models up (see Runtime._ready)
+        #: what the forward runs: ``wrapped`` compiled (a Trainer's ``compile=``), or None
+        self.__dict__["_forward"] = forward
+        self.__dict__["_unsynced"] = False  # inside unsynced() (see there)
 
     @property
     def module(self) -> nn.Module:
@@ -63,8 +68,10 @@ class SetUpModel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.__dict__["_ready"]()
         strategy: Strategy = self.__dict__["_strategy"]
+        forward = self.__dict__["_forward"]
+        module = self.wrapped if forward is None else forward
         with self.local_context(), strategy.autocast():
-            output = self.wrapped(*args, **kwargs)
+            output = module(*args, **kwargs)
         # the loss is computed outside the autocast: in float32, as the Trainer's loss_fn
         # runs (autocast computes losses in float32), and as Fabric and Accelerate do
         return _to_float32(output)
@@ -77,13 +84,30 @@ class SetUpModel(nn.Module):
         if micro is None or not (self.training and torch.is_grad_enabled()):
             yield
             return
-        strategy: Strategy = self.__dict__["_strategy"]
         with contextlib.ExitStack() as stack:
             if not micro.last_in_step:
-                stack.enter_context(strategy.no_sync(self.wrapped))
+                stack.enter_context(self.unsynced())
             if micro.count == 0:
                 stack.enter_context(placeholder_batch(self.wrapped))
             yield
+
+    @contextlib.contextmanager
+    def unsynced(self) -> Iterator[None]:
+        """No gradient synchronisation in the block while the loop holds a micro-batch that
+        does not end its window (else nothing). Re-entrant: a loop that holds the model out
+        of sync over a whole micro-batch (the Trainer's forward and backward) enters the
+        backend's ``no_sync`` once (legacy apex toggles its DDP's allreduce once)."""
+        micro: MicroBatch | None = self.__dict__["_micro"]()
+        if micro is None or micro.last_in_step or self.__dict__["_unsynced"]:
+            yield
+            return
+        strategy: Strategy = self.__dict__["_strategy"]
+        self.__dict__["_unsynced"] = True
+        try:
+            with strategy.no_sync(self.wrapped):
+                yield
+        finally:
+            self.__dict__["_unsynced"] = False
 
     @override
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
@@ -167,13 +191,33 @@ class SetUpOptimizer:
         self._ready()
         if self._window_open():
             return
-        self._check_backward()
         clip, self._clip = self._clip, None
-        outcome, norm = self._strategy.step(self._inner, clip=clip)
+        self.step_now(clip=clip)
+
+    def step_now(
+        self,
+        *,
+        clip: GradientClip | None = None,
+        skip_nonfinite: bool = False,
+        before_step: Callable[[], None] | None = None,
+    ) -> tuple[StepOutcome, torch.Tensor | None]:
+        """Step now (the loop knows its window ended), through the strategy's one step
+        hook: what the step did, and the gradients' norm before clipping (with ``clip``).
+        ``before_step`` runs on the final gradients (a Trainer's callbacks)."""
+        self._check_backward()
+        if before_step is None:  # the hook's old form: plugins' step may not take it
+            outcome, norm = self._strategy.step(
+                self._inner, clip=clip, skip_nonfinite=skip_nonfinite
+            )
+        else:
+            outcome, norm = self._strategy.step(
+                self._inner, clip=clip, skip_nonfinite=skip_nonfinite, before_step=before_step
+            )
         self.last_outcome, self.last_grad_norm = outcome, norm
         if self._inner is not self.optimizer:
             # torch's LR schedulers watch the user's optimizer's step (see mark_stepped)
             self.optimizer._opt_called = True  # type: ignore[attr-defined]
+        return outcome, norm
 
     def _check_backward(self) -> None:
         """Refuse a step on gradients that no ``rt.backward`` made (``loss.backward()``
@@ -198,8 +242,13 @@ class SetUpOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients at the end of an accumulation window (mid-window: keep
         them, they are still accumulating)."""
+        self._ready()
         if self._window_open():
             return
+        self.clear(set_to_none)
+
+    def clear(self, set_to_none: bool = True) -> None:
+        """Clear the gradients now (the loop knows a new window starts)."""
         if self._inner is self.optimizer:
             self.optimizer.zero_grad(set_to_none=set_to_none)
         else:

@@ -131,7 +131,7 @@ class EpochLoop:
             "loss": functools.partial(step_mean, result.losses, result.counts, samples)
             if samples
             else float("nan"),
-            "lr": _lr(self.loop.optimizer),
+            "lr": _lr(self.loop.optimizer.optimizer),
             "skipped": not result.outcome.stepped,
         }
         if result.grad_norm is not None:
@@ -150,7 +150,7 @@ class EpochLoop:
             else:
                 record.update(self._validation())
         if loop.scheduler is not None and config.scheduler_interval == "epoch":
-            mark_stepped(loop.scheduler, loop.optimizer)
+            mark_stepped(loop.scheduler, loop.optimizer.optimizer)
             step_scheduler(loop.scheduler, record)
         state.history.append(record)
         state.epoch, state.position, state.loss_sum, state.samples = state.epoch + 1, 0, 0.0, 0
@@ -215,7 +215,7 @@ class EpochLoop:
             parts.append(f"skipped_steps={int(record['skipped_steps'])} (non-finite gradients)")
         tqdm.write(" ".join(parts))
         if loop.timing is not None:
-            tqdm.write(loop.timing.table(self.runtime.strategy.comm_phase, loop.feed.num_workers))
+            tqdm.write(loop.timing.table(self.runtime.strategy.comm_phase, loop.loader.num_workers))
 
     def _check_losses(self) -> None:
         """A check point: the noted losses folded into the totals, and (``nonfinite="raise"``)

@@ -18,6 +18,7 @@ from distkit.callbacks._list import CallbackList
 from distkit.data._feed import train_feed
 from distkit.runtime import _resume, _saving
 from distkit.runtime._fit_state import FitState
+from distkit.runtime._loader import RuntimeLoader
 from distkit.runtime._preparation import samples_of
 from distkit.runtime._resume import LatestFit
 from distkit.runtime._runtime import Runtime
@@ -58,8 +59,10 @@ def train(
     model, optimizer, scheduler = call.model, call.optimizer, call.scheduler
     loss_fn, val_data, metrics = call.loss_fn, call.val_data, call.metrics
     spec = prepared.spec
-    wrapped, dist_optimizer = runtime.setups.setup(model, optimizer, prepared.placement)
-    forward = runtime.setups.compiled(model, call.compiler)
+    # the fit is a loop over the runtime: its set-up model and optimizer, its backward
+    fit_model, fit_optimizer = runtime.set_up_fit(
+        model, optimizer, prepared.placement, call.compiler
+    )
     if payload is not None:
         state = _resume.restore_run(payload, strategy, scheduler, config.seed)
         callbacks.load_state_dict(payload.get("callbacks") or {})
@@ -116,17 +119,23 @@ def train(
             grad_accum_steps=config.grad_accum_steps,
             drop_last=config.drop_last,
         )
+        loader = RuntimeLoader(
+            feed,
+            seed=config.seed,
+            rank=strategy.rank,
+            device=prepared.placement.input_device,
+            enter=lambda micro, _epoch: runtime.hold(micro),
+        )
         loop = StepLoop(
-            strategy=strategy,
-            model=wrapped,
-            optimizer=dist_optimizer,
-            feed=feed,
+            runtime=runtime,
+            model=fit_model,
+            optimizer=fit_optimizer,
+            loader=loader,
             loss_fn=loss_fn,
             step_fn=call.step_fn,
             scheduler=scheduler,
             settings=settings,
             rank_progress=runtime.progress,
-            forward_model=forward,
             placement=prepared.placement,
             losses=LossLedger(strategy.device, watch=config.nonfinite == "raise"),
             watch=NonFiniteWatch(config.nonfinite == "raise", config.log_every_n_steps),
@@ -149,8 +158,11 @@ def train(
         run.run()
 
     elastic = strategy.elastic
-    if elastic is None:
-        body()
-    else:  # run again, from the last commit, whenever the group changed
-        elastic.run(body, RunSnapshot(model, optimizer, scheduler, state, callbacks))
+    try:
+        if elastic is None:
+            body()
+        else:  # run again, from the last commit, whenever the group changed
+            elastic.run(body, RunSnapshot(model, optimizer, scheduler, state, callbacks))
+    finally:
+        runtime.end_fit()
     return runs[-1]

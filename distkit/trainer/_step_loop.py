@@ -9,21 +9,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 from tqdm.auto import tqdm
 
-from distkit.batch import batch_size_of, split_batch, to_device
-from distkit.data._feed import Feed
+from distkit.batch import split_batch
 from distkit.errors import ConfigurationError
 from distkit.errors import NonFiniteLossError as NonFiniteLossError  # its old home
 from distkit.faults._progress import Progress
 from distkit.runtime._arguments import check_loss
 from distkit.runtime._fit_state import FitState as FitState  # its old home
+from distkit.runtime._loader import RuntimeLoader
+from distkit.runtime._runtime import Runtime
+from distkit.runtime._set_up import SetUpModel, SetUpOptimizer
 from distkit.strategies._legacy_hooks import takes_before_step
 from distkit.strategies._placement import Placement, follow_output
 from distkit.strategies._steps import GradientClip, StepOutcome
 from distkit.strategies.base import Strategy
-from distkit.strategies.syncbn import placeholder_batch
 from distkit.trainer import _comm_probe
 from distkit.trainer._fit_call import StepFn
 from distkit.trainer._losses import LossLedger
@@ -63,16 +63,14 @@ class StepResult:
 class StepLoop:
     """Everything one ``fit`` trains with; :meth:`run_epoch` trains one (partial) epoch."""
 
-    strategy: Strategy
-    model: nn.Module  # as wrapped by the strategy
-    optimizer: torch.optim.Optimizer  # as wrapped by the strategy
-    feed: Feed  # the epoch's micro-batches and their weights
+    runtime: Runtime  # the loop runs over it: its backward, set-up model and optimizer
+    model: SetUpModel  # the fit's model as the runtime set it up (compiled forward inside)
+    optimizer: SetUpOptimizer  # the fit's optimizer as the runtime set it up
+    loader: RuntimeLoader  # the fit's batches (over the feed) on the input device
     loss_fn: LossFn | None
     step_fn: StepFn | None
     scheduler: Any
     settings: StepLoopSettings
-    #: what forward passes run through: ``model`` compiled (``Trainer(compile=...)``) or None
-    forward_model: nn.Module | None = None
     #: where the model is: each batch goes to its input device, and where the user placed
     #: the model on devices of their own, targets follow the output (see _placement)
     placement: Placement
@@ -86,6 +84,10 @@ class StepLoop:
     #: the callbacks' ``on_before_optimizer_step``, run by the strategy's step on the final
     #: gradients; None when no callback overrides it: the step then finalizes nothing early
     before_step: Callable[[], None] | None = None
+
+    @property
+    def strategy(self) -> Strategy:
+        return self.runtime.strategy
 
     def __post_init__(self) -> None:
         if self.before_step is not None and not takes_before_step(self.strategy):
@@ -107,8 +109,8 @@ class StepLoop:
         ``after_step(state, result)`` runs after every optimizer step; True stops early.
         Returns True when stopped early.
         """
-        strategy, model = self.strategy, self.model
-        device = self.placement.input_device
+        strategy, runtime = self.strategy, self.runtime
+        model, optimizer = self.model, self.optimizer
         model.train()
         # the losses stay on the device, summed at check points: no tensor op per step
         losses = self.losses
@@ -117,17 +119,14 @@ class StepLoop:
         step_losses: list[torch.Tensor] = []
         step_counts: list[int] = []
         step_samples = 0
+        loader = self.loader.resume_at(state.epoch, state.position, state.local_position)
         bar = tqdm(
-            total=self.feed.remaining(state.epoch, state.position),
+            total=loader.remaining(),
             desc=f"epoch {state.epoch + 1}/{self.settings.max_epochs}",
             # a bar only where a person watches: piped output (CI, horovodrun) gets epoch lines
             disable=not (self.settings.progress and strategy.is_main and sys.stderr.isatty()),
             leave=False,
             dynamic_ncols=True,
-        )
-        worker_seed = self.settings.seed * 1000003 + strategy.rank * 7919 + state.epoch
-        batches = self.feed.epoch(
-            state.epoch, state.position, worker_seed, local_position=state.local_position
         )
         progress = self.rank_progress
         progress.epoch, progress.step, progress.phase = state.epoch, state.global_step, "data"
@@ -136,30 +135,30 @@ class StepLoop:
         timer = self.timer = StepTimer(strategy.device)
         start_position = state.position
         timer.start()
-        with bar:
-            for batch, micro in batches:
-                batch = to_device(batch, device)
+        with bar, contextlib.closing(iter(loader)) as batches:
+            for batch in batches:
+                micro = runtime.held  # the batch's micro-batch: its weight, its window's end
+                assert micro is not None
                 timer.mark("data")
                 if fresh_step:
                     # freed here, before forward, as a hand-written loop does: freed right
                     # after the step instead, with the step's activations, the allocator
                     # hands the memory back to the OS and page-faults it in again each step
                     # (measured: ~8% slower steps of the benchmarks' CNN on CPU)
-                    self.optimizer.zero_grad()  # set_to_none (Horovod's takes no argument)
+                    optimizer.clear()
                     fresh_step = False
                 progress.phase = "forward"
-                sync = _NOTHING if micro.last_in_step else strategy.no_sync(model)
-                # a placeholder (no real sample here) stays out of sync BatchNorm's statistics
-                empty = placeholder_batch(model) if micro.count == 0 else _NOTHING
-                with sync:
-                    with empty, strategy.autocast():
+                # mid-window the micro-batch's forward and backward run out of gradient sync
+                # (one no_sync for both); the set-up model keeps a placeholder out of sync
+                # BatchNorm; the loss runs under the autocast too, as the model does
+                with model.unsynced():
+                    with strategy.autocast():
                         loss = self._loss(batch)
                     check_loss(loss, "loss_fn" if self.step_fn is None else "step_fn")
-                    loss = strategy.reduce_loss(loss, batch_size_of(batch))
                     timer.mark("forward")
                     progress.phase = "backward"
-                    weight = micro.weight
-                    strategy.backward(loss if weight == 1.0 else loss * weight, self.optimizer)
+                    # weighted by the micro-batch's share; returned unweighted, one value
+                    loss = runtime.backward(loss, optimizer=optimizer)
                 timer.mark("backward")
                 counted = micro.count
                 # "skip" reads the loss here (its step reads the gradients anyway); "raise"
@@ -191,7 +190,7 @@ class StepLoop:
                         break
                 progress.phase = "data"
         timer.samples = state.position - start_position
-        self.optimizer.zero_grad()  # no gradients held through validation and checkpoints
+        optimizer.clear()  # no gradients held through validation and checkpoints
         return stopped
 
     def epoch_record(self, state: FitState) -> dict[str, float]:
@@ -225,7 +224,7 @@ class StepLoop:
         }
 
     def _loss(self, batch: Any) -> torch.Tensor:
-        model = self.model if self.forward_model is None else self.forward_model
+        model = self.model
         if self.step_fn is not None:
             return self.step_fn(model, batch)
         assert self.loss_fn is not None
@@ -237,23 +236,16 @@ class StepLoop:
 
     def _step(self, state: FitState) -> tuple[StepOutcome, torch.Tensor | None]:
         optimizer, settings = self.optimizer, self.settings
-        skip_nonfinite = settings.nonfinite == "skip"
-        if self.before_step is None:  # as before the hook existed: no early finalizing
-            outcome, norm = self.strategy.step(
-                optimizer, clip=settings.clip, skip_nonfinite=skip_nonfinite
-            )
-        else:
-            outcome, norm = self.strategy.step(
-                optimizer,
-                clip=settings.clip,
-                skip_nonfinite=skip_nonfinite,
-                before_step=self.before_step,
-            )
+        outcome, norm = optimizer.step_now(
+            clip=settings.clip,
+            skip_nonfinite=settings.nonfinite == "skip",
+            before_step=self.before_step,
+        )
         state.global_step += 1
         if not outcome.stepped:
             state.skipped_steps += 1
         elif settings.step_scheduler and self.scheduler is not None:
-            mark_stepped(self.scheduler, optimizer)
+            mark_stepped(self.scheduler, optimizer.optimizer)
             self.scheduler.step()
         return outcome, norm
 
