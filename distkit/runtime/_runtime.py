@@ -340,7 +340,7 @@ class Runtime:
         """The micro-batch the loop holds now (None: outside a loader's batches)."""
         return self._micro
 
-    def hold(self, micro: MicroBatch | None) -> None:
+    def hold(self, micro: MicroBatch | None, epoch: int = 0) -> None:
         """The loop now holds ``micro`` (None: no loader batch): where it ends its window,
         its weight (see :meth:`backward`)."""
         self._micro = micro
@@ -356,7 +356,7 @@ class Runtime:
             [(model, opts, placement) for model, opts, placement, _, _ in pending]
         )
         for (_, _, _, set_up, wrappers), (wrapped, inners) in zip(pending, done, strict=True):
-            set_up.wrapped = wrapped
+            set_up.rewrap(wrapped)
             for wrapper, inner in zip(wrappers, inners, strict=True):
                 wrapper._inner = inner
 
@@ -456,12 +456,20 @@ class Runtime:
                 "samples, known only for rt.loader's batches. Pass the batch-mean loss "
                 "(a scalar), or iterate rt.loader(data)"
             )
-        # dp may gather one loss per replica: weighted by the batch's samples, as in the Trainer
+        self._ready()
+        return self.propagate(loss, self._backward_optimizer(loss, optimizer))
+
+    def propagate(self, loss: torch.Tensor, optimizer: Any) -> torch.Tensor:
+        """:meth:`backward`'s work on a loss already checked, for the strategy's ``optimizer``
+        (the Trainer's step loop calls it; a user's loop calls :meth:`backward`): dp's
+        per-replica losses reduced, the micro-batch's weight, no gradient synchronisation
+        mid-window, the backend's backward. Returns the reduced, unweighted loss."""
+        micro = self._micro
+        # dp may gather one loss per replica: weighted by the batch's samples
         loss = self.strategy.reduce_loss(loss, 0 if micro is None else micro.count)
         weight = 1.0 if micro is None else micro.weight
+        target = optimizer
         self._backwards += 1
-        self._ready()
-        target = self._backward_optimizer(loss, optimizer)
         if micro is None or micro.last_in_step:
             self.strategy.backward(loss if weight == 1.0 else loss * weight, target)
             return loss

@@ -56,6 +56,7 @@ class SetUpModel(nn.Module):
         self.__dict__["_ready"] = ready  # sets pending models up (see Runtime._ready)
         #: what the forward runs: ``wrapped`` compiled (a Trainer's ``compile=``), or None
         self.__dict__["_forward"] = forward
+        self.__dict__["_wrapped_now"] = wrapped  # ``wrapped``, for the per-step lookup
         self.__dict__["_unsynced"] = False  # inside unsynced() (see there)
 
     @property
@@ -68,22 +69,41 @@ class SetUpModel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.__dict__["_ready"]()
         strategy: Strategy = self.__dict__["_strategy"]
-        forward = self.__dict__["_forward"]
-        module = self.wrapped if forward is None else forward
         with self.local_context(), strategy.autocast():
-            output = module(*args, **kwargs)
+            output = self.forward_module(*args, **kwargs)
         # the loss is computed outside the autocast: in float32, as the Trainer's loss_fn
         # runs (autocast computes losses in float32), and as Fabric and Accelerate do
         return _to_float32(output)
 
-    @contextlib.contextmanager
-    def local_context(self) -> Iterator[None]:
+    @property
+    def forward_module(self) -> nn.Module:
+        """What the forward runs: the backend's wrapper, or it compiled (read per step: from
+        the instance's dict, not through nn.Module's attribute lookup)."""
+        forward: nn.Module | None = self.__dict__["_forward"]
+        if forward is None:  # (not `or`: a compiled module's truth is its len(), refused)
+            wrapped: nn.Module = self.__dict__["_wrapped_now"]
+            return wrapped
+        return forward
+
+    def rewrap(self, wrapped: nn.Module) -> None:
+        """The backend set the model up anew (legacy apex, at the loop's first use)."""
+        self.wrapped = wrapped
+        self.__dict__["_wrapped_now"] = wrapped
+
+    def local_context(self) -> contextlib.AbstractContextManager[None]:
         """While the loop holds a micro-batch that does not end its window: no gradient
         synchronisation; for a placeholder micro-batch: sync BatchNorm leaves it out."""
         micro: MicroBatch | None = self.__dict__["_micro"]()
-        if micro is None or not (self.training and torch.is_grad_enabled()):
-            yield
-            return
+        if (
+            micro is None
+            or (micro.last_in_step and micro.count)
+            or not (self.training and torch.is_grad_enabled())
+        ):
+            return _NOTHING  # the usual case: nothing to enter
+        return self._local(micro)
+
+    @contextlib.contextmanager
+    def _local(self, micro: MicroBatch) -> Iterator[None]:
         with contextlib.ExitStack() as stack:
             if not micro.last_in_step:
                 stack.enter_context(self.unsynced())
@@ -163,6 +183,12 @@ class SetUpOptimizer:
         #: the total norm of the averaged gradients before the last clipping (a device
         #: tensor), when ``rt.clip_gradients`` asked for clipping
         self.last_grad_norm: torch.Tensor | None = None
+
+    @property
+    def strategy_optimizer(self) -> torch.optim.Optimizer:
+        """The strategy's optimizer (Horovod's DistributedOptimizer, amp's, ...), which
+        :meth:`Runtime.propagate` and the strategy's step take."""
+        return self._inner
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -277,6 +303,8 @@ class SetUpOptimizer:
 
 
 _REDUCED = (torch.float16, torch.bfloat16)
+#: the context of a batch that needs none (reusable: it holds no state)
+_NOTHING = contextlib.nullcontext()
 
 
 def _to_float32(value: Any) -> Any:

@@ -124,7 +124,7 @@ def train(
             seed=config.seed,
             rank=strategy.rank,
             device=prepared.placement.input_device,
-            enter=lambda micro, _epoch: runtime.hold(micro),
+            enter=runtime.hold,
         )
         loop = StepLoop(
             runtime=runtime,

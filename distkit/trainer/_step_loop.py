@@ -111,6 +111,7 @@ class StepLoop:
         """
         strategy, runtime = self.strategy, self.runtime
         model, optimizer = self.model, self.optimizer
+        inner = optimizer.strategy_optimizer
         model.train()
         # the losses stay on the device, summed at check points: no tensor op per step
         losses = self.losses
@@ -151,14 +152,16 @@ class StepLoop:
                 # mid-window the micro-batch's forward and backward run out of gradient sync
                 # (one no_sync for both); the set-up model keeps a placeholder out of sync
                 # BatchNorm; the loss runs under the autocast too, as the model does
-                with model.unsynced():
-                    with strategy.autocast():
+                with _NOTHING if micro.last_in_step else model.unsynced():
+                    # the set-up model's forward module, in its context (a placeholder out of
+                    # sync BatchNorm), the loss under the autocast as well
+                    with model.local_context(), strategy.autocast():
                         loss = self._loss(batch)
                     check_loss(loss, "loss_fn" if self.step_fn is None else "step_fn")
                     timer.mark("forward")
                     progress.phase = "backward"
                     # weighted by the micro-batch's share; returned unweighted, one value
-                    loss = runtime.backward(loss, optimizer=optimizer)
+                    loss = runtime.propagate(loss, inner)
                 timer.mark("backward")
                 counted = micro.count
                 # "skip" reads the loss here (its step reads the gradients anyway); "raise"
@@ -224,7 +227,7 @@ class StepLoop:
         }
 
     def _loss(self, batch: Any) -> torch.Tensor:
-        model = self.model
+        model = self.model.forward_module  # the backend's wrapper (compiled where asked)
         if self.step_fn is not None:
             return self.step_fn(model, batch)
         assert self.loss_fn is not None
