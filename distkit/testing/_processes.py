@@ -137,3 +137,12 @@ def run_on_ranks(
     if failures:
         raise AssertionError("\n".join(failures))
     return [collected[rank] for rank in range(world_size)]
+
+
+def in_plain_process(fn: Callable[..., Any], *args: Any) -> dict[str, Any]:
+    """``fn(*args)`` in one plain CPU process (no launcher variables, no GPU): a promise's
+    reference run, "one process at N times the batch"; its result, a dict."""
+    results = run_on_ranks(
+        fn, *args, world_size=1, launcher_env=plain_env, env={"CUDA_VISIBLE_DEVICES": ""}
+    )
+    return dict(results[0])

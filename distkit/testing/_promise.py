@@ -80,3 +80,23 @@ def close(a: Any, b: Any, tolerance: float = 1e-6) -> bool:
     if not (isinstance(a, (int, float)) and isinstance(b, (int, float))):
         return False
     return abs(float(a) - float(b)) <= tolerance * max(1.0, abs(float(b)))
+
+
+def expect_norms_like_one_process(
+    results: list[dict[str, Any]], one: dict[str, Any], *, clip: float, tolerance: float, what: str
+) -> None:
+    """Each rank's gradient norms before clipping (``"norms"``) equal one process's, and
+    that process's exceed ``clip`` somewhere (else the promise would not test clipping);
+    ``what`` names where the norms come from, for the message."""
+    expect(
+        any(norm > clip for norm in one["norms"]),
+        f"the workload's gradient norms {one['norms'][:4]}... never exceed {clip}: "
+        "the promise would not test clipping",
+    )
+    for rank, r in enumerate(results):
+        expect(
+            close(r["norms"], one["norms"], tolerance),
+            f"rank {rank}: the gradient norms before clipping ({what}) {r['norms'][:4]}... "
+            f"differ from one process's at N times the batch {one['norms'][:4]}... (clipping "
+            "must see the averaged, unscaled, accumulated gradients)",
+        )

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from distkit.testing._processes import plain_env, run_on_ranks
+from distkit.testing._processes import in_plain_process
 from distkit.testing._promise import Promise, expect, max_abs_diff
 from distkit.testing._target import StrategyUnderTest
 from distkit.testing._workload import (
@@ -62,14 +62,7 @@ def _train_reference(batch_size: int) -> dict[str, Any]:
 
 @cache
 def _reference(world_size: int) -> dict[str, Any]:
-    results = run_on_ranks(
-        _train_reference,
-        world_size * BATCH_SIZE,
-        world_size=1,
-        launcher_env=plain_env,
-        env={"CUDA_VISIBLE_DEVICES": ""},
-    )
-    return dict(results[0])
+    return in_plain_process(_train_reference, world_size * BATCH_SIZE)
 
 
 def _body(target: StrategyUnderTest, workdir: Path) -> Any:

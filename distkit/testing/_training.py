@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from distkit.testing._processes import plain_env, run_on_ranks
+from distkit.testing._processes import in_plain_process
 from distkit.testing._promise import Promise, expect, max_abs_diff
 from distkit.testing._target import StrategyUnderTest
 from distkit.testing._workload import (
@@ -57,14 +57,7 @@ def _reference_fit(batch_size: int) -> dict[str, torch.Tensor]:
 @cache
 def reference_weights(world_size: int) -> dict[str, torch.Tensor]:
     """One plain CPU process at ``world_size * BATCH_SIZE`` (computed once per world size)."""
-    results = run_on_ranks(
-        _reference_fit,
-        world_size * BATCH_SIZE,
-        world_size=1,
-        launcher_env=plain_env,
-        env={"CUDA_VISIBLE_DEVICES": ""},
-    )
-    return dict(results[0])
+    return in_plain_process(_reference_fit, world_size * BATCH_SIZE)
 
 
 # ---------------------------------------------------------------- world-size invariance

@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import nn
 
-from distkit.testing._processes import plain_env, run_on_ranks
+from distkit.testing._processes import in_plain_process
 from distkit.testing._target import StrategyUnderTest
 from distkit.testing._workload import (
     BATCH_SIZE,
@@ -115,15 +115,7 @@ def _train_reference(loop: Loop, resume_from: Path | None) -> dict[str, Any]:
 def in_one_process(loop: Loop, *, resume_from: Path | None = None) -> dict[str, Any]:
     """``loop`` (resumed from ``resume_from``) in one plain CPU process of the reference
     strategy; what :func:`train` returns."""
-    results = run_on_ranks(
-        _train_reference,
-        loop,
-        resume_from,
-        world_size=1,
-        launcher_env=plain_env,
-        env={"CUDA_VISIBLE_DEVICES": ""},
-    )
-    return dict(results[0])
+    return in_plain_process(_train_reference, loop, resume_from)
 
 
 @cache
