@@ -588,15 +588,15 @@ class Runtime:
         return self._micro
 
     def _enter(self, micro: MicroBatch | None, epoch: int) -> None:
-        self._micro = micro
         progress = self.progress  # where this rank is, for the watchdog's hang reports
+        done = self._micro
+        if done is not None and done.last_in_step:
+            progress.step += 1  # the window before this batch is over: steps taken so far
+        self._micro = micro
         if micro is None:
             progress.phase = "user code"
-        else:
-            if progress.phase != "training":
-                progress.epoch, progress.phase = epoch, "training"
-            if micro.last_in_step:
-                progress.step += 1
+        elif progress.phase != "training" or progress.epoch != epoch:
+            progress.epoch, progress.phase = epoch, "training"
 
     # ------------------------------------------------------------------ collectives
     def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:

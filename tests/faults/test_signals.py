@@ -57,12 +57,15 @@ def _start(command: list[str], launcher_env: dict[str, str]) -> subprocess.Popen
     )
 
 
-def _signal_blocked_rank(out: Path, signum: int) -> tuple[int, float, str, str]:
+def _signal_blocked_rank(
+    out: Path, signum: int, *, runtime: bool = False
+) -> tuple[int, float, str, str]:
     """Send ``signum`` to rank 0 while it waits in a collective; its status, seconds to end,
-    its output and rank 1's output."""
+    its output and rank 1's output. ``runtime``: the job is a user's loop on the Runtime."""
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
     command = [sys.executable, BLOCKED_JOB, str(out), "--grace", str(GRACE), "--sleep", str(SLEEP)]
+    command += ["--runtime"] if runtime else []
     procs = [_start(command, torchrun_env(rank, 2, port)) for rank in (0, 1)]
     try:
         _wait_for([out / "started_0", out / "started_1"], 120)
@@ -97,6 +100,25 @@ def test_signals_end_a_rank_blocked_in_a_collective_within_the_grace(
     assert code == status, output[-3000:]
     # it waits the grace for its main thread (which may yet come back and run the handlers),
     # then ends: far below rank 1's 60 s nap, which is what ended it before
+    assert GRACE - 0.5 <= seconds <= GRACE + 20, (seconds, output[-3000:])
+    assert f"distkit: rank 0 {words} in epoch 1, step 3;" in output, output[-3000:]
+    assert "blocked" in output and "Traceback" not in output, output[-3000:]
+
+
+@pytest.mark.parametrize(
+    ("signum", "status", "words"),
+    [
+        pytest.param(signal.SIGTERM, 143, "terminated (SIGTERM)", id="sigterm"),
+        pytest.param(signal.SIGINT, 130, "interrupted (Ctrl-C)", id="sigint"),
+    ],
+)
+def test_signals_end_a_user_loop_blocked_in_a_collective_within_the_grace(
+    tmp_path, signum, status, words
+):
+    """The same inside ``with distkit.Runtime(...)``: a user's own loop gets the Trainer's
+    guard (before it, rank 0 waited in the all-reduce until rank 1's nap ended)."""
+    code, seconds, output, _ = _signal_blocked_rank(tmp_path, signum, runtime=True)
+    assert code == status, output[-3000:]
     assert GRACE - 0.5 <= seconds <= GRACE + 20, (seconds, output[-3000:])
     assert f"distkit: rank 0 {words} in epoch 1, step 3;" in output, output[-3000:]
     assert "blocked" in output and "Traceback" not in output, output[-3000:]
