@@ -116,8 +116,8 @@ class Runtime:
         self._micro: MicroBatch | None = None  # the micro-batch the loop holds now
         self._set_up: weakref.WeakKeyDictionary[nn.Module, SetUpModel]
         self._set_up = weakref.WeakKeyDictionary()  # the user's module -> what setup returned
-        self._optimizers: list[SetUpOptimizer] = []
-        self._owners: dict[SetUpOptimizer, SetUpModel] = {}  # each optimizer's model
+        #: the set-up optimizers, in set-up order, each with its model
+        self._owners: dict[SetUpOptimizer, SetUpModel] = {}
         #: the model and optimizer of the Trainer's fit running on this runtime (see
         #: :meth:`set_up_fit`): one at a time, so a sweep of fits holds none of the last
         self._fit: tuple[SetUpModel, SetUpOptimizer] | None = None
@@ -306,7 +306,6 @@ class Runtime:
                 for opt, inner in zip(optimizers, inners, strict=True)
             ]
         self._set_up[model] = set_up
-        self._optimizers.extend(wrappers)
         for wrapper in wrappers:
             self._owners[wrapper] = set_up
         return (set_up, *wrappers) if optimizers else set_up
@@ -499,12 +498,13 @@ class Runtime:
                     "rt.setup(model, optimizer) gave back"
                 )
             return given._inner
-        if not self._optimizers:
+        optimizers = list(self._owners)
+        if not optimizers:
             return None
-        if len(self._optimizers) == 1 or not self.strategy.sets_up_together:
-            return self._optimizers[0]._inner  # the backend does not use it
+        if len(optimizers) == 1 or not self.strategy.sets_up_together:
+            return optimizers[0]._inner  # the backend does not use it
         reached = _reached_models(loss, self._set_up.values())
-        owners = [opt for opt in self._optimizers if self._owners[opt] in reached]
+        owners = [opt for opt in optimizers if self._owners[opt] in reached]
         if len(owners) == 1:
             return owners[0]._inner
         names = ", ".join(repr(opt.optimizer).split("(")[0] for opt in owners) or "none"
