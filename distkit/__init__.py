@@ -23,6 +23,7 @@ from distkit.errors import (
     WorkerError,
 )
 from distkit.launch._spawn import spawn
+from distkit.loss import Loss
 from distkit.metrics import Accuracy, ConfusionMatrix, MeanIoU, Metric
 from distkit.registry import BUILTIN_STRATEGIES as _BUILTINS
 from distkit.registry import available_strategies, register_strategy
@@ -53,6 +54,7 @@ __all__ = [
     "FitResult",
     "GlobalBatchNorm",
     "LauncherMismatchError",
+    "Loss",
     "MeanIoU",
     "Metric",
     "MissingDependencyError",

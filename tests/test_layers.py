@@ -25,7 +25,7 @@ PACKAGE = ROOT / "distkit"
 #: lowest first; a module sits in the layer of the longest prefix that names it
 LAYERS: list[tuple[str, list[str]]] = [
     ("leaves", ["distkit.errors", "distkit._version", "distkit.batch", "distkit.metrics",
-                "distkit._imports", "distkit._atomic", "distkit._validate",
+                "distkit.loss", "distkit._imports", "distkit._atomic", "distkit._validate",
                 "distkit.horovod_build"]),
     ("launch", ["distkit.launch", "distkit.launchers", "distkit.diagnosis"]),
     ("faults", ["distkit.faults"]),
