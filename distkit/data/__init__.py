@@ -50,6 +50,8 @@ class MicroBatch:
     count: int  # real samples on this rank (0 for a placeholder)
     weight: float  # multiply the batch-mean loss by this before backward
     samples: int  # samples in this global micro-batch, over all ranks
+    #: samples in the whole optimizer step (every micro-batch of its window, every rank)
+    step_samples: int = 0
 
 
 class GlobalBatchPlan:
@@ -161,6 +163,7 @@ class GlobalBatchPlan:
                     count=count,
                     weight=self.world_size * count / step_samples,
                     samples=samples,
+                    step_samples=step_samples,
                 )
 
 

@@ -136,6 +136,7 @@ class StreamFeed:
                             count=count,
                             weight=world * count / total,
                             samples=sum(row[slot] for row in counts),
+                            step_samples=total,
                         ),
                     )
                 step += 1

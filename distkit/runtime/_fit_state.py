@@ -36,7 +36,9 @@ class FitState:
     #: this rank's loss x samples so far in the epoch: a float between epochs, the ledger's
     #: device total during one (current up to its last fold: read it with settled_loss_sum)
     loss_sum: float | torch.Tensor = 0.0
-    samples: int = 0  # this rank's real samples so far in the epoch
+    #: this rank's real samples so far in the epoch (what loss_sum's mean is over), or with
+    #: token-exact losses its items (a device tensor during an epoch where counts were)
+    samples: int | float | torch.Tensor = 0
     skipped_steps: int = 0  # steps skipped this epoch (non-finite gradients or fp16 overflow)
     history: list[dict[str, float]] = field(default_factory=list)
     #: every validation so far (``{"step", "epoch", "val_...": ...}``), the resumed ones too
@@ -67,7 +69,9 @@ class FitState:
         """This rank's own part: its running loss sums and its place in a stream of its own."""
         return {
             "loss_sum": self.settled_loss_sum(),
-            "samples": self.samples,
+            "samples": float(self.samples)
+            if isinstance(self.samples, torch.Tensor)
+            else self.samples,
             "local_position": self.local_position,
         }
 
@@ -85,6 +89,6 @@ class FitState:
         if mine is None:
             self.loss_sum, self.samples, self.local_position = 0.0, 0, None
             return
-        self.loss_sum, self.samples = float(mine["loss_sum"]), int(mine["samples"])
+        self.loss_sum, self.samples = float(mine["loss_sum"]), mine["samples"]
         local = mine.get("local_position")
         self.local_position = None if local is None else int(local)

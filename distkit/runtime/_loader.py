@@ -37,6 +37,7 @@ class RuntimeLoader:
         device: Any,
         enter: Callable[[MicroBatch | None, int], None],
         agree: Callable[[int, int], None] = lambda epoch, position: None,
+        ended: Callable[[], None] = lambda: None,
     ) -> None:
         self._feed = feed
         self._seed = seed
@@ -44,6 +45,7 @@ class RuntimeLoader:
         self._device = device
         self._enter = enter  # tells the runtime which micro-batch the loop now holds
         self._agree = agree  # every rank starts the same epoch here, at the same place
+        self._ended = ended  # an epoch was iterated to its end (the runtime's checks)
         self._epoch = 0
         self._position = 0  # samples (over all ranks) of the epoch already handed out
         #: this rank's samples of the epoch handed out, where known after a resume (for data
@@ -103,6 +105,7 @@ class RuntimeLoader:
                 self._enter(micro, epoch)
                 yield to_device(batch, self._device)
             self._epoch, self._position = epoch + 1, 0
+            self._ended()
         finally:
             self._enter(None, epoch)
             self._iterating = False

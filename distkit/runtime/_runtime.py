@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -28,6 +28,7 @@ from distkit.data._stream_spec import StreamSpec, is_stream
 from distkit.errors import ConfigurationError, TrainerClosedError
 from distkit.faults._faults import fail_fast
 from distkit.faults._progress import Progress
+from distkit.loss import check_count, check_total, mean_of
 from distkit.registry import make_strategy
 from distkit.runtime import _agreement
 from distkit.runtime._arguments import check_loss, check_runtime_arguments, check_setup_args
@@ -402,7 +403,14 @@ class Runtime:
             device=self.device,
             enter=self._enter,
             agree=self._agree_on_epoch,
+            ended=self._check_items,
         )
+
+    def _check_items(self) -> None:
+        """Token-exact losses: raise if a step since the last check had zero items on every
+        rank, where only the device knew (at each loader epoch's end and each save)."""
+        for optimizer in self._owners:
+            optimizer.check_items()
 
     def _agree_on_epoch(self, epoch: int, position: int) -> None:
         """Every rank starts iterating a loader at the same epoch and place (one small
@@ -417,7 +425,13 @@ class Runtime:
 
         _agreement.exchange(self.strategy, "loader", prepare)
 
-    def backward(self, loss: torch.Tensor, *, optimizer: Any = None) -> torch.Tensor:
+    def backward(
+        self,
+        loss: torch.Tensor,
+        *,
+        optimizer: Any = None,
+        count: int | torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Backpropagate ``loss``, the mean loss of the batch the loop holds.
 
         Weighted by that batch's share of its global batch, so that N processes with batch
@@ -425,14 +439,25 @@ class Runtime:
         batch too); without gradient synchronisation mid-accumulation; scaled for fp16.
         Call it for every loss (a GAN calls it twice per batch); not ``loss.backward()``.
 
-        ``optimizer``: the set-up optimizer whose next step applies these gradients. Only
-        legacy apex needs it (amp unscales them for that optimizer, with its own loss
-        scale), and only where the loss reaches the parameters of several optimizers (a
-        GAN's generator loss reaches the discriminator's too); anywhere else it is checked
-        and otherwise unused, so a loop that passes it runs on every backend.
+        ``count``: token-exact (item-exact) mode. ``loss`` is then the *sum* of the batch's
+        per-item losses (tokens, pixels) and ``count`` how many items it sums (an int, or an
+        integer tensor that may stay on the device). The optimizer's next step divides its
+        summed gradients by the step's global count (every rank's, every micro-batch's):
+        N processes with batch ``b`` and accumulation ``k`` then train exactly like one
+        process with batch ``N * b * k``, whatever the padding. A rank whose count is 0
+        contributes nothing; a step whose count is 0 on every rank is refused.
+
+        ``optimizer``: the set-up optimizer whose next step applies these gradients. Legacy
+        apex needs it (amp unscales them for that optimizer, with its own loss scale), and
+        token-exact mode uses it (that optimizer's step divides by the count), where the
+        loss reaches the parameters of several optimizers (a GAN's generator loss reaches
+        the discriminator's too); left out, the optimizers whose parameters the loss
+        reaches are found from its graph. Checked and otherwise unused anywhere else, so a
+        loop that passes it runs on every backend.
 
         Returns the loss as it was backpropagated before its weight: one value (dp's
-        per-replica losses reduced), still on the device (reading it syncs the host).
+        per-replica losses reduced; with ``count``, the batch's mean per item), still on
+        the device (reading it syncs the host).
         """
         self.require_open("backward")
         if not self._set_up and self._fit is None:
@@ -440,43 +465,90 @@ class Runtime:
                 "rt.backward(loss) before rt.setup(model, optimizer): set the model up first, "
                 "so that its gradients are synchronised over the ranks"
             )
-        check_loss(loss, "rt.backward's loss")
         micro = self._micro
+        if count is not None:
+            check_total(loss, "rt.backward's total (with count=)")
+            check_count(count, "rt.backward's count=")
+        else:
+            check_loss(loss, "rt.backward's loss")
+            if micro is None and loss.ndim != 0:
+                raise ConfigurationError(
+                    f"rt.backward got a loss of shape {tuple(loss.shape)} outside rt.loader's "
+                    "batches: one value per DataParallel replica is weighted by the batch's "
+                    "samples, known only for rt.loader's batches. Pass the batch-mean loss "
+                    "(a scalar), or iterate rt.loader(data)"
+                )
         if micro is None and self.options.grad_accum_steps > 1:
             raise ConfigurationError(
                 f"grad_accum_steps={self.options.grad_accum_steps} needs the batches of "
                 "rt.loader(...): it knows where each accumulation window ends. Iterate "
                 "rt.loader(data) (or create the Runtime with grad_accum_steps=1)"
             )
-        if micro is None and loss.ndim != 0:
-            raise ConfigurationError(
-                f"rt.backward got a loss of shape {tuple(loss.shape)} outside rt.loader's "
-                "batches: one value per DataParallel replica is weighted by the batch's "
-                "samples, known only for rt.loader's batches. Pass the batch-mean loss "
-                "(a scalar), or iterate rt.loader(data)"
-            )
         self._ready()
-        return self.propagate(loss, self._backward_optimizer(loss, optimizer))
+        owners = self._backward_owners(loss, optimizer, items=count is not None)
+        if owners:
+            target = owners[0].strategy_optimizer
+        else:
+            target = next((opt.strategy_optimizer for opt in self._owners), None)
+        return self.propagate(loss, target, count=count, owners=owners)
 
-    def propagate(self, loss: torch.Tensor, optimizer: Any) -> torch.Tensor:
+    def propagate(
+        self,
+        loss: torch.Tensor,
+        optimizer: Any,
+        *,
+        count: int | torch.Tensor | None = None,
+        owners: Sequence[SetUpOptimizer] = (),
+    ) -> torch.Tensor:
         """:meth:`backward`'s work on a loss already checked, for the strategy's ``optimizer``
         (the Trainer's step loop calls it; a user's loop calls :meth:`backward`): dp's
-        per-replica losses reduced, the micro-batch's weight, no gradient synchronisation
-        mid-window, the backend's backward. Returns the reduced, unweighted loss."""
+        per-replica losses reduced, the micro-batch's weight (with ``count``: the scale of a
+        token-exact total, its items noted in each of ``owners``' windows), no gradient
+        synchronisation mid-window, the backend's backward. Returns the reduced, unweighted
+        loss (with ``count``: the micro-batch's mean per item, detached)."""
         micro = self._micro
-        # dp may gather one loss per replica: weighted by the batch's samples
-        loss = self.strategy.reduce_loss(loss, 0 if micro is None else micro.count)
-        weight = 1.0 if micro is None else micro.weight
-        target = optimizer
+        if count is None:
+            for owner in owners:
+                owner.items.note_mean("rt.backward")
+            # dp may gather one loss per replica: weighted by the batch's samples
+            loss = self.strategy.reduce_loss(loss, 0 if micro is None else micro.count)
+            weight = 1.0 if micro is None else micro.weight
+            returned = loss
+        else:
+            loss, count, weight = self._items_total(loss, count, owners)
+            returned = mean_of(loss.detach(), count)
         self._backwards += 1
         if micro is None or micro.last_in_step:
-            self.strategy.backward(loss if weight == 1.0 else loss * weight, target)
-            return loss
+            self.strategy.backward(loss if weight == 1.0 else loss * weight, optimizer)
+            return returned
         with contextlib.ExitStack() as stack:  # mid-window: no gradient synchronisation
             for set_up in self._models():
                 stack.enter_context(set_up.unsynced())
-            self.strategy.backward(loss if weight == 1.0 else loss * weight, target)
-        return loss
+            self.strategy.backward(loss if weight == 1.0 else loss * weight, optimizer)
+        return returned
+
+    def _items_total(
+        self,
+        total: torch.Tensor,
+        count: int | torch.Tensor,
+        owners: Sequence[SetUpOptimizer],
+    ) -> tuple[torch.Tensor, int | torch.Tensor, float]:
+        """A token-exact total as backpropagated: summed (dp's per-replica totals), left out
+        for a placeholder micro-batch, and its scale, the same for every micro-batch of the
+        window on every rank (see distkit.runtime._items); its items noted in ``owners``."""
+        micro = self._micro
+        if total.ndim:
+            total = total.sum()  # one partial sum per DataParallel replica
+        if isinstance(count, torch.Tensor) and count.ndim:
+            count = count.sum()
+        if micro is not None and micro.count == 0:  # a stand-in sample: it counts for nothing
+            count = 0
+        world = self.world_size
+        scale = world / micro.step_samples if micro is not None and micro.step_samples else 1.0
+        for owner in owners:
+            owner.items.note_items(count, scale, "rt.backward(total, count=...)")
+        weight = 0.0 if micro is not None and micro.count == 0 else scale
+        return total, count, weight
 
     def _models(self) -> list[SetUpModel]:
         """Every set-up model: the user loop's, and the running fit's."""
@@ -485,28 +557,30 @@ class Runtime:
             models.append(self._fit[0])
         return models
 
-    def _backward_optimizer(self, loss: torch.Tensor, given: Any) -> Any:
-        """The strategy's optimizer that ``rt.backward(loss)``'s gradients are for (see
-        :meth:`backward`), or None when no optimizer is set up."""
+    def _backward_owners(self, loss: torch.Tensor, given: Any, *, items: bool) -> list[Any]:
+        """The set-up optimizers whose next step applies ``rt.backward(loss)``'s gradients
+        (see :meth:`backward`): the one given, the only one, or (legacy apex, token-exact
+        losses) those whose parameters the loss reaches; none where it does not matter."""
         if given is not None:
             if self._fit is not None and given is self._fit[1]:
-                return given._inner
+                return [given]
             if not isinstance(given, SetUpOptimizer) or given not in self._owners:
                 raise ConfigurationError(
                     f"rt.backward's optimizer= takes an optimizer this Runtime's rt.setup "
                     f"returned, got {type(given).__name__}: pass what "
                     "rt.setup(model, optimizer) gave back"
                 )
-            return given._inner
+            return [given]
         optimizers = list(self._owners)
-        if not optimizers:
-            return None
-        if len(optimizers) == 1 or not self.strategy.sets_up_together:
-            return optimizers[0]._inner  # the backend does not use it
+        if len(optimizers) <= 1:
+            return optimizers
+        apex = self.strategy.sets_up_together
+        if not (apex or items):
+            return []  # the backend does not use it
         reached = _reached_models(loss, self._set_up.values())
         owners = [opt for opt in optimizers if self._owners[opt] in reached]
-        if len(owners) == 1:
-            return owners[0]._inner
+        if not apex or len(owners) == 1:
+            return owners
         names = ", ".join(repr(opt.optimizer).split("(")[0] for opt in owners) or "none"
         raise ConfigurationError(
             f"rt.backward(loss) on {self.strategy.name!r} (legacy apex amp) needs to know "
@@ -563,6 +637,7 @@ class Runtime:
         Save after ``optimizer.step()``: gradients mid-accumulation are not saved."""
         self.require_open("save")
         self._ready()
+        self._check_items()
         save_state(self, path, state)
 
     def load(self, path: str | os.PathLike[str], state: dict[str, Any]) -> dict[str, Any]:

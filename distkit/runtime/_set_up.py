@@ -22,6 +22,8 @@ from typing_extensions import override
 
 from distkit.data import MicroBatch
 from distkit.errors import ConfigurationError
+from distkit.runtime._items import ItemWindow
+from distkit.strategies._legacy_hooks import takes_before_step
 from distkit.strategies._steps import GradientClip, StepOutcome
 from distkit.strategies.base import Strategy
 from distkit.strategies.syncbn import placeholder_batch
@@ -183,6 +185,8 @@ class SetUpOptimizer:
         #: the total norm of the averaged gradients before the last clipping (a device
         #: tensor), when ``rt.clip_gradients`` asked for clipping
         self.last_grad_norm: torch.Tensor | None = None
+        #: the items its window's token-exact losses sum (see distkit.runtime._items)
+        self.items = ItemWindow()
 
     @property
     def strategy_optimizer(self) -> torch.optim.Optimizer:
@@ -229,8 +233,11 @@ class SetUpOptimizer:
     ) -> tuple[StepOutcome, torch.Tensor | None]:
         """Step now (the loop knows its window ended), through the strategy's one step
         hook: what the step did, and the gradients' norm before clipping (with ``clip``).
-        ``before_step`` runs on the final gradients (a Trainer's callbacks)."""
+        ``before_step`` runs on the final gradients (a Trainer's callbacks). A window of
+        token-exact losses first divides them by the step's global item count."""
         self._check_backward()
+        before_step = self._normalized(before_step)
+        self.items.reset()
         if before_step is None:  # the hook's old form: plugins' step may not take it
             outcome, norm = self._strategy.step(
                 self._inner, clip=clip, skip_nonfinite=skip_nonfinite
@@ -244,6 +251,35 @@ class SetUpOptimizer:
             # torch's LR schedulers watch the user's optimizer's step (see mark_stepped)
             self.optimizer._opt_called = True  # type: ignore[attr-defined]
         return outcome, norm
+
+    def _normalized(self, before_step: Callable[[], None] | None) -> Callable[[], None] | None:
+        """``before_step``, preceded by the division of a token-exact window's gradients by
+        its global item count (a collective: see ItemWindow.factor)."""
+        factor = self.items.factor(self._strategy)
+        if factor is None:
+            return before_step
+        strategy, inner = self._strategy, self._inner
+        if not takes_before_step(strategy):
+            name = type(strategy).__qualname__
+            raise ConfigurationError(
+                f"token-exact losses (distkit.Loss / rt.backward(total, count=n)) divide the "
+                f"averaged gradients by the step's item count inside the step, but "
+                f"{name}.step(optimizer, clip=..., skip_nonfinite=...) takes no before_step. "
+                f"Add the keyword to {name}.step and call before_step() once the gradients "
+                "are averaged and unscaled (see Strategy.step), or return mean losses"
+            )
+
+        def normalize() -> None:
+            strategy.scale_gradients(inner, factor)
+            if before_step is not None:
+                before_step()
+
+        return normalize
+
+    def check_items(self) -> None:
+        """Raise if a step since the last check had zero items on every rank, found on the
+        device (a host read; see ItemWindow.check)."""
+        self.items.check()
 
     def _check_backward(self) -> None:
         """Refuse a step on gradients that no ``rt.backward`` made (``loss.backward()``
@@ -275,6 +311,7 @@ class SetUpOptimizer:
 
     def clear(self, set_to_none: bool = True) -> None:
         """Clear the gradients now (the loop knows a new window starts)."""
+        self.items.reset()
         if self._inner is self.optimizer:
             self.optimizer.zero_grad(set_to_none=set_to_none)
         else:

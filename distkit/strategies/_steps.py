@@ -78,6 +78,17 @@ def clip_(grads: list[torch.Tensor], clip: GradientClip, total_norm: torch.Tenso
     return total_norm
 
 
+def scale_(grads: list[torch.Tensor], factor: float | torch.Tensor) -> None:
+    """Multiply ``grads`` in place by ``factor`` (a number, or a scalar tensor that stays on
+    its device: no host synchronisation)."""
+    for device_grads in _by_device(grads):
+        first = device_grads[0]
+        if isinstance(factor, torch.Tensor):
+            torch._foreach_mul_(device_grads, factor.to(first.device, first.dtype))
+        else:
+            torch._foreach_mul_(device_grads, factor)
+
+
 def local_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """The 2-norm of ``grads`` together (fp32 or wider, on ``device``; 0 without any)."""
     if not grads:

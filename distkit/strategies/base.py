@@ -99,6 +99,7 @@ from distkit.strategies._steps import (
     clip_,
     gradients_finite,
     local_norm,
+    scale_,
     step_gradients,
 )
 from distkit.strategies.capabilities import Elastic, StateIO
@@ -440,6 +441,16 @@ class Strategy(Collectives, ABC):
         """
         grads = step_gradients(optimizer)
         return clip_(grads, clip, local_norm(grads, self.device))
+
+    def scale_gradients(
+        self, optimizer: torch.optim.Optimizer, factor: float | torch.Tensor
+    ) -> None:
+        """Multiply the finalized gradients in place by ``factor`` (a number, or a scalar
+        device tensor: never read on the host). Token-exact losses divide the step's summed
+        gradients by its global item count here, from the step's ``before_step``, so on the
+        gradients :meth:`clip_gradients` would see (every rank's shard, where the backend
+        shards). Default: every gradient the optimizer applies."""
+        scale_(step_gradients(optimizer), factor)
 
     # ------------------------------------------------------------------ capabilities
     @property

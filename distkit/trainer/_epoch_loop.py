@@ -95,7 +95,7 @@ class EpochLoop:
     def _after_step(self, state: FitState, result: StepResult) -> bool:
         config = self.config
         step = state.global_step
-        self.window.add(result.samples)
+        self.window.add(result.items)
         logs = self._step_logs(state, result)
         self.callbacks.call("on_train_step_end", self.owner, logs)
         stop = self._agree_stop() if self._stop_each_step else False
@@ -123,13 +123,12 @@ class EpochLoop:
         return stop or self._steps_done()
 
     def _step_logs(self, state: FitState, result: StepResult) -> StepLogs:
-        samples = result.samples
         values: dict[str, Any] = {
             "step": state.global_step,
             "epoch": state.epoch,
             # computed when read (most steps nobody reads it: no tensor op for them)
-            "loss": functools.partial(step_mean, result.losses, result.counts, samples)
-            if samples
+            "loss": functools.partial(step_mean, result.losses, result.counts, result.items)
+            if result.samples
             else float("nan"),
             "lr": _lr(self.loop.optimizer.optimizer),
             "skipped": not result.outcome.stepped,
@@ -224,6 +223,7 @@ class EpochLoop:
         loop = self.loop
         loop.losses.fold()
         loop.watch.check(self.runtime.strategy, loop.losses, self.state.global_step)
+        loop.optimizer.check_items()  # token-exact losses: a step over no items (device counts)
 
     def _agree_stop(self) -> bool:
         """Whether any rank set ``should_stop``; afterwards every rank's flag says so."""

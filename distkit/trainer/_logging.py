@@ -213,10 +213,10 @@ class LogWindow:
     def __init__(self, strategy: Strategy, every: int) -> None:
         self.strategy = strategy
         self.every = every
-        self._samples = 0
+        self._samples: int | torch.Tensor = 0  # or a token-exact loss's items
 
-    def add(self, samples: int) -> None:
-        self._samples += samples
+    def add(self, samples: int | torch.Tensor) -> None:
+        self._samples = self._samples + samples
 
     def due(self, step: int) -> bool:
         return step % self.every == 0

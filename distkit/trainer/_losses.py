@@ -39,7 +39,7 @@ class LossLedger:
         self.epoch_sum = torch.zeros((), dtype=torch.float64, device=device)
         self.window_sum = torch.zeros((), dtype=torch.float64, device=device)
         self._losses: list[torch.Tensor] = []
-        self._counts: list[int] = []
+        self._counts: list[int | torch.Tensor] = []
         self._where: list[Where] = []
         #: folded losses and where each was noted, kept for first_nonfinite (watch only)
         self._folded: list[tuple[torch.Tensor, list[Where]]] = []
@@ -57,10 +57,10 @@ class LossLedger:
         return total
 
     def add_step(
-        self, losses: list[torch.Tensor], counts: list[int], epoch: int, step: int
+        self, losses: list[torch.Tensor], counts: list[int | torch.Tensor], epoch: int, step: int
     ) -> None:
         """Note one optimizer step's counted micro-batches: detached batch-mean losses and
-        their real sample counts."""
+        what each is a mean over (its real samples, or a token-exact loss's items)."""
         self._losses += losses
         self._counts += counts
         if self.watch:
@@ -95,18 +95,25 @@ class LossLedger:
         return epoch, step, "nan" if math.isnan(value) else "inf" if value > 0 else "-inf"
 
 
-def step_mean(losses: list[torch.Tensor], counts: list[int], samples: int) -> torch.Tensor:
-    """One step's mean loss over its real samples (a device tensor; for the step logs)."""
+def step_mean(
+    losses: list[torch.Tensor], counts: list[int | torch.Tensor], samples: int | torch.Tensor
+) -> torch.Tensor:
+    """One step's mean loss over its real samples (or items; a device tensor, for the step
+    logs)."""
     return _weighted_sum(losses, counts, losses[0].device)[1] / samples
 
 
 def _weighted_sum(
-    losses: list[torch.Tensor], counts: list[int], device: torch.device
+    losses: list[torch.Tensor], counts: list[int | torch.Tensor], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The losses as one float64 vector on ``device``, and their sum weighted by ``counts``
-    (loss x samples): a few tensor operations, no host read."""
+    (loss x samples, or a token-exact loss's mean x items): a few tensor operations, no host
+    read."""
     values = _stacked(losses, device)
-    weights = torch.tensor(counts, dtype=torch.float64).to(device, non_blocking=True)
+    if all(isinstance(count, int) for count in counts):
+        weights = torch.tensor(counts, dtype=torch.float64).to(device, non_blocking=True)
+    else:  # token-exact counts given as tensors: they stay on the device
+        weights = torch.stack([torch.as_tensor(c).to(device, torch.float64) for c in counts])
     return values, torch.dot(values, weights)
 
 

@@ -15,11 +15,11 @@ from distkit.batch import split_batch
 from distkit.errors import ConfigurationError
 from distkit.errors import NonFiniteLossError as NonFiniteLossError  # its old home
 from distkit.faults._progress import Progress
-from distkit.runtime._arguments import check_loss
 from distkit.runtime._fit_state import FitState as FitState  # its old home
 from distkit.runtime._loader import RuntimeLoader
 from distkit.runtime._runtime import Runtime
 from distkit.runtime._set_up import SetUpModel, SetUpOptimizer
+from distkit.runtime._step_result import training_loss
 from distkit.strategies._legacy_hooks import takes_before_step
 from distkit.strategies._placement import Placement, follow_output
 from distkit.strategies._steps import GradientClip, StepOutcome
@@ -53,8 +53,12 @@ class StepResult:
     """What one optimizer step did, as this rank saw it (device values stay on the device)."""
 
     losses: list[torch.Tensor]  # the batch-mean losses of its counted micro-batches
-    counts: list[int]  # their real samples (this rank's)
-    samples: int  # this rank's real samples in the step (sum of counts)
+    #: what each mean is over: their real samples (this rank's), or a token-exact loss's items
+    counts: list[int | torch.Tensor]
+    samples: int  # this rank's real samples in the step
+    #: the step's sum of ``counts`` (its samples, or its items: a device tensor where the
+    #: counts were)
+    items: int | torch.Tensor
     outcome: StepOutcome
     grad_norm: torch.Tensor | None  # total norm of the averaged gradients before clipping
 
@@ -118,8 +122,11 @@ class StepLoop:
         state.loss_sum = losses.begin_epoch(float(state.loss_sum))
         state.ledger = losses
         step_losses: list[torch.Tensor] = []
-        step_counts: list[int] = []
+        step_counts: list[int | torch.Tensor] = []
         step_samples = 0
+        step_items: int | torch.Tensor = 0
+        source = "loss_fn" if self.step_fn is None else "step_fn"
+        owners = (optimizer,)
         loader = self.loader.resume_at(state.epoch, state.position, state.local_position)
         bar = tqdm(
             total=loader.remaining(),
@@ -156,12 +163,12 @@ class StepLoop:
                     # the set-up model's forward module, in its context (a placeholder out of
                     # sync BatchNorm), the loss under the autocast as well
                     with model.local_context(), strategy.autocast():
-                        loss = self._loss(batch)
-                    check_loss(loss, "loss_fn" if self.step_fn is None else "step_fn")
+                        loss, items = training_loss(self._loss(batch), source)
                     timer.mark("forward")
                     progress.phase = "backward"
-                    # weighted by the micro-batch's share; returned unweighted, one value
-                    loss = runtime.propagate(loss, inner)
+                    # weighted by the micro-batch's share; returned unweighted, one value (a
+                    # token-exact total: scaled, its items noted; returned as its mean)
+                    loss = runtime.propagate(loss, inner, count=items, owners=owners)
                 timer.mark("backward")
                 counted = micro.count
                 # "skip" reads the loss here (its step reads the gradients anyway); "raise"
@@ -170,8 +177,10 @@ class StepLoop:
                     counted = 0  # its step is skipped: keep it out of the epoch's mean loss
                 if counted:
                     step_losses.append(loss.detach())
-                    step_counts.append(counted)
+                    weight = counted if items is None else items
+                    step_counts.append(weight)
                     step_samples += counted
+                    step_items = step_items + weight
                 state.position += micro.samples
                 if state.local_position is not None:
                     state.local_position += micro.count
@@ -180,13 +189,15 @@ class StepLoop:
                     progress.phase = "optimizer"
                     losses.add_step(step_losses, step_counts, state.epoch, state.global_step)
                     outcome, norm = self._step(state)
-                    state.samples += step_samples
+                    state.samples = state.samples + step_items
                     timer.mark("optimizer")
                     timer.steps += 1
                     progress.step = state.global_step
-                    result = StepResult(step_losses, step_counts, step_samples, outcome, norm)
+                    result = StepResult(
+                        step_losses, step_counts, step_samples, step_items, outcome, norm
+                    )
                     stopped = after_step(state, result)
-                    step_losses, step_counts, step_samples = [], [], 0
+                    step_losses, step_counts, step_samples, step_items = [], [], 0, 0
                     fresh_step = True
                     timer.mark("other")  # checkpoints: not part of a step
                     if stopped:

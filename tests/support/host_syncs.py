@@ -61,7 +61,14 @@ def counting(spans: StepSpans) -> Iterator[None]:
             setattr(torch.Tensor, name, real)
 
 
-def syncs_per_step(strategy: str, **settings: Any) -> list[list[str]]:
+def _token_step(model: torch.nn.Module, batch: Any) -> distkit.Loss:
+    """A token-exact loss whose count stays a device tensor (each sample one item)."""
+    x, y = batch
+    total = torch.nn.functional.cross_entropy(model(x), y, reduction="sum")
+    return distkit.Loss(total, (y >= 0).sum())
+
+
+def syncs_per_step(strategy: str, *, token_exact: bool = False, **settings: Any) -> list[list[str]]:
     """Fit a small MLP with ``strategy`` and return the host reads filed by step.
 
     ``settings`` go to the Trainer (batch_size 4, one epoch of 64 samples unless given).
@@ -76,7 +83,10 @@ def syncs_per_step(strategy: str, **settings: Any) -> list[list[str]]:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     data = make_dataset(64 * trainer.world_size)
     with counting(spans):
-        trainer.fit(model, optimizer, data, loss_fn=torch.nn.functional.cross_entropy)
+        if token_exact:
+            trainer.fit(model, optimizer, data, step_fn=_token_step)
+        else:
+            trainer.fit(model, optimizer, data, loss_fn=torch.nn.functional.cross_entropy)
     return spans.spans
 
 

@@ -30,7 +30,7 @@ from distkit.errors import ApexNeedsCudaError, DistkitError
 from distkit.launch.families import TORCH_LAUNCHERS
 from distkit.strategies import _torch_dist, _torch_group
 from distkit.strategies._placement import place
-from distkit.strategies._steps import GradientClip, clip_, local_norm
+from distkit.strategies._steps import GradientClip, clip_, local_norm, scale_
 from distkit.strategies.apex import _doctor
 from distkit.strategies.apex._detect import ApexInstall, detect_apex
 from distkit.strategies.apex._fused import fused_twin
@@ -221,6 +221,12 @@ class ApexStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
     def clip_gradients(self, optimizer: torch.optim.Optimizer, clip: GradientClip) -> torch.Tensor:
         grads = self.generation.gradients(optimizer)
         return clip_(grads, clip, local_norm(grads, self.device))
+
+    @override
+    def scale_gradients(
+        self, optimizer: torch.optim.Optimizer, factor: float | torch.Tensor
+    ) -> None:
+        scale_(self.generation.gradients(optimizer), factor)  # legacy amp: the master gradients
 
     @override
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:

@@ -20,7 +20,7 @@ from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ConfigurationError, MissingDependencyError
 from distkit.launch.families import TORCH_LAUNCHERS
 from distkit.strategies import _torch_dist, _torch_group
-from distkit.strategies._steps import GradientClip, clip_, local_norm, step_gradients
+from distkit.strategies._steps import GradientClip, clip_, local_norm, scale_, step_gradients
 from distkit.strategies.base import StepOutcome, Strategy, Topology
 from distkit.strategies.capabilities import StateIO
 from distkit.strategies.fsdp import _state as _fsdp_state
@@ -179,6 +179,12 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         squares = local_norm(grads, self.device).square().reshape(1)
         total = self.all_reduce(squares, op="sum").sqrt().reshape(())
         return clip_(grads, clip, total)
+
+    @override
+    def scale_gradients(
+        self, optimizer: torch.optim.Optimizer, factor: float | torch.Tensor
+    ) -> None:
+        scale_([_local(g) for g in step_gradients(optimizer)], factor)  # each rank's slice
 
     def _finite(self, optimizer: torch.optim.Optimizer) -> bool:
         # each rank holds a slice of every gradient: all ranks must hear of a bad slice

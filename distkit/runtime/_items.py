@@ -1,0 +1,122 @@
+"""Token-exact (item-exact) losses: one optimizer's item counts over its window.
+
+A loss given as ``Loss(total, count)`` (or ``rt.backward(total, count=n)``) is
+backpropagated as ``total * scale``, where ``scale = world_size / step_samples`` is the same
+on every rank and for every micro-batch of the window (it keeps the gradients' magnitude that
+of a per-sample mean, which matters to fp16's loss scale); the counts are summed per
+optimizer. The backend averages the gradients over ranks, so at the step they are ``scale /
+world_size`` times the sum of every item's gradient over every rank and micro-batch, and one
+multiplication by ``world_size / (scale * C)``, with ``C`` the step's global count, makes
+them the gradient of the mean over the step's items: what one process computes with the
+whole global batch, whatever the padding. It runs on the finalized (averaged, unscaled)
+gradients, before the callbacks' ``on_before_optimizer_step`` and clipping (so clipping sees
+the normalised gradients).
+
+``C`` takes no device synchronisation: counts given as Python ints are summed on the host
+(one host-side sum per step, as a stop check is), counts given as tensors stay on the device
+(one device all-reduce). With host counts a step over zero items on every rank is refused at
+once; with device counts it is found at the next check point (it applied zero gradients).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from distkit.errors import ConfigurationError
+from distkit.runtime._call_tags import tagged_sum
+from distkit.strategies.base import Strategy
+
+
+def zero_items(steps: str) -> str:
+    """The refusal of ``steps`` ("an optimizer step", "2 optimizer steps") over no items."""
+    return (
+        f"{steps} had a count of 0 items on every rank (every Loss / rt.backward count= of "
+        "its accumulation window was 0): its mean loss is undefined and no gradient can be "
+        "normalised by it. Leave such batches out of the data (e.g. sequences that are all "
+        "padding, or whose labels are all -100), or give them at least one item"
+    )
+
+
+class ItemWindow:
+    """The items one optimizer's gradients sum since its last step, and how they were
+    scaled (see the module's docstring)."""
+
+    def __init__(self) -> None:
+        self.mode: str | None = None  # "items" (Loss / count=), "mean" (a plain loss), None
+        self.scale = 1.0  # what each total was multiplied by before backward
+        self.host = 0  # counts given as ints, summed
+        self.device: torch.Tensor | None = None  # counts given as tensors, summed (float64)
+        #: steps whose global count was 0, found on the device (read at check points)
+        self.empty_steps: torch.Tensor | None = None
+
+    def note_mean(self, where: str) -> None:
+        """A plain (mean) loss's gradients go into this window."""
+        if self.mode == "items":
+            raise ConfigurationError(_mixed(where))
+        self.mode = "mean"
+
+    def note_items(self, count: int | torch.Tensor, scale: float, where: str) -> None:
+        """``count`` items, backpropagated as their total times ``scale``."""
+        if self.mode == "mean":
+            raise ConfigurationError(_mixed(where))
+        if self.mode == "items" and scale != self.scale:
+            raise ConfigurationError(
+                f"{where}: the losses of one accumulation window were scaled differently "
+                f"({self.scale} and {scale}): call optimizer.step() at the end of each "
+                "window of rt.loader's batches (or of each batch outside rt.loader)"
+            )
+        self.mode, self.scale = "items", scale
+        if isinstance(count, torch.Tensor):
+            value = count.detach().sum().to(torch.float64)
+            self.device = value if self.device is None else self.device + value
+        else:
+            self.host += int(count)
+
+    def reset(self) -> None:
+        """A new window (after a step, or gradients cleared)."""
+        self.mode, self.scale, self.host, self.device = None, 1.0, 0, None
+
+    def factor(self, strategy: Strategy) -> float | torch.Tensor | None:
+        """What the step's averaged gradients are multiplied by (None: a plain loss's
+        window, nothing to do). A collective in a window of items: every rank calls it at
+        the same step."""
+        if self.mode != "items":
+            return None
+        numerator = strategy.world_size / self.scale
+        has_device = self.device is not None
+        host, devices = tagged_sum(strategy, "items", [float(self.host), float(has_device)])
+        if not devices:  # every rank's counts were ints: the global count is known here
+            if host == 0:
+                raise ConfigurationError(zero_items("an optimizer step"))
+            return numerator / host
+        local = self.device if self.device is not None else _zero(strategy.device)
+        total = strategy.all_reduce(local.reshape(1).to(strategy.device), op="sum")[0] + host
+        if host == 0:  # only the device knows whether any rank had an item
+            empty = (total == 0).to(torch.int64)
+            self.empty_steps = empty if self.empty_steps is None else self.empty_steps + empty
+        return torch.where(total > 0, numerator / total.clamp(min=1), torch.zeros_like(total))
+
+    def check(self) -> None:
+        """Raise if a step since the last check had zero items on every rank (one host
+        read, of device counts only; every rank holds the same value, so all raise)."""
+        empty, self.empty_steps = self.empty_steps, None
+        found = 0 if empty is None else int(empty)
+        if found:
+            steps = "an optimizer step" if found == 1 else f"{found} optimizer steps"
+            raise ConfigurationError(
+                f"{zero_items(steps)}. (Found at this check point: counts given as tensors "
+                "are read only at check points; such a step applied zero gradients.)"
+            )
+
+
+def _zero(device: torch.device) -> torch.Tensor:
+    return torch.zeros((), dtype=torch.float64, device=device)
+
+
+def _mixed(where: str) -> str:
+    return (
+        f"{where}: one accumulation window mixes token-exact losses (distkit.Loss(total, "
+        "count) / rt.backward(total, count=n)) with plain mean losses for the same "
+        "optimizer: its gradients cannot be normalised by one count. Give every loss of "
+        "the window as a sum and a count, or none"
+    )

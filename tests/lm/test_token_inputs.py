@@ -1,0 +1,134 @@
+"""Token-exact losses under hostile input: counts of zero (one rank's, or every rank's),
+mixed windows, bad totals and counts, and models that return their own loss."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+
+import distkit
+from distkit.errors import ConfigurationError
+from tests.support.token_workloads import (
+    Sequences,
+    fit_tokens,
+    loop_tokens,
+    make_lm,
+    reference,
+    token_sum,
+)
+from tests.support.workloads import max_abs_diff
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def error_of(fn, *args):
+    """The message of the ConfigurationError ``fn(*args)`` raises on this rank."""
+    try:
+        fn(*args)
+    except ConfigurationError as exc:
+        return str(exc)
+    raise AssertionError("no error")
+
+
+def test_a_rank_whose_micro_batches_have_no_items_contributes_nothing(run_on_ranks):
+    """The odd samples have no labels: with shuffle=False rank 1 holds only those. It still
+    joins every all-reduce (no hang) and adds nothing: both ranks end where one process
+    ends on the same data."""
+    exact = reference(4, empty="odd")
+    for rank in run_on_ranks(partial(loop_tokens, empty="odd"), "ddp", 2, 1, world_size=2):
+        assert max_abs_diff(rank["state"], exact) <= 1e-5
+    for rank in run_on_ranks(partial(fit_tokens, empty="odd"), "ddp", 2, 1, world_size=2):
+        assert max_abs_diff(rank["state"], exact) <= 1e-5
+
+
+def test_zero_items_on_every_rank_is_refused_at_that_step_with_int_counts(run_on_ranks):
+    """Counts given as ints: the step's global count is known on the host (one host-side
+    sum), so the first step over no items raises on every rank, before it steps."""
+    fit = partial(fit_tokens, count="int", empty="all")
+    for error in run_on_ranks(partial(error_of, fit), "ddp", 2, 1, world_size=2):
+        assert "0 items on every rank" in error
+    with pytest.raises(ConfigurationError, match="0 items on every rank"):
+        loop_tokens("dp", 2, 1, count="int", empty="all")
+
+
+def test_zero_items_on_every_rank_with_device_counts_is_refused_at_the_check_point():
+    """Counts given as tensors stay on the device: the step applies zero gradients and the
+    next check point (the Trainer's log point or epoch end, a loader epoch's end) raises."""
+    with pytest.raises(ConfigurationError, match=r"optimizer steps had a count of 0 items"):
+        fit_tokens("dp", 2, 1, empty="all")
+    with pytest.raises(ConfigurationError, match=r"found at this check point|Found at this"):
+        loop_tokens("dp", 2, 1, empty="all")
+
+
+def test_a_window_that_mixes_token_and_mean_losses_is_refused():
+    with distkit.Runtime("dp", grad_accum_steps=2) as rt:
+        model = make_lm()
+        model, _ = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        batches = iter(rt.loader(Sequences(), batch_size=2, shuffle=False))
+        total, n = token_sum(model, next(batches))
+        rt.backward(total, count=n)
+        total, n = token_sum(model, next(batches))
+        with pytest.raises(ConfigurationError, match="mixes token-exact losses"):
+            rt.backward(total / n)
+
+
+@pytest.mark.parametrize(
+    ("total", "count", "match"),
+    [
+        (1.5, 3, "must be a tensor"),
+        (torch.tensor(3), 3, "floating-point"),
+        (torch.ones(2, 2), 3, "must be a scalar"),
+        (torch.tensor(2.0), -1, ">= 0"),
+        (torch.tensor(2.0), 2.5, "int or an integer tensor"),
+        (torch.tensor(2.0), True, "got a bool"),
+        (torch.tensor(2.0), torch.tensor(2.5), "integer tensor"),
+        (torch.tensor(2.0), torch.ones(2, 2, dtype=torch.long), "scalar count"),
+    ],
+)
+def test_bad_totals_and_counts_are_refused_naming_the_fix(total, count, match):
+    with pytest.raises(ConfigurationError, match=match):
+        distkit.Loss(total, count)
+    with distkit.Runtime("dp") as rt:
+        model = make_lm()
+        rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        with pytest.raises(ConfigurationError, match=match):
+            rt.backward(total, count=count)
+
+
+def test_a_total_that_does_not_reach_the_model_is_refused():
+    trainer = distkit.Trainer("dp", batch_size=2, max_epochs=1, progress=False)
+    model = make_lm()
+    with pytest.raises(ConfigurationError, match="does not require grad"):
+        trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), Sequences(),
+                    step_fn=lambda m, b: distkit.Loss(torch.tensor(1.0), 3))  # fmt: skip
+    trainer.close()
+
+
+class OwnLoss(torch.nn.Module):
+    """A model that computes its own (mean) loss, as a Hugging Face model does."""
+
+    def __init__(self, as_dict: bool) -> None:
+        super().__init__()
+        self.lm = make_lm()
+        self.as_dict = as_dict
+
+    def forward(self, input_ids, labels):
+        total, n = token_sum(self.lm, {"input_ids": input_ids, "labels": labels})
+        out = {"loss": total / n.clamp(min=1), "logits": None}
+        if self.as_dict:
+            return out
+        return type("Output", (), out)()
+
+
+@pytest.mark.parametrize("as_dict", [True, False])
+def test_a_model_returning_its_own_loss_trains_from_its_output(as_dict):
+    """step_fn may return the model's output: its .loss / ["loss"] is the batch mean."""
+    trainer = distkit.Trainer("dp", batch_size=4, max_epochs=1, progress=False, shuffle=False)
+    model = OwnLoss(as_dict)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.5), Sequences(),
+                step_fn=lambda m, b: m(**b))  # fmt: skip
+    assert max_abs_diff(model.state_dict(), before) > 1e-3
+    assert trainer.close() is None
