@@ -8,6 +8,7 @@ dataset, whatever the number of processes.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any
 
 import torch
 from typing_extensions import override
@@ -31,7 +32,10 @@ class Metric(ABC):
         self._state = None
 
     def update(self, output: torch.Tensor, target: torch.Tensor) -> None:
-        contribution = self.batch_state(output.detach(), target.detach()).double()
+        """Add one batch. With an evaluation ``step_fn``, ``output`` is what the step gave
+        (``Loss(..., output=...)``, or the model's output) and ``target`` the whole batch (a
+        dict, for dict batches): write :meth:`batch_state` for those."""
+        contribution = self.batch_state(_detached(output), _detached(target)).double()
         self._state = contribution if self._state is None else self._state + contribution
 
     def state(self, device: torch.device) -> torch.Tensor:
@@ -43,6 +47,10 @@ class Metric(ABC):
     @abstractmethod
     def state_shape(self) -> tuple[int, ...]:
         """Shape of :meth:`batch_state` (needed for ranks that saw no batch)."""
+
+
+def _detached(value: Any) -> Any:
+    return value.detach() if isinstance(value, torch.Tensor) else value
 
 
 class Accuracy(Metric):

@@ -98,7 +98,11 @@ def check_scheduler(scheduler: object, optimizer: torch.optim.Optimizer, *, per_
 
 
 def check_validation(
-    val_data: object, loss_fn: object, metrics: object, val_every_n_steps: int | None = None
+    val_data: object,
+    loss_fn: object,
+    metrics: object,
+    val_every_n_steps: int | None = None,
+    step_fn: object = None,
 ) -> None:
     """What fit evaluates after each epoch is computable (checked before the first epoch)."""
     if val_data is None and val_every_n_steps is not None:
@@ -112,10 +116,12 @@ def check_validation(
             "metrics are computed on val_data, and no val_data was given: pass "
             "val_data=... to fit, or call trainer.evaluate(model, data, metrics=...) yourself"
         )
-    if val_data is not None and loss_fn is None and not metrics:
+    if step_fn is not None and not callable(step_fn):
+        raise ConfigurationError(f"eval_step_fn must be callable, got {type(step_fn).__name__}")
+    if val_data is not None and loss_fn is None and step_fn is None and not metrics:
         raise ConfigurationError(
-            "val_data needs a loss_fn, metrics, or both to compute after each epoch (step_fn "
-            "is for training only): pass loss_fn=... or metrics=..."
+            "val_data needs a loss_fn, a step_fn (fit's, or eval_step_fn=...), metrics, or "
+            "a mix to compute after each epoch: pass loss_fn=..., step_fn=... or metrics=..."
         )
 
 

@@ -70,13 +70,26 @@ def prepare_evaluate(
     loss_fn: LossFn | None,
     metrics: Metrics | None,
     input_device: torch.device | None,
+    *,
+    step_fn: object = None,
 ) -> _agreement.Proposal[tuple[dict[str, Metric], LoaderSpec | StreamSpec, Placement]]:
     """``evaluate``'s checks; ``read()`` describes its data (after the other checks)."""
     check_model(model)
     placement = checked_placement(setups, model, input_device)
     named = named_metrics(metrics)
-    if loss_fn is None and not named:
-        raise ConfigurationError("evaluate needs a loss_fn, metrics, or both")
+    for name, fn in (("loss_fn", loss_fn), ("step_fn", step_fn)):
+        if fn is not None and not callable(fn):
+            raise ConfigurationError(f"evaluate's {name} must be callable, got {type(fn).__name__}")
+    if loss_fn is not None and step_fn is not None:
+        raise ConfigurationError(
+            "evaluate takes a loss_fn (loss_fn(model(inputs), target)) or a step_fn "
+            "(step_fn(model, batch)), not both: pass one"
+        )
+    if loss_fn is None and step_fn is None and not named:
+        raise ConfigurationError(
+            "evaluate needs a loss_fn, a step_fn, metrics, or a mix: e.g. "
+            "step_fn=lambda model, batch: model(**batch) for a model that returns its loss"
+        )
     spec = read()
     agreed = {"data samples": describe_data(spec), "metrics": ", ".join(named) or "none"}
     return _agreement.Proposal(agreed, (named, spec, placement))

@@ -34,7 +34,7 @@ from distkit.runtime import _agreement
 from distkit.runtime._arguments import check_loss, check_runtime_arguments, check_setup_args
 from distkit.runtime._call_tags import tagged_sum
 from distkit.runtime._compile import Compiler
-from distkit.runtime._evaluation import LossFn, Metrics, as_score, evaluate_shard
+from distkit.runtime._evaluation import EvalStepFn, LossFn, Metrics, as_score, evaluate_shard
 from distkit.runtime._loader import RuntimeLoader
 from distkit.runtime._preparation import checked_placement, prepare_evaluate
 from distkit.runtime._set_up import SetUpModel, SetUpOptimizer
@@ -759,6 +759,7 @@ class Runtime:
         loss_fn: LossFn | None = None,
         metrics: Metrics | None = None,
         *,
+        step_fn: EvalStepFn | None = None,
         batch_size: int = 32,
         num_workers: int = 0,
         seed: int | None = None,
@@ -774,6 +775,13 @@ class Runtime:
             model: the user's module (set up or not; it is placed on this rank's device).
             loss_fn: ``loss_fn(model(inputs), target)`` -> batch-mean loss.
             metrics: :class:`~distkit.metrics.Metric` objects, by name or in a list.
+            step_fn: ``step_fn(model, batch)`` instead of ``loss_fn``, for batches of any
+                layout (dicts) and models that return their own loss: it returns the
+                batch-mean loss, a :class:`~distkit.Loss` (the loss is then the mean over
+                every item of every rank: token-exact), or the model's output (its
+                ``.loss`` / ``["loss"]`` is the batch mean). Metrics then get
+                ``update(output, batch)``: ``Loss(total, count, output=out)``'s output, or
+                the model's output the step returned.
             batch_size: samples per rank per batch, for a Dataset (a DataLoader's own wins).
             num_workers: DataLoader worker processes per rank, for a Dataset.
             seed: seeds a stream's shuffling (None: the runtime's ``seed``).
@@ -792,7 +800,9 @@ class Runtime:
                     data, "val_data", batch_size=batch_size, shuffle=False, num_workers=num_workers
                 )
 
-            return prepare_evaluate(self.setups, model, read, loss_fn, metrics, input_device)
+            return prepare_evaluate(
+                self.setups, model, read, loss_fn, metrics, input_device, step_fn=step_fn
+            )
 
         (named, spec, placement), _ = _agreement.exchange(strategy, "evaluate", prepare)
         scores = evaluate_shard(
@@ -802,6 +812,7 @@ class Runtime:
             loss_fn,
             named,
             placement,
+            step_fn,
         )
         return {key: as_score(key, value) for key, value in scores.items()}
 

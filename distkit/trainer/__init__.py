@@ -343,6 +343,7 @@ class Trainer:
         metrics: Metrics | None = None,
         scheduler: Any = None,
         step_fn: StepFn | None = None,
+        eval_step_fn: StepFn | None = None,
     ) -> FitResult:
         """Train ``model`` in place up to ``max_epochs``; returns the per-epoch history.
 
@@ -354,7 +355,13 @@ class Trainer:
             val_data: evaluated after every epoch (every sample exactly once).
             metrics: :class:`~distkit.metrics.Metric` objects, by name or in a list.
             scheduler: an LR scheduler, stepped per ``scheduler_interval``.
-            step_fn: ``step_fn(model, batch)`` -> loss, for batches of any other layout.
+            step_fn: ``step_fn(model, batch)`` -> loss, for batches of any other layout
+                (dicts): the batch-mean loss, a :class:`~distkit.Loss` ``(total, count)``
+                for a token-exact loss (N processes then train exactly like one on any
+                padding), or the model's output with ``.loss`` / ``["loss"]``. Without a
+                ``loss_fn`` it also runs validation (under ``torch.no_grad``).
+            eval_step_fn: validation's step function, where it differs from ``step_fn``
+                (see :meth:`evaluate`'s ``step_fn``).
         """
         self._require_open("fit")
         if self._sink is not None:  # only a fit's own callbacks run while it does
@@ -368,7 +375,16 @@ class Trainer:
         # a model the user compiled: train its module, compiled in the backend's order
         model, compiler = _compile.plan(model, self.compile)
         call = FitCall(
-            model, optimizer, train_data, loss_fn, val_data, metrics, scheduler, step_fn, compiler
+            model,
+            optimizer,
+            train_data,
+            loss_fn,
+            val_data,
+            metrics,
+            scheduler,
+            step_fn,
+            compiler,
+            eval_step_fn=eval_step_fn,
         )
         try:
             result = self._fit(call)
@@ -487,8 +503,13 @@ class Trainer:
         data: Any,
         loss_fn: LossFn | None = None,
         metrics: Metrics | None = None,
+        step_fn: StepFn | None = None,
     ) -> dict[str, float]:
         """Loss and metrics over ``data``, each sample counted exactly once over all ranks.
+
+        ``step_fn(model, batch)`` instead of ``loss_fn``, for dict batches and models that
+        return their own loss: see :meth:`Runtime.evaluate <distkit.Runtime.evaluate>` (a
+        :class:`~distkit.Loss` makes the loss the mean over every item: token-exact).
 
         A collective: call it on every rank, with the whole ``data`` (distkit shards it).
         Returns the same dict on every rank: ``{"loss": ..., <metric name>: ...}``, plain
@@ -500,6 +521,7 @@ class Trainer:
             data,
             loss_fn,
             metrics,
+            step_fn=step_fn,
             batch_size=self.batch_size,
             num_workers=self.num_workers,
             seed=self.seed,

@@ -58,6 +58,7 @@ def train(
     strategy = runtime.strategy
     model, optimizer, scheduler = call.model, call.optimizer, call.scheduler
     loss_fn, val_data, metrics = call.loss_fn, call.val_data, call.metrics
+    validation_step = call.validation_step
     spec = prepared.spec
     # the fit is a loop over the runtime: its set-up model and optimizer, its backward
     fit_model, fit_optimizer = runtime.set_up_fit(
@@ -92,8 +93,9 @@ def train(
         return runtime.evaluate(
             model,
             val_data,
-            loss_fn,
+            None if validation_step is not None else loss_fn,
             metrics,
+            step_fn=validation_step,
             batch_size=config.batch_size,
             num_workers=config.num_workers,
             seed=config.seed,

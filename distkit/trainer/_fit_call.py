@@ -16,8 +16,9 @@ from torch import nn
 from distkit.runtime._compile import Compiler
 from distkit.runtime._evaluation import LossFn, Metrics
 
-#: ``step_fn(model, batch)`` -> the batch's mean loss (for batches of any other layout)
-StepFn = Callable[[nn.Module, Any], torch.Tensor]
+#: ``step_fn(model, batch)`` -> the batch's mean loss, a ``distkit.Loss`` (a sum and its
+#: item count: token-exact), or a model's output with ``.loss`` (for batches of any layout)
+StepFn = Callable[[nn.Module, Any], Any]
 
 
 @dataclass(frozen=True)
@@ -33,3 +34,12 @@ class FitCall:
     scheduler: Any = None
     step_fn: StepFn | None = None
     compiler: Compiler | None = None
+    #: validation's step function (None: ``step_fn`` where fit trains with one)
+    eval_step_fn: Callable[[nn.Module, Any], Any] | None = None
+
+    @property
+    def validation_step(self) -> Callable[[nn.Module, Any], Any] | None:
+        """What validation calls per batch instead of ``loss_fn`` (None: ``loss_fn``)."""
+        if self.eval_step_fn is not None:
+            return self.eval_step_fn
+        return self.step_fn if self.loss_fn is None else None

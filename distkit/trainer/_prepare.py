@@ -84,7 +84,9 @@ def prepare_fit(
     check_fit_args(model, optimizer, call.loss_fn, call.step_fn)
     placement = checked_placement(runtime.setups, model, config.input_device_override)
     check_scheduler(call.scheduler, optimizer, per_step=config.scheduler_interval == "step")
-    check_validation(call.val_data, call.loss_fn, call.metrics, config.val_every_n_steps)
+    check_validation(
+        call.val_data, call.loss_fn, call.metrics, config.val_every_n_steps, call.validation_step
+    )
     named_metrics(call.metrics)
     strategy = runtime.strategy
     spec = read_data(config, runtime, call.train_data, "train_data", shuffle=config.shuffle)

@@ -27,7 +27,8 @@ class Sequences(Dataset):
         have none: one of two ranks gets no item with ``shuffle=False``), or None."""
         g = torch.Generator().manual_seed(seed)
         lengths = torch.randint(1, L + 1, (n,), generator=g)
-        lengths[::3] = 1  # many short sequences beside long ones: uneven token counts
+        lengths[::3] = 2  # many short sequences beside long ones: uneven token counts
+        lengths[5] = 1  # and one without any (a one-token sequence predicts nothing)
         if empty == "odd":
             lengths[0::2] = L  # the even samples full, the odd ones without items (below)
         ids = torch.randint(1, V, (n, L), generator=g)
