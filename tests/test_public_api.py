@@ -45,6 +45,7 @@ PUBLIC_NAMES = [
     "available_strategies",
     "callbacks",
     "loggers",
+    "read_predictions",
     "register_strategy",
     "spawn",
 ]
