@@ -26,6 +26,7 @@ PUBLIC_NAMES = [
     "FitResult",
     "GlobalBatchNorm",
     "LauncherMismatchError",
+    "Loss",
     "MeanIoU",
     "Metric",
     "MissingDependencyError",
