@@ -27,6 +27,7 @@ from distkit.loss import Loss
 from distkit.metrics import Accuracy, ConfusionMatrix, MeanIoU, Metric
 from distkit.registry import BUILTIN_STRATEGIES as _BUILTINS
 from distkit.registry import available_strategies, register_strategy
+from distkit.runtime._prediction_files import read_predictions
 from distkit.runtime._runtime import Runtime
 from distkit.strategies.base import Strategy, Topology, TrainOptions
 from distkit.strategies.syncbn import GlobalBatchNorm
@@ -74,6 +75,7 @@ __all__ = [
     "available_strategies",
     "callbacks",
     "loggers",
+    "read_predictions",
     "register_strategy",
     "spawn",
 ]

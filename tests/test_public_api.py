@@ -26,6 +26,7 @@ PUBLIC_NAMES = [
     "FitResult",
     "GlobalBatchNorm",
     "LauncherMismatchError",
+    "Loss",
     "MeanIoU",
     "Metric",
     "MissingDependencyError",
@@ -45,6 +46,7 @@ PUBLIC_NAMES = [
     "available_strategies",
     "callbacks",
     "loggers",
+    "read_predictions",
     "register_strategy",
     "spawn",
 ]

@@ -33,6 +33,8 @@ FIXES = {
     "fit": "Give every rank the same checkpoint (a checkpoint_dir every rank can read, or the "
     "same resume= file), the same data and model, and the same Trainer settings.",
     "evaluate": "Give every rank the whole evaluation data: distkit shards it itself.",
+    "predict": "Give every rank the whole data to predict, and the same gather: distkit "
+    "shards the data itself.",
     "save_checkpoint": COLLECTIVE + ".",
     "setup": "Set up the same model (the same shapes) with the same optimizers on every rank.",
     "loader": "Iterate the loader on every rank, the same epochs in the same order (no "

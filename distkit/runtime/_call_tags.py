@@ -39,6 +39,7 @@ CALLS = {
     "loader": "an epoch of rt.loader (its first batch)",
     "barrier": "rt.barrier",
     "items": "an optimizer step's item count (token-exact losses)",
+    "predict": "predict",
 }
 _CODES = {call: float(code) for code, call in enumerate(CALLS, start=1)}
 _NAMES = {code: CALLS[call] for call, code in _CODES.items()}

@@ -36,6 +36,7 @@ from distkit.runtime._call_tags import tagged_sum
 from distkit.runtime._compile import Compiler
 from distkit.runtime._evaluation import EvalStepFn, LossFn, Metrics, as_score, evaluate_shard
 from distkit.runtime._loader import RuntimeLoader
+from distkit.runtime._predict import PredictFn, PredictPlan, prepare_predict, run_predict
 from distkit.runtime._preparation import checked_placement, prepare_evaluate
 from distkit.runtime._set_up import SetUpModel, SetUpOptimizer
 from distkit.runtime._setups import SetupCache
@@ -815,6 +816,68 @@ class Runtime:
             step_fn,
         )
         return {key: as_score(key, value) for key, value in scores.items()}
+
+    # ------------------------------------------------------------------ prediction
+    def predict(
+        self,
+        model: nn.Module,
+        data: Any,
+        predict_fn: PredictFn | None = None,
+        gather: str | None = "all",
+        *,
+        batch_size: int = 32,
+        num_workers: int = 0,
+        seed: int | None = None,
+        input_device: torch.device | None = None,
+        write_to: str | os.PathLike[str] | None = None,
+    ) -> list[Any]:
+        """The model's output for every sample of ``data``, once, in the data's order.
+
+        A collective: call it on every rank, with the whole ``data`` (a Dataset, a DataLoader
+        or a stream; distkit shards it as for :meth:`evaluate`). In eval mode, under
+        ``torch.no_grad()`` and the strategy's autocast (the model's mode is restored after).
+        Returns a list with one entry per sample, on the CPU: the batch's output split along
+        its first dimension (a tensor's rows; dicts, tuples and lists split element-wise).
+        ``torch.stack(outputs)`` makes one tensor of tensor outputs. See docs/predict.md.
+
+        Args:
+            model: the user's module (set up or not; it is placed on this rank's device).
+            predict_fn: ``predict_fn(model, batch) -> output``, whose first dimension is the
+                batch. Default: ``model(inputs)`` for ``(inputs, target)`` or ``(inputs,)``
+                batches, ``model(**batch)`` for dicts, ``model(batch)`` for tensors.
+            gather: ``"all"``: every rank returns every output; ``"main"``: rank 0 does, the
+                others an empty list; ``None`` with ``write_to``: each rank writes its outputs
+                to a file (read them with :func:`distkit.read_predictions`), and returns an
+                empty list once every rank's file is written.
+            batch_size: samples per rank per batch, for a Dataset (a DataLoader's own wins).
+            num_workers: DataLoader worker processes per rank, for a Dataset.
+            seed: seeds a stream's shuffling (None: the runtime's ``seed``).
+            input_device: where a model you placed on devices of your own takes its inputs.
+            write_to: the folder of ``gather=None``'s files (one per rank).
+        """
+        self.require_open("predict")
+        self._ready()
+        strategy = self.strategy
+        seed = self.seed if seed is None else seed
+        if isinstance(model, SetUpModel):
+            model = model.module
+
+        def prepare() -> _agreement.Proposal[PredictPlan]:
+            def read() -> LoaderSpec | StreamSpec:
+                return self.loader_spec(
+                    data,
+                    "predict's data",
+                    batch_size=batch_size,
+                    shuffle=False,
+                    num_workers=num_workers,
+                )
+
+            return prepare_predict(
+                self.setups, model, read, predict_fn, gather, write_to, input_device
+            )
+
+        plan, _ = _agreement.exchange(strategy, "predict", prepare)
+        return run_predict(strategy, strategy.eval_model(self.setups.wrapped(model)), plan, seed)
 
 
 def _reached_models(loss: torch.Tensor, set_ups: Any) -> list[SetUpModel]:

@@ -17,6 +17,7 @@ from distkit.errors import ConfigurationError, TrainerClosedError
 from distkit.loggers import Logger
 from distkit.runtime import _agreement, _compile, _resume, _saving
 from distkit.runtime._evaluation import LossFn, Metrics
+from distkit.runtime._predict import PredictFn
 from distkit.runtime._resume import LatestFit
 from distkit.runtime._runtime import Runtime
 from distkit.strategies._placement import check_claims
@@ -526,6 +527,34 @@ class Trainer:
             num_workers=self.num_workers,
             seed=self.seed,
             input_device=self.input_device,
+        )
+
+    def predict(
+        self,
+        model: nn.Module,
+        data: Any,
+        predict_fn: PredictFn | None = None,
+        gather: str | None = "all",
+        *,
+        write_to: str | os.PathLike[str] | None = None,
+    ) -> list[Any]:
+        """The model's output for every sample of ``data``, once, in the data's order.
+
+        A collective: call it on every rank, with the whole ``data`` (distkit shards it), with
+        this trainer's ``batch_size``, ``num_workers``, ``seed`` and ``input_device``. See
+        :meth:`distkit.Runtime.predict` for ``predict_fn``, ``gather`` and ``write_to``.
+        """
+        self._require_open("predict")
+        return self.runtime.predict(
+            model,
+            data,
+            predict_fn,
+            gather,
+            batch_size=self.batch_size,
+            num_workers=self.num_workers,
+            seed=self.seed,
+            input_device=self.input_device,
+            write_to=write_to,
         )
 
     # ------------------------------------------------------------------ helpers
