@@ -44,6 +44,7 @@ PUBLIC_NAMES = [
     "__version__",
     "available_strategies",
     "callbacks",
+    "load_weights",
     "loggers",
     "register_strategy",
     "spawn",
@@ -54,6 +55,8 @@ PUBLIC_NAMES = [
 FORBIDDEN_MODULES = [
     "horovod",
     "apex",
+    "safetensors",
+    "transformers",
     "torch.distributed.launch",
     "torch.distributed.run",
     "torch.distributed.elastic",

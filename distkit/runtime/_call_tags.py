@@ -38,6 +38,7 @@ CALLS = {
     "setup": "rt.setup",
     "loader": "an epoch of rt.loader (its first batch)",
     "barrier": "rt.barrier",
+    "save_weights": "save_weights",
 }
 _CODES = {call: float(code) for code, call in enumerate(CALLS, start=1)}
 _NAMES = {code: CALLS[call] for call, code in _CODES.items()}
