@@ -228,15 +228,15 @@ class ShardWriter:
         """The held tensors to ``path`` (atomically), then let them go."""
         tensors, self._tensors = self._tensors, {}
         self.held = 0
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = TempFile(path)
-
-        def write(handle: Any) -> None:
-            # safetensors writes by name; the fsync of publish's own handle (the same file)
-            # makes the bytes durable before the rename
-            self._st.save_file(tensors, str(tmp.path), metadata=METADATA)
-
         with _writing(path):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = TempFile(path)
+
+            def write(handle: Any) -> None:
+                # safetensors writes by name; the fsync of publish's own handle (the same
+                # file) makes the bytes durable before the rename
+                self._st.save_file(tensors, str(tmp.path), metadata=METADATA)
+
             tmp.publish(path, write)
 
 
