@@ -16,6 +16,7 @@ from torch import nn
 import distkit
 from distkit.errors import RankDisagreementError
 from distkit.runtime import _weights
+from tests.support.fakes import use_fake_apex
 from tests.support.gates import needs
 from tests.support.horovod_runner import run_with_horovodrun
 from tests.support.workloads import make_dataset, max_abs_diff
@@ -117,8 +118,28 @@ def test_save_weights_on_some_ranks_only_fails_instead_of_hanging(run_on_ranks, 
     assert not (tmp_path / "w.safetensors").exists()
 
 
-def trainer_fit_and_save(path: str) -> dict[str, Any]:
-    trainer = distkit.Trainer("ddp", batch_size=4, max_epochs=1, seed=2, progress=False)
+def save_where_rank_0_cannot_write(folder: str) -> str:
+    with distkit.Runtime("fsdp") as rt:
+        model = rt.setup(_model())
+        try:
+            rt.save_weights(model, folder, max_shard_size=1200)
+        except distkit.errors.CheckpointError as exc:
+            return str(exc)
+        return "no error"
+
+
+def test_a_failed_write_on_rank_0_fails_every_rank_after_the_gathers(run_on_ranks, tmp_path):
+    """fsdp: rank 0 cannot write the first shard; it still joins every gather (or rank 1
+    would wait in one), and rank 1 learns of the failure at the end."""
+    (tmp_path / "a_file").write_text("x")
+    messages = run_on_ranks(save_where_rank_0_cannot_write, str(tmp_path / "a_file" / "w"))
+    assert "cannot write the weights file" in messages[0]
+    assert messages[1].startswith("rank 0 could not write the weights to")
+    assert "cannot write the weights file" in messages[1]
+
+
+def trainer_fit_and_save(path: str, strategy: str = "ddp", batch: int = 4) -> dict[str, Any]:
+    trainer = distkit.Trainer(strategy, batch_size=batch, max_epochs=1, seed=2, progress=False)
     model = _model()
     trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.2), make_dataset(N),
                 loss_fn=nn.functional.cross_entropy)  # fmt: skip
@@ -128,12 +149,25 @@ def trainer_fit_and_save(path: str) -> dict[str, Any]:
     return {"written": written, "state": state, "read": safetensors_torch.load_file(path)}
 
 
-def test_trainer_save_weights_after_a_fit_on_two_ranks(run_on_ranks, tmp_path):
+def apex_fit_and_save(path: str) -> dict[str, Any]:
+    """The same under the FAKE legacy apex package and FAKE CUDA (tests/support/fakes)."""
+    import distkit.strategies.apex as apex_strategy
+
+    apex_strategy._require_cuda = lambda: None
+    with use_fake_apex("legacy"):
+        return trainer_fit_and_save(path, "apex")
+
+
+@pytest.mark.parametrize("run", [trainer_fit_and_save, apex_fit_and_save], ids=["ddp", "apex"])
+def test_trainer_save_weights_after_a_fit_on_two_ranks(run, run_on_ranks, tmp_path):
     path = str(tmp_path / "fit.safetensors")
-    ranks = run_on_ranks(trainer_fit_and_save, path)
+    ranks = run_on_ranks(run, path)
     for rank in ranks:
         assert rank["written"] == [Path(path)]
         assert max_abs_diff(rank["read"], rank["state"]) == 0.0
+    one = str(tmp_path / "one.safetensors")
+    reference = run_on_ranks(trainer_fit_and_save, one, "ddp", 8, world_size=1)[0]
+    assert max_abs_diff(ranks[0]["read"], reference["state"]) <= TOL
 
 
 # ---------------------------------------------------------------- a transformers model
