@@ -9,6 +9,7 @@ Importing distkit imports no backend library (Horovod, apex) and changes nothing
 from distkit import callbacks, loggers
 from distkit._version import __version__
 from distkit.callbacks import Callback
+from distkit.checkpoint._load_weights import load_weights
 from distkit.data.streams import ShardedStream
 from distkit.errors import (
     ConfigurationError,
@@ -74,6 +75,7 @@ __all__ = [
     "__version__",
     "available_strategies",
     "callbacks",
+    "load_weights",
     "loggers",
     "read_predictions",
     "register_strategy",

@@ -45,6 +45,7 @@ PUBLIC_NAMES = [
     "__version__",
     "available_strategies",
     "callbacks",
+    "load_weights",
     "loggers",
     "read_predictions",
     "register_strategy",
@@ -56,6 +57,8 @@ PUBLIC_NAMES = [
 FORBIDDEN_MODULES = [
     "horovod",
     "apex",
+    "safetensors",
+    "transformers",
     "torch.distributed.launch",
     "torch.distributed.run",
     "torch.distributed.elastic",

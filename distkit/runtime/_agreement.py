@@ -36,6 +36,8 @@ FIXES = {
     "predict": "Give every rank the whole data to predict, and the same gather: distkit "
     "shards the data itself.",
     "save_checkpoint": COLLECTIVE + ".",
+    "save_weights": "save_weights is collective: call it on every rank (rank 0 writes; do "
+    "not guard it with `if rt.is_main:`), with the same model and max_shard_size.",
     "setup": "Set up the same model (the same shapes) with the same optimizers on every rank.",
     "loader": "Iterate the loader on every rank, the same epochs in the same order (no "
     "loop under `if rt.is_main:`; loader.epoch(e) with the same e everywhere).",

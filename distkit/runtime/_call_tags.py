@@ -40,6 +40,7 @@ CALLS = {
     "barrier": "rt.barrier",
     "items": "an optimizer step's item count (token-exact losses)",
     "predict": "predict",
+    "save_weights": "save_weights",
 }
 _CODES = {call: float(code) for code, call in enumerate(CALLS, start=1)}
 _NAMES = {code: CALLS[call] for call, code in _CODES.items()}

@@ -14,6 +14,7 @@ import contextlib
 import os
 import weakref
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,7 +31,7 @@ from distkit.faults._faults import fail_fast
 from distkit.faults._progress import Progress
 from distkit.loss import check_count, check_total, mean_of
 from distkit.registry import make_strategy
-from distkit.runtime import _agreement
+from distkit.runtime import _agreement, _weights
 from distkit.runtime._arguments import check_loss, check_runtime_arguments, check_setup_args
 from distkit.runtime._call_tags import tagged_sum
 from distkit.runtime._compile import Compiler
@@ -728,6 +729,29 @@ class Runtime:
         if isinstance(model, SetUpModel):
             model = model.module
         return self.strategy.state_io.model_state_dict(self.strategy.unwrap(model))
+
+    def save_weights(
+        self,
+        model: nn.Module,
+        path: str | os.PathLike[str],
+        *,
+        max_shard_size: int | str = _weights.DEFAULT_MAX_SHARD_SIZE,
+    ) -> list[Path]:
+        """Save ``model``'s full weights as safetensors, keyed as the user's module keys its
+        ``state_dict()``, from any strategy (see ``docs/weights.md``).
+
+        A path ending in ``.safetensors`` is one file; any other path is a folder holding
+        ``model.safetensors``, or shards of at most ``max_shard_size`` (bytes, or ``"500MB"``,
+        ``"2GB"``, ``"1GiB"``) with Hugging Face's ``model.safetensors.index.json``, and a
+        ``transformers`` model's config files. Tied weights are saved once. A collective:
+        call it on every rank; rank 0 writes (fsdp: one gathered shard at a time) and every
+        rank returns once the files are complete. Returns the paths written."""
+        self.require_open("save_weights")
+        self._ready()
+        written = _weights.save_weights(
+            self.strategy, model, path, max_shard_size=max_shard_size, what="rt.save_weights"
+        )
+        return written.paths
 
     # ------------------------------------------------------------------ data
     def loader_spec(

@@ -100,6 +100,17 @@ class LegacyStateIO(StateIO):
         return own(model, rank0_only=rank0_only)
 
     @override
+    def weight_entries(self, model: nn.Module) -> dict[str, Any]:
+        # the plugin's own full state (gathered whole: its sharding is unknown here); tied
+        # weights are then told apart by the names of the module's own state
+        if _own(self.strategy, "model_state_dict") is None:
+            return super().weight_entries(model)
+        full = self.model_state_dict(model)
+        own = model.state_dict(keep_vars=True)
+        firsts: dict[int, str] = {}
+        return {name: full[firsts.setdefault(id(own.get(name, name)), name)] for name in full}
+
+    @override
     def optimizer_state_dict(
         self, optimizer: torch.optim.Optimizer, *, rank0_only: bool = False
     ) -> dict[str, Any]:

@@ -4,7 +4,8 @@ A backend that needs its own way of doing one of these replaces one object inste
 overriding a group of hooks that must change together:
 
 - :class:`StateIO`: the model's and optimizer's full state, read and written in torch's
-  own form, and the entries of a checkpoint file. Every strategy gets the default from
+  own form (whole, or one tensor at a time for ``save_weights``), and the entries of a
+  checkpoint file. Every strategy gets the default from
   :attr:`Strategy.state_io <distkit.strategies.base.Strategy.state_io>`; FSDP returns one
   that gathers and scatters shards (its reads are collectives).
 - :class:`Elastic`: a fit whose processes may join or leave while it runs (Horovod elastic
@@ -77,6 +78,20 @@ class StateIO:
     ) -> None:
         """Load a full optimizer state (torch's form) into the user's ``optimizer``."""
         optimizer.load_state_dict(state)
+
+    def weight_entries(self, model: nn.Module) -> dict[str, Any]:
+        """The user's ``model``'s state as this backend holds it, for :meth:`full_tensor` to
+        fetch one entry at a time (``save_weights``). Default: ``model.state_dict(keep_vars=
+        True)``, whose values are the module's own parameters and buffers (tied ones are one
+        object under two names). A sharded entry reports its global shape and dtype. Called
+        on every rank, after the ranks agreed to save (a subclass may gather here)."""
+        return model.state_dict(keep_vars=True)
+
+    def full_tensor(self, entry: torch.Tensor, *, keep: bool) -> torch.Tensor | None:
+        """One of :meth:`weight_entries`' values in full on the CPU, or None where ``keep``
+        is False. A collective where the strategy shards the model (every rank, the same
+        entries in the same order); default: a copy-free read of the local tensor."""
+        return entry.detach().cpu() if keep else None
 
     def checkpoint_state(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, path: Path

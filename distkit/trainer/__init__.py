@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,7 +16,7 @@ from distkit.callbacks import Callback
 from distkit.callbacks._list import CallbackList
 from distkit.errors import ConfigurationError, TrainerClosedError
 from distkit.loggers import Logger
-from distkit.runtime import _agreement, _compile, _resume, _saving
+from distkit.runtime import _agreement, _compile, _resume, _saving, _weights
 from distkit.runtime._evaluation import LossFn, Metrics
 from distkit.runtime._predict import PredictFn
 from distkit.runtime._resume import LatestFit
@@ -496,6 +497,31 @@ class Trainer:
         if self._run is None:
             raise ConfigurationError("full_state_dict needs a model: call fit(...) first")
         return self.strategy.state_io.model_state_dict(self._run.model)
+
+    def save_weights(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        max_shard_size: int | str = _weights.DEFAULT_MAX_SHARD_SIZE,
+    ) -> list[Path]:
+        """Save the latest ``fit``'s model weights as safetensors (a ``.safetensors`` file, or
+        a folder sharded at ``max_shard_size`` with a ``transformers`` model's configs), as
+        :meth:`distkit.Runtime.save_weights` does. A collective: call it on every rank; rank
+        0 writes. Returns the paths written."""
+        self._require_open("save_weights")
+        if self._run is None:
+            raise ConfigurationError(
+                "save_weights needs a model: call fit(...) first (or save a model of your own "
+                "with distkit.Runtime.save_weights)"
+            )
+        written = _weights.save_weights(
+            self.strategy,
+            self._run.model,
+            path,
+            max_shard_size=max_shard_size,
+            what="trainer.save_weights",
+        )
+        return written.paths
 
     # ------------------------------------------------------------------ evaluate
     def evaluate(

@@ -231,6 +231,11 @@ class FSDPStateIO(StateIO):
         return _fsdp_state.full_optimizer_state(optimizer, keep=keep)
 
     @override
+    def full_tensor(self, entry: torch.Tensor, *, keep: bool) -> torch.Tensor | None:
+        full = _fsdp_state.gathered(entry)  # an all-gather: every rank, in the same order
+        return full if keep else None
+
+    @override
     def load_model_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
         _fsdp_state.load_full_model_state(model, state)
 

@@ -1,0 +1,213 @@
+"""``distkit.load_weights(model, path)``: safetensors weights into a plain module.
+
+Reads what ``save_weights`` writes, and Hugging Face's own folders: one ``.safetensors`` file,
+a folder with ``model.safetensors``, or a sharded folder with ``model.safetensors.index.json``.
+Every name and shape is checked from the files' headers before any weight is copied, so a
+refused load leaves the model as it was; then the files are read one at a time (the memory
+of one shard).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from distkit.checkpoint import _safetensors as st
+from distkit.errors import CheckpointError, ConfigurationError
+
+FEATURE = "load_weights"
+
+
+class LoadedWeights(NamedTuple):
+    """What :func:`load_weights` did: the names it loaded, the model's names the files lack
+    (``strict=False`` only), and the files' names the model lacks (``strict=False`` only).
+    Tied aliases of a loaded tensor count as loaded."""
+
+    loaded: list[str]
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+def load_weights(
+    model: nn.Module, path: str | os.PathLike[str], *, strict: bool = True
+) -> LoadedWeights:
+    """Load safetensors weights into ``model`` (a plain ``nn.Module``, before ``rt.setup`` or
+    ``fit``: fine-tuning then starts from them).
+
+    Args:
+        model: the module; its own ``state_dict()`` keys are matched (no ``module.`` prefix).
+        path: a ``.safetensors`` file, or a folder holding ``model.safetensors`` or a sharded
+            ``model.safetensors.index.json`` with its shards.
+        strict: refuse names the files lack or the model lacks. A tied alias
+            (``lm_head.weight`` tied to the embedding) absent from the files is fine when its
+            partner is loaded. Shapes must match either way.
+
+    Returns:
+        :class:`LoadedWeights` (``loaded``, ``missing_keys``, ``unexpected_keys``).
+
+    Raises:
+        CheckpointError: no such file or folder, a file of another format, a folder without
+            weights, a damaged index, names or shapes that do not match.
+    """
+    if not isinstance(model, nn.Module):
+        raise ConfigurationError(
+            f"load_weights takes a torch.nn.Module, got {type(model).__name__}: pass the model "
+            "you built (before rt.setup)"
+        )
+    if not isinstance(path, (str, os.PathLike)):
+        raise ConfigurationError(
+            f"load_weights' path must be a str or os.PathLike (a .safetensors file or a "
+            f"folder), got {type(path).__name__} {path!r}"
+        )
+    st.safetensors_torch(FEATURE)  # the missing dependency first, whatever the path
+    files = weight_files(Path(path))
+    return _load(model, files, Path(path), strict)
+
+
+def weight_files(path: Path) -> dict[Path, list[str] | None]:
+    """The files to read, each with the names its index says it holds (None: no index)."""
+    if not path.exists():
+        kind = "file" if st.is_file_path(path) else "file or folder"
+        raise CheckpointError(
+            f"load_weights: no such {kind}: {path}. Pass a .safetensors file or a folder "
+            f"holding {st.WEIGHTS_NAME} or {st.INDEX_NAME}"
+        )
+    if path.is_file():
+        if not st.is_file_path(path):
+            raise CheckpointError(
+                f"load_weights reads safetensors files (*{st.SUFFIX}), got {path}. A torch "
+                "file (.pt/.bin) loads with model.load_state_dict(torch.load(path, "
+                "weights_only=True)); a distkit checkpoint with trainer.load_checkpoint"
+            )
+        return {path: None}
+    single, index = path / st.WEIGHTS_NAME, path / st.INDEX_NAME
+    if single.is_file() and index.is_file():
+        raise CheckpointError(
+            f"{path} holds both {st.WEIGHTS_NAME} and {st.INDEX_NAME}: two saves mixed. "
+            "Remove the older one (or save the weights again)"
+        )
+    if single.is_file():
+        return {single: None}
+    if index.is_file():
+        return _indexed(index)
+    found = sorted(p.name for p in path.iterdir())[:8]
+    raise CheckpointError(
+        f"{path} holds no {st.WEIGHTS_NAME} or {st.INDEX_NAME} (it holds: "
+        f"{', '.join(found) or 'nothing'}). Pass a folder that save_weights wrote, or a "
+        ".safetensors file"
+    )
+
+
+def _indexed(index: Path) -> dict[Path, list[str] | None]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError("weight_map is not a dict")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(
+            f"{index} is not a safetensors index ({type(exc).__name__}: {exc}): it needs "
+            '{"weight_map": {name: file}}. Save the weights again'
+        ) from None
+    files: dict[Path, list[str] | None] = {}
+    for name, file in weight_map.items():
+        names = files.setdefault(index.parent / str(file), [])
+        assert names is not None
+        names.append(name)
+    absent = [p.name for p in files if not p.is_file()]
+    if absent:
+        raise CheckpointError(
+            f"{index} names shard files that are not in {index.parent}: "
+            f"{', '.join(absent[:5])}. Copy the whole folder, or save the weights again"
+        )
+    return files
+
+
+def _headers(files: dict[Path, list[str] | None]) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    """Every saved name with its file and shape, read from the headers (no data)."""
+    safe_open = st.safetensors_torch(FEATURE).safe_open
+    saved: dict[str, tuple[Path, tuple[int, ...]]] = {}
+    for file, listed in files.items():
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                names = list(handle.keys())
+                for name in names:
+                    saved[name] = (file, tuple(handle.get_slice(name).get_shape()))
+        except Exception as exc:  # safetensors raises its own SafetensorError
+            raise CheckpointError(
+                f"{file} is not a readable safetensors file ({type(exc).__name__}: {exc}): "
+                "truncated or of another format? Save the weights again"
+            ) from None
+        if listed is not None and sorted(listed) != sorted(names):
+            lacking = sorted(set(listed) - set(names))[:5]
+            raise CheckpointError(
+                f"{file} lacks tensors its index lists ({', '.join(lacking) or 'others'}): "
+                "the folder mixes two saves. Save the weights again"
+            )
+    return saved
+
+
+def _load(model: nn.Module, files: dict[Path, list[str] | None], path: Path, strict: bool) -> Any:
+    saved = _headers(files)
+    state = model.state_dict(keep_vars=True)
+    if any(_is_sharded(value) for value in state.values()):
+        raise ConfigurationError(
+            "load_weights got a model whose weights are sharded (set up for fsdp): load the "
+            "weights into the model you built, before rt.setup / fit, which then shard them"
+        )
+    aliases = st.shared_aliases(state)
+    groups: dict[str, list[str]] = {}
+    for name in state:
+        groups.setdefault(aliases.get(name, name), []).append(name)
+    missing = [
+        name
+        for name in state
+        if name not in saved
+        and not any(other in saved for other in groups[aliases.get(name, name)])
+    ]
+    unexpected = [name for name in saved if name not in state]
+    if strict and (missing or unexpected):
+        raise CheckpointError(_mismatch(path, missing, unexpected))
+    wrong = [
+        f"{name}: file {list(shape)}, model {list(state[name].shape)}"
+        for name, (_, shape) in saved.items()
+        if name in state and tuple(state[name].shape) != shape
+    ]
+    if wrong:
+        raise CheckpointError(
+            f"{path} has tensors of other shapes than the model's: {'; '.join(wrong[:5])}"
+            f"{' ...' if len(wrong) > 5 else ''}. Build the model with the configuration the "
+            "weights were saved from"
+        )
+    load_file = st.safetensors_torch(FEATURE).load_file
+    for file in files:
+        chunk = {k: v for k, v in load_file(str(file)).items() if k in state}
+        model.load_state_dict(chunk, strict=False)  # names checked above
+        del chunk
+    loaded = [name for name in state if name not in missing]
+    return LoadedWeights(loaded, missing, unexpected)
+
+
+def _is_sharded(value: object) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
+
+
+def _mismatch(path: Path, missing: list[str], unexpected: list[str]) -> str:
+    parts = []
+    if missing:
+        parts.append(f"the model's {', '.join(missing[:8])} are not in the files")
+    if unexpected:
+        parts.append(f"the files' {', '.join(unexpected[:8])} are not in the model")
+    return (
+        f"{path} does not match the model: {'; '.join(parts)}. Build the model the weights were "
+        "saved from, or pass strict=False to load the names both have (the result lists the "
+        "rest)"
+    )
