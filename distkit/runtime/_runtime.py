@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,21 +22,20 @@ from torch import nn
 from typing_extensions import override
 
 from distkit._validate import check_flags, check_ints, check_positive
-from distkit.data import LoaderSpec, MicroBatch
+from distkit.data import LoaderSpec
 from distkit.data._batch_plan import batch_plan
 from distkit.data._feed import eval_batches, train_feed
 from distkit.data._stream_spec import StreamSpec, is_stream
 from distkit.errors import ConfigurationError, TrainerClosedError
 from distkit.faults._faults import fail_fast
 from distkit.faults._progress import Progress
-from distkit.loss import check_count, check_total, mean_of
 from distkit.registry import make_strategy
 from distkit.runtime import _agreement, _weights
-from distkit.runtime._arguments import check_loss, check_runtime_arguments, check_setup_args
+from distkit.runtime._arguments import check_runtime_arguments, check_setup_args
 from distkit.runtime._call_tags import tagged_sum
-from distkit.runtime._compile import Compiler
 from distkit.runtime._evaluation import EvalStepFn, LossFn, Metrics, as_score, evaluate_shard
 from distkit.runtime._loader import RuntimeLoader
+from distkit.runtime._loop import LoopState
 from distkit.runtime._predict import PredictFn, PredictPlan, prepare_predict, run_predict
 from distkit.runtime._preparation import checked_placement, prepare_evaluate
 from distkit.runtime._set_up import SetUpModel, SetUpOptimizer
@@ -115,21 +114,9 @@ class Runtime:
         self.progress = Progress()
         self._failure_channel: Any = None
         self._finalizer = weakref.finalize(self, self.setups.shutdown)
-        # a user's own loop (rt.setup / rt.loader / rt.backward)
-        self._micro: MicroBatch | None = None  # the micro-batch the loop holds now
-        self._set_up: weakref.WeakKeyDictionary[nn.Module, SetUpModel]
-        self._set_up = weakref.WeakKeyDictionary()  # the user's module -> what setup returned
-        #: the set-up optimizers, in set-up order, each with its model
-        self._owners: dict[SetUpOptimizer, SetUpModel] = {}
-        #: the model and optimizer of the Trainer's fit running on this runtime (see
-        #: :meth:`set_up_fit`): one at a time, so a sweep of fits holds none of the last
-        self._fit: tuple[SetUpModel, SetUpOptimizer] | None = None
-        # legacy apex: models set up but not yet initialised (see _ready)
-        self._pending: list[
-            tuple[nn.Module, list[torch.optim.Optimizer], Placement, SetUpModel, list[Any]]
-        ] = []
-        self._together_done = False
-        self._backwards = 0  # rt.backward calls so far (a step checks it had one)
+        #: what the loop over this runtime holds (a user's loop, or the Trainer's fit): its
+        #: set-up models and optimizers, its micro-batch, its losses' backward
+        self.loop = LoopState(self.strategy, self.setups, self.progress)
         self._block_guard: contextlib.AbstractContextManager[None] | None = None
 
     @property
@@ -268,7 +255,7 @@ class Runtime:
                 "this model is what rt.setup returned: it is set up already. Set up each "
                 "model once, passing the nn.Module you built"
             )
-        if model in self._set_up:
+        if model in self.loop.modules:
             raise ConfigurationError(
                 f"{type(model).__name__} is set up already (rt.setup was called with it "
                 "before): set up each model once, with all of its optimizers in one call: "
@@ -287,80 +274,7 @@ class Runtime:
             placement = prepare().local
         else:
             placement, _ = _agreement.exchange(strategy, "setup", prepare)
-        if strategy.sets_up_together:  # legacy apex: every model at the first use
-            set_up = SetUpModel(strategy, model, model, self._current_micro, self._ready)
-            wrappers = [
-                SetUpOptimizer(
-                    strategy, opt, opt, self._current_micro, self._ready, self._backwards_done
-                )
-                for opt in optimizers
-            ]
-            self._pending.append((model, list(optimizers), placement, set_up, wrappers))
-            if self._together_done:
-                self._ready()  # the backend refuses a second set-up, saying why
-        else:
-            inners = [self.setups.setup(model, opt, placement)[1] for opt in optimizers]
-            wrapped = self.setups.wrapped(model)
-            set_up = SetUpModel(strategy, model, wrapped, self._current_micro)
-            wrappers = [
-                SetUpOptimizer(
-                    strategy, opt, inner, self._current_micro, backwards=self._backwards_done
-                )
-                for opt, inner in zip(optimizers, inners, strict=True)
-            ]
-        self._set_up[model] = set_up
-        for wrapper in wrappers:
-            self._owners[wrapper] = set_up
-        return (set_up, *wrappers) if optimizers else set_up
-
-    def set_up_fit(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        placement: Placement,
-        compiler: Compiler | None,
-    ) -> tuple[SetUpModel, SetUpOptimizer]:
-        """The Trainer's fit as a user loop of this runtime: ``model`` and ``optimizer`` set
-        up (once per runtime: a later fit of the same model reuses them, as a sweep does)
-        and wrapped like :meth:`setup`'s, the forward compiled when ``compiler`` says so.
-        They are this runtime's running fit until :meth:`end_fit`."""
-        wrapped, inner = self.setups.setup(model, optimizer, placement)
-        forward = self.setups.compiled(model, compiler)
-        set_up = SetUpModel(self.strategy, model, wrapped, self._current_micro, forward=forward)
-        opt = SetUpOptimizer(
-            self.strategy, optimizer, inner, self._current_micro, backwards=self._backwards_done
-        )
-        self._fit = (set_up, opt)
-        return set_up, opt
-
-    def end_fit(self) -> None:
-        """The fit is over: its model and optimizer are no longer this runtime's."""
-        self._fit, self._micro = None, None
-
-    @property
-    def held(self) -> MicroBatch | None:
-        """The micro-batch the loop holds now (None: outside a loader's batches)."""
-        return self._micro
-
-    def hold(self, micro: MicroBatch | None, epoch: int = 0) -> None:
-        """The loop now holds ``micro`` (None: no loader batch): where it ends its window,
-        its weight (see :meth:`backward`)."""
-        self._micro = micro
-
-    def _ready(self) -> None:
-        """Set the pending models up, where the backend sets every model up together
-        (legacy apex: one ``amp.initialize`` for all): at the loop's first use of any."""
-        if not self._pending:
-            return
-        pending, self._pending = self._pending, []
-        self._together_done = True
-        done = self.setups.setup_together(
-            [(model, opts, placement) for model, opts, placement, _, _ in pending]
-        )
-        for (_, _, _, set_up, wrappers), (wrapped, inners) in zip(pending, done, strict=True):
-            set_up.rewrap(wrapped)
-            for wrapper, inner in zip(wrappers, inners, strict=True):
-                wrapper._inner = inner
+        return self.loop.add(model, optimizers, placement)
 
     def loader(
         self,
@@ -403,16 +317,10 @@ class Runtime:
             seed=self.seed,
             rank=self.rank,
             device=self.device,
-            enter=self._enter,
+            enter=self.loop.enter,
             agree=self._agree_on_epoch,
-            ended=self._check_items,
+            ended=self.loop.check_items,
         )
-
-    def _check_items(self) -> None:
-        """Token-exact losses: raise if a step since the last check had zero items on every
-        rank, where only the device knew (at each loader epoch's end and each save)."""
-        for optimizer in self._owners:
-            optimizer.check_items()
 
     def _agree_on_epoch(self, epoch: int, position: int) -> None:
         """Every rank starts iterating a loader at the same epoch and place (one small
@@ -462,135 +370,14 @@ class Runtime:
         the device (reading it syncs the host).
         """
         self.require_open("backward")
-        if not self._set_up and self._fit is None:
-            raise ConfigurationError(
-                "rt.backward(loss) before rt.setup(model, optimizer): set the model up first, "
-                "so that its gradients are synchronised over the ranks"
-            )
-        micro = self._micro
-        if count is not None:
-            check_total(loss, "rt.backward's total (with count=)")
-            check_count(count, "rt.backward's count=")
-        else:
-            check_loss(loss, "rt.backward's loss")
-            if micro is None and loss.ndim != 0:
-                raise ConfigurationError(
-                    f"rt.backward got a loss of shape {tuple(loss.shape)} outside rt.loader's "
-                    "batches: one value per DataParallel replica is weighted by the batch's "
-                    "samples, known only for rt.loader's batches. Pass the batch-mean loss "
-                    "(a scalar), or iterate rt.loader(data)"
-                )
-        if micro is None and self.options.grad_accum_steps > 1:
-            raise ConfigurationError(
-                f"grad_accum_steps={self.options.grad_accum_steps} needs the batches of "
-                "rt.loader(...): it knows where each accumulation window ends. Iterate "
-                "rt.loader(data) (or create the Runtime with grad_accum_steps=1)"
-            )
-        self._ready()
-        owners = self._backward_owners(loss, optimizer, items=count is not None)
-        if owners:
-            target = owners[0].strategy_optimizer
-        else:
-            target = next((opt.strategy_optimizer for opt in self._owners), None)
-        return self.propagate(loss, target, count=count, owners=owners)
+        return self.loop.backward(loss, optimizer=optimizer, count=count)
 
-    def propagate(
-        self,
-        loss: torch.Tensor,
-        optimizer: Any,
-        *,
-        count: int | torch.Tensor | None = None,
-        owners: Sequence[SetUpOptimizer] = (),
-    ) -> torch.Tensor:
-        """:meth:`backward`'s work on a loss already checked, for the strategy's ``optimizer``
-        (the Trainer's step loop calls it; a user's loop calls :meth:`backward`): dp's
-        per-replica losses reduced, the micro-batch's weight (with ``count``: the scale of a
-        token-exact total, its items noted in each of ``owners``' windows), no gradient
-        synchronisation mid-window, the backend's backward. Returns the reduced, unweighted
-        loss (with ``count``: the micro-batch's mean per item, detached)."""
-        micro = self._micro
-        if count is None:
-            for owner in owners:
-                owner.items.note_mean("rt.backward")
-            # dp may gather one loss per replica: weighted by the batch's samples
-            loss = self.strategy.reduce_loss(loss, 0 if micro is None else micro.count)
-            weight = 1.0 if micro is None else micro.weight
-            returned = loss
-        else:
-            loss, count, weight = self._items_total(loss, count, owners)
-            returned = mean_of(loss.detach(), count)
-        self._backwards += 1
-        if micro is None or micro.last_in_step:
-            self.strategy.backward(loss if weight == 1.0 else loss * weight, optimizer)
-            return returned
-        with contextlib.ExitStack() as stack:  # mid-window: no gradient synchronisation
-            for set_up in self._models():
-                stack.enter_context(set_up.unsynced())
-            self.strategy.backward(loss if weight == 1.0 else loss * weight, optimizer)
-        return returned
-
-    def _items_total(
-        self,
-        total: torch.Tensor,
-        count: int | torch.Tensor,
-        owners: Sequence[SetUpOptimizer],
-    ) -> tuple[torch.Tensor, int | torch.Tensor, float]:
-        """A token-exact total as backpropagated: summed (dp's per-replica totals), left out
-        for a placeholder micro-batch, and its scale, the same for every micro-batch of the
-        window on every rank (see distkit.runtime._items); its items noted in ``owners``."""
-        micro = self._micro
-        if total.ndim:
-            total = total.sum()  # one partial sum per DataParallel replica
-        if isinstance(count, torch.Tensor) and count.ndim:
-            count = count.sum()
-        if micro is not None and micro.count == 0:  # a stand-in sample: it counts for nothing
-            count = 0
-        world = self.world_size
-        scale = world / micro.step_samples if micro is not None and micro.step_samples else 1.0
-        for owner in owners:
-            owner.items.note_items(count, scale, "rt.backward(total, count=...)")
-        weight = 0.0 if micro is not None and micro.count == 0 else scale
-        return total, count, weight
-
-    def _models(self) -> list[SetUpModel]:
-        """Every set-up model: the user loop's, and the running fit's."""
-        models = list(self._set_up.values())
-        if self._fit is not None:
-            models.append(self._fit[0])
-        return models
-
-    def _backward_owners(self, loss: torch.Tensor, given: Any, *, items: bool) -> list[Any]:
-        """The set-up optimizers whose next step applies ``rt.backward(loss)``'s gradients
-        (see :meth:`backward`): the one given, the only one, or (legacy apex, token-exact
-        losses) those whose parameters the loss reaches; none where it does not matter."""
-        if given is not None:
-            if self._fit is not None and given is self._fit[1]:
-                return [given]
-            if not isinstance(given, SetUpOptimizer) or given not in self._owners:
-                raise ConfigurationError(
-                    f"rt.backward's optimizer= takes an optimizer this Runtime's rt.setup "
-                    f"returned, got {type(given).__name__}: pass what "
-                    "rt.setup(model, optimizer) gave back"
-                )
-            return [given]
-        optimizers = list(self._owners)
-        if len(optimizers) <= 1:
-            return optimizers
-        apex = self.strategy.sets_up_together
-        if not (apex or items):
-            return []  # the backend does not use it
-        reached = _reached_models(loss, self._set_up.values())
-        owners = [opt for opt in optimizers if self._owners[opt] in reached]
-        if not apex or len(owners) == 1:
-            return owners
-        names = ", ".join(repr(opt.optimizer).split("(")[0] for opt in owners) or "none"
-        raise ConfigurationError(
-            f"rt.backward(loss) on {self.strategy.name!r} (legacy apex amp) needs to know "
-            "which optimizer steps on these gradients: amp unscales them for that "
-            f"optimizer, with its own loss scale, and this loss reaches the parameters of "
-            f"{len(owners)} set-up optimizers ({names}). Pass it: "
-            "rt.backward(loss, optimizer=opt_g)"
-        )
+    @property
+    def sync_gradients(self) -> bool:
+        """Whether the batch the loop holds ends its accumulation window: its backward
+        synchronises the gradients and ``optimizer.step()`` steps (always True outside
+        ``rt.loader``'s batches). Save checkpoints where it is True."""
+        return self.loop.sync_gradients
 
     def clip_gradients(
         self,
@@ -605,7 +392,7 @@ class Runtime:
         ``gradient_clip_norm`` does. The norm before clipping is then
         ``optimizer.last_grad_norm``."""
         self.require_open("clip_gradients")
-        self._ready()
+        self.loop.ready()
         if not isinstance(optimizer, SetUpOptimizer):
             raise ConfigurationError(
                 f"clip_gradients takes the optimizer rt.setup returned, got "
@@ -623,7 +410,7 @@ class Runtime:
         """No gradient synchronisation for ``model`` in the block (forward and backward):
         for accumulating by hand, outside ``rt.loader``'s windows."""
         self.require_open("no_sync")
-        self._ready()
+        self.loop.ready()
         if not isinstance(model, SetUpModel):
             raise ConfigurationError(
                 f"no_sync takes the model rt.setup returned, got {type(model).__name__}"
@@ -638,8 +425,8 @@ class Runtime:
         model is gathered). Called on some ranks only, it fails there instead of hanging.
         Save after ``optimizer.step()``: gradients mid-accumulation are not saved."""
         self.require_open("save")
-        self._ready()
-        self._check_items()
+        self.loop.ready()
+        self.loop.check_items()
         save_state(self, path, state)
 
     def load(self, path: str | os.PathLike[str], state: dict[str, Any]) -> dict[str, Any]:
@@ -647,33 +434,8 @@ class Runtime:
         world size, on any backend); returns the file's plain values by name (``{"epoch":
         2}``). Call it after :meth:`setup`, on every rank."""
         self.require_open("load")
-        self._ready()
+        self.loop.ready()
         return load_state(self, path, state)
-
-    @property
-    def sync_gradients(self) -> bool:
-        """Whether the batch the loop holds ends its accumulation window: its backward
-        synchronises the gradients and ``optimizer.step()`` steps (always True outside
-        ``rt.loader``'s batches). Save checkpoints where it is True."""
-        micro = self._micro
-        return micro is None or micro.last_in_step
-
-    def _backwards_done(self) -> int:
-        return self._backwards
-
-    def _current_micro(self) -> MicroBatch | None:
-        return self._micro
-
-    def _enter(self, micro: MicroBatch | None, epoch: int) -> None:
-        progress = self.progress  # where this rank is, for the watchdog's hang reports
-        done = self._micro
-        if done is not None and done.last_in_step:
-            progress.step += 1  # the window before this batch is over: steps taken so far
-        self._micro = micro
-        if micro is None:
-            progress.phase = "user code"
-        elif progress.phase != "training" or progress.epoch != epoch:
-            progress.epoch, progress.phase = epoch, "training"
 
     # ------------------------------------------------------------------ collectives
     def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
@@ -721,7 +483,7 @@ class Runtime:
         shows). A collective where the strategy shards the model (fsdp gathers): call it on
         every rank."""
         self.require_open("full_state_dict")
-        self._ready()
+        self.loop.ready()
         if not isinstance(model, nn.Module):
             raise ConfigurationError(
                 f"full_state_dict takes a torch.nn.Module, got {type(model).__name__}"
@@ -747,7 +509,7 @@ class Runtime:
         call it on every rank; rank 0 writes (fsdp: one gathered shard at a time) and every
         rank returns once the files are complete. Returns the paths written."""
         self.require_open("save_weights")
-        self._ready()
+        self.loop.ready()
         written = _weights.save_weights(
             self.strategy, model, path, max_shard_size=max_shard_size, what="rt.save_weights"
         )
@@ -813,7 +575,7 @@ class Runtime:
             input_device: where a model you placed on devices of your own takes its inputs.
         """
         self.require_open("evaluate")
-        self._ready()
+        self.loop.ready()
         strategy = self.strategy
         seed = self.seed if seed is None else seed
         if isinstance(model, SetUpModel):
@@ -880,7 +642,7 @@ class Runtime:
             write_to: the folder of ``gather=None``'s files (one per rank).
         """
         self.require_open("predict")
-        self._ready()
+        self.loop.ready()
         strategy = self.strategy
         seed = self.seed if seed is None else seed
         if isinstance(model, SetUpModel):
@@ -902,22 +664,3 @@ class Runtime:
 
         plan, _ = _agreement.exchange(strategy, "predict", prepare)
         return run_predict(strategy, strategy.eval_model(self.setups.wrapped(model)), plan, seed)
-
-
-def _reached_models(loss: torch.Tensor, set_ups: Any) -> list[SetUpModel]:
-    """The set-up models whose parameters ``loss``'s backward reaches (its graph's leaves)."""
-    leaves: set[int] = set()
-    seen: set[Any] = set()
-    stack = [loss.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf
-        if variable is not None:
-            leaves.add(id(variable))
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return [
-        set_up for set_up in set_ups if any(id(p) in leaves for p in set_up.module.parameters())
-    ]

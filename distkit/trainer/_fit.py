@@ -61,7 +61,7 @@ def train(
     validation_step = call.validation_step
     spec = prepared.spec
     # the fit is a loop over the runtime: its set-up model and optimizer, its backward
-    fit_model, fit_optimizer = runtime.set_up_fit(
+    fit_model, fit_optimizer = runtime.loop.set_up_fit(
         model, optimizer, prepared.placement, call.compiler
     )
     if payload is not None:
@@ -126,7 +126,7 @@ def train(
             seed=config.seed,
             rank=strategy.rank,
             device=prepared.placement.input_device,
-            enter=runtime.hold,
+            enter=runtime.loop.hold,
         )
         loop = StepLoop(
             runtime=runtime,
@@ -166,5 +166,5 @@ def train(
         else:  # run again, from the last commit, whenever the group changed
             elastic.run(body, RunSnapshot(model, optimizer, scheduler, state, callbacks))
     finally:
-        runtime.end_fit()
+        runtime.loop.end_fit()
     return runs[-1]

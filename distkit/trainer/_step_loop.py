@@ -113,7 +113,7 @@ class StepLoop:
         ``after_step(state, result)`` runs after every optimizer step; True stops early.
         Returns True when stopped early.
         """
-        strategy, runtime = self.strategy, self.runtime
+        strategy, loop = self.strategy, self.runtime.loop
         model, optimizer = self.model, self.optimizer
         inner = optimizer.strategy_optimizer
         model.train()
@@ -145,7 +145,7 @@ class StepLoop:
         timer.start()
         with bar, contextlib.closing(iter(loader)) as batches:
             for batch in batches:
-                micro = runtime.held  # the batch's micro-batch: its weight, its window's end
+                micro = loop.micro  # the batch's micro-batch: its weight, its window's end
                 assert micro is not None
                 timer.mark("data")
                 if fresh_step:
@@ -168,7 +168,7 @@ class StepLoop:
                     progress.phase = "backward"
                     # weighted by the micro-batch's share; returned unweighted, one value (a
                     # token-exact total: scaled, its items noted; returned as its mean)
-                    loss = runtime.propagate(loss, inner, count=items, owners=owners)
+                    loss = loop.propagate(loss, inner, count=items, owners=owners)
                 timer.mark("backward")
                 counted = micro.count
                 # "skip" reads the loss here (its step reads the gradients anyway); "raise"

@@ -1,0 +1,324 @@
+"""What a loop over a runtime holds, and how its losses go backward.
+
+A :class:`LoopState` belongs to one :class:`~distkit.Runtime`: the models and optimizers
+``rt.setup`` set up (and the Trainer's running fit), the micro-batch the loop holds now (from
+``rt.loader``: where its accumulation window ends, its weight), legacy apex's models waiting
+to be set up together, and the backward of each loss: checked, weighted by the micro-batch's
+share of its global batch (or, token-exact, scaled and its items counted), without gradient
+synchronisation mid-window. The Runtime's public methods check their arguments and call it;
+the Trainer's step loop calls :meth:`LoopState.propagate` itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from distkit.data import MicroBatch
+from distkit.errors import ConfigurationError
+from distkit.faults._progress import Progress
+from distkit.loss import check_count, check_total, mean_of
+from distkit.runtime._arguments import check_loss
+from distkit.runtime._compile import Compiler
+from distkit.runtime._set_up import SetUpModel, SetUpOptimizer
+from distkit.runtime._setups import SetupCache
+from distkit.strategies._placement import Placement
+from distkit.strategies.base import Strategy
+
+
+class LoopState:
+    """The set-up models and optimizers of a runtime's loop, the micro-batch it holds, and
+    the backward of its losses (see the module's docstring)."""
+
+    def __init__(self, strategy: Strategy, setups: SetupCache, progress: Progress) -> None:
+        self.strategy = strategy
+        self.setups = setups
+        self.progress = progress  # where this rank is, for the watchdog's hang reports
+        self.micro: MicroBatch | None = None  # the micro-batch the loop holds now
+        #: the user's module -> what rt.setup returned
+        self.modules: weakref.WeakKeyDictionary[nn.Module, SetUpModel]
+        self.modules = weakref.WeakKeyDictionary()
+        #: the set-up optimizers, in set-up order, each with its model
+        self.owners: dict[SetUpOptimizer, SetUpModel] = {}
+        #: the model and optimizer of the Trainer's fit running on this runtime (see
+        #: :meth:`set_up_fit`): one at a time, so a sweep of fits holds none of the last
+        self.fit: tuple[SetUpModel, SetUpOptimizer] | None = None
+        # legacy apex: models set up but not yet initialised (see ready)
+        self._pending: list[
+            tuple[nn.Module, list[torch.optim.Optimizer], Placement, SetUpModel, list[Any]]
+        ] = []
+        self._together_done = False
+        self.backwards = 0  # backward calls so far (a step checks it had one)
+
+    def add(
+        self,
+        model: nn.Module,
+        optimizers: Sequence[torch.optim.Optimizer],
+        placement: Placement,
+    ) -> Any:
+        """``rt.setup``'s set-up, once the ranks agreed: the set-up model, or it and its
+        optimizers."""
+        strategy = self.strategy
+        if strategy.sets_up_together:  # legacy apex: every model at the first use
+            set_up = SetUpModel(strategy, model, model, self.current_micro, self.ready)
+            wrappers = [
+                SetUpOptimizer(
+                    strategy, opt, opt, self.current_micro, self.ready, self.backwards_done
+                )
+                for opt in optimizers
+            ]
+            self._pending.append((model, list(optimizers), placement, set_up, wrappers))
+            if self._together_done:
+                self.ready()  # the backend refuses a second set-up, saying why
+        else:
+            inners = [self.setups.setup(model, opt, placement)[1] for opt in optimizers]
+            wrapped = self.setups.wrapped(model)
+            set_up = SetUpModel(strategy, model, wrapped, self.current_micro)
+            wrappers = [
+                SetUpOptimizer(
+                    strategy, opt, inner, self.current_micro, backwards=self.backwards_done
+                )
+                for opt, inner in zip(optimizers, inners, strict=True)
+            ]
+        self.modules[model] = set_up
+        for wrapper in wrappers:
+            self.owners[wrapper] = set_up
+        return (set_up, *wrappers) if optimizers else set_up
+
+    def set_up_fit(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        placement: Placement,
+        compiler: Compiler | None,
+    ) -> tuple[SetUpModel, SetUpOptimizer]:
+        """The Trainer's fit as a user loop of this runtime: ``model`` and ``optimizer`` set
+        up (once per runtime: a later fit of the same model reuses them, as a sweep does)
+        and wrapped like :meth:`setup`'s, the forward compiled when ``compiler`` says so.
+        They are this runtime's running fit until :meth:`end_fit`."""
+        wrapped, inner = self.setups.setup(model, optimizer, placement)
+        forward = self.setups.compiled(model, compiler)
+        set_up = SetUpModel(self.strategy, model, wrapped, self.current_micro, forward=forward)
+        opt = SetUpOptimizer(
+            self.strategy, optimizer, inner, self.current_micro, backwards=self.backwards_done
+        )
+        self.fit = (set_up, opt)
+        return set_up, opt
+
+    def end_fit(self) -> None:
+        """The fit is over: its model and optimizer are no longer this runtime's."""
+        self.fit, self.micro = None, None
+
+    def hold(self, micro: MicroBatch | None, epoch: int) -> None:
+        """The loop now holds ``micro`` (a loader's ``enter`` for the Trainer's fit, whose
+        step loop keeps this rank's progress itself; :meth:`enter` keeps it for a user's
+        loop): where it ends its window, its weight."""
+        self.micro = micro
+
+    def ready(self) -> None:
+        """Set the pending models up, where the backend sets every model up together
+        (legacy apex: one ``amp.initialize`` for all): at the loop's first use of any."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        self._together_done = True
+        done = self.setups.setup_together(
+            [(model, opts, placement) for model, opts, placement, _, _ in pending]
+        )
+        for (_, _, _, set_up, wrappers), (wrapped, inners) in zip(pending, done, strict=True):
+            set_up.rewrap(wrapped)
+            for wrapper, inner in zip(wrappers, inners, strict=True):
+                wrapper._inner = inner
+
+    def check_items(self) -> None:
+        """Token-exact losses: raise if a step since the last check had zero items on every
+        rank, where only the device knew (at each loader epoch's end and each save)."""
+        for optimizer in self.owners:
+            optimizer.check_items()
+
+    def backward(
+        self,
+        loss: torch.Tensor,
+        *,
+        optimizer: Any = None,
+        count: int | torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``rt.backward``'s work (see :meth:`distkit.Runtime.backward`)."""
+        if not self.modules and self.fit is None:
+            raise ConfigurationError(
+                "rt.backward(loss) before rt.setup(model, optimizer): set the model up first, "
+                "so that its gradients are synchronised over the ranks"
+            )
+        micro = self.micro
+        if count is not None:
+            check_total(loss, "rt.backward's total (with count=)")
+            check_count(count, "rt.backward's count=")
+        else:
+            check_loss(loss, "rt.backward's loss")
+            if micro is None and loss.ndim != 0:
+                raise ConfigurationError(
+                    f"rt.backward got a loss of shape {tuple(loss.shape)} outside rt.loader's "
+                    "batches: one value per DataParallel replica is weighted by the batch's "
+                    "samples, known only for rt.loader's batches. Pass the batch-mean loss "
+                    "(a scalar), or iterate rt.loader(data)"
+                )
+        if micro is None and self.strategy.options.grad_accum_steps > 1:
+            raise ConfigurationError(
+                f"grad_accum_steps={self.strategy.options.grad_accum_steps} needs the batches of "
+                "rt.loader(...): it knows where each accumulation window ends. Iterate "
+                "rt.loader(data) (or create the Runtime with grad_accum_steps=1)"
+            )
+        self.ready()
+        owners = self._owners_of(loss, optimizer, items=count is not None)
+        if owners:
+            target = owners[0].strategy_optimizer
+        else:
+            target = next((opt.strategy_optimizer for opt in self.owners), None)
+        return self.propagate(loss, target, count=count, owners=owners)
+
+    def propagate(
+        self,
+        loss: torch.Tensor,
+        optimizer: Any,
+        *,
+        count: int | torch.Tensor | None = None,
+        owners: Sequence[SetUpOptimizer] = (),
+    ) -> torch.Tensor:
+        """:meth:`backward`'s work on a loss already checked, for the strategy's ``optimizer``
+        (the Trainer's step loop calls it; a user's loop calls :meth:`backward`): dp's
+        per-replica losses reduced, the micro-batch's weight (with ``count``: the scale of a
+        token-exact total, its items noted in each of ``owners``' windows), no gradient
+        synchronisation mid-window, the backend's backward. Returns the reduced, unweighted
+        loss (with ``count``: the micro-batch's mean per item, detached)."""
+        micro = self.micro
+        if count is None:
+            for owner in owners:
+                owner.items.note_mean("rt.backward")
+            # dp may gather one loss per replica: weighted by the batch's samples
+            loss = self.strategy.reduce_loss(loss, 0 if micro is None else micro.count)
+            weight = 1.0 if micro is None else micro.weight
+            returned = loss
+        else:
+            loss, count, weight = self._items_total(loss, count, owners)
+            returned = mean_of(loss.detach(), count)
+        self.backwards += 1
+        if micro is None or micro.last_in_step:
+            self.strategy.backward(loss if weight == 1.0 else loss * weight, optimizer)
+            return returned
+        with contextlib.ExitStack() as stack:  # mid-window: no gradient synchronisation
+            for set_up in self.models():
+                stack.enter_context(set_up.unsynced())
+            self.strategy.backward(loss if weight == 1.0 else loss * weight, optimizer)
+        return returned
+
+    def _items_total(
+        self,
+        total: torch.Tensor,
+        count: int | torch.Tensor,
+        owners: Sequence[SetUpOptimizer],
+    ) -> tuple[torch.Tensor, int | torch.Tensor, float]:
+        """A token-exact total as backpropagated: summed (dp's per-replica totals), left out
+        for a placeholder micro-batch, and its scale, the same for every micro-batch of the
+        window on every rank (see distkit.runtime._items); its items noted in ``owners``."""
+        micro = self.micro
+        if total.ndim:
+            total = total.sum()  # one partial sum per DataParallel replica
+        if isinstance(count, torch.Tensor) and count.ndim:
+            count = count.sum()
+        if micro is not None and micro.count == 0:  # a stand-in sample: it counts for nothing
+            count = 0
+        world = self.strategy.world_size
+        scale = world / micro.step_samples if micro is not None and micro.step_samples else 1.0
+        for owner in owners:
+            owner.items.note_items(count, scale, "rt.backward(total, count=...)")
+        weight = 0.0 if micro is not None and micro.count == 0 else scale
+        return total, count, weight
+
+    def models(self) -> list[SetUpModel]:
+        """Every set-up model: the user loop's, and the running fit's."""
+        models = list(self.modules.values())
+        if self.fit is not None:
+            models.append(self.fit[0])
+        return models
+
+    def _owners_of(self, loss: torch.Tensor, given: Any, *, items: bool) -> list[Any]:
+        """The set-up optimizers whose next step applies ``rt.backward(loss)``'s gradients
+        (see :meth:`backward`): the one given, the only one, or (legacy apex, token-exact
+        losses) those whose parameters the loss reaches; none where it does not matter."""
+        if given is not None:
+            if self.fit is not None and given is self.fit[1]:
+                return [given]
+            if not isinstance(given, SetUpOptimizer) or given not in self.owners:
+                raise ConfigurationError(
+                    f"rt.backward's optimizer= takes an optimizer this Runtime's rt.setup "
+                    f"returned, got {type(given).__name__}: pass what "
+                    "rt.setup(model, optimizer) gave back"
+                )
+            return [given]
+        optimizers = list(self.owners)
+        if len(optimizers) <= 1:
+            return optimizers
+        apex = self.strategy.sets_up_together
+        if not (apex or items):
+            return []  # the backend does not use it
+        reached = _reached_models(loss, self.modules.values())
+        owners = [opt for opt in optimizers if self.owners[opt] in reached]
+        if not apex or len(owners) == 1:
+            return owners
+        names = ", ".join(repr(opt.optimizer).split("(")[0] for opt in owners) or "none"
+        raise ConfigurationError(
+            f"rt.backward(loss) on {self.strategy.name!r} (legacy apex amp) needs to know "
+            "which optimizer steps on these gradients: amp unscales them for that "
+            f"optimizer, with its own loss scale, and this loss reaches the parameters of "
+            f"{len(owners)} set-up optimizers ({names}). Pass it: "
+            "rt.backward(loss, optimizer=opt_g)"
+        )
+
+    @property
+    def sync_gradients(self) -> bool:
+        """Whether the batch the loop holds ends its accumulation window: its backward
+        synchronises the gradients and ``optimizer.step()`` steps (always True outside
+        ``rt.loader``'s batches). Save checkpoints where it is True."""
+        micro = self.micro
+        return micro is None or micro.last_in_step
+
+    def backwards_done(self) -> int:
+        return self.backwards
+
+    def current_micro(self) -> MicroBatch | None:
+        return self.micro
+
+    def enter(self, micro: MicroBatch | None, epoch: int) -> None:
+        progress = self.progress  # where this rank is, for the watchdog's hang reports
+        done = self.micro
+        if done is not None and done.last_in_step:
+            progress.step += 1  # the window before this batch is over: steps taken so far
+        self.micro = micro
+        if micro is None:
+            progress.phase = "user code"
+        elif progress.phase != "training" or progress.epoch != epoch:
+            progress.epoch, progress.phase = epoch, "training"
+
+
+def _reached_models(loss: torch.Tensor, set_ups: Any) -> list[SetUpModel]:
+    """The set-up models whose parameters ``loss``'s backward reaches (its graph's leaves)."""
+    leaves: set[int] = set()
+    seen: set[Any] = set()
+    stack = [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf
+        if variable is not None:
+            leaves.add(id(variable))
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return [
+        set_up for set_up in set_ups if any(id(p) in leaves for p in set_up.module.parameters())
+    ]
