@@ -495,3 +495,13 @@ def test_startup_import_breakdown_lists_what_import_distkit_adds_to_torch(
     assert names[0] == "distkit"  # the whole tree is distkit's own cumulative time
     assert "torch" not in names
     assert all(cumulative >= 5 for _, _, cumulative in rows)
+
+
+def test_token_exact_writes_a_ratio_per_mode(tmp_path: Path) -> None:
+    proc = run_script(str(BENCH / "token_exact.py"), "--nprocs", "1", "--steps", "8",
+                      "--rounds", "1", "--results", str(tmp_path))  # fmt: skip
+    results = json.loads((tmp_path / "token_exact.json").read_text())
+    assert set(results["1"]) == {"plain", "tensor", "int"}
+    assert results["1"]["plain"]["ratio"] == 1.0
+    assert all(entry["ratio"] > 0 and entry["steps"] > 0 for entry in results["1"].values())
+    assert "tensor" in proc.stdout
