@@ -8,6 +8,12 @@ rows need ``python -m distkit.horovod_build`` (they are reported as skipped with
 
     PYTHONPATH=. python benchmarks/runtime_exactness.py
 
+The token-exact rows (issue 27) train the tests' tiny language model on padded sequences of
+very different lengths (tests/support/token_workloads.py) at 2 processes with batch 2 and
+accumulation 2, the Trainer with ``distkit.Loss(total, count)`` and a user's loop with
+``rt.backward(total, count=n)``, against one plain-torch process that takes the mean over every
+token of each global batch of 8; the last row is the batch-mean loss, for contrast.
+
 Prints one line per case: max |difference| over every parameter, and the bound the tests use.
 """
 
@@ -27,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 from distkit.testing import run_on_ranks  # noqa: E402
 from tests.runtime import test_user_checkpoint as ckpt  # noqa: E402
 from tests.runtime import test_user_loop as loops  # noqa: E402
+from tests.support import token_workloads as tokens  # noqa: E402
 from tests.support.workloads import max_abs_diff  # noqa: E402
 
 BOUND = 1e-5
@@ -42,6 +49,22 @@ def _horovod(function: str, args: tuple[Any, ...]) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as folder:
         calls = [("tests.runtime.test_user_loop", function, args, {})]
         return [result for (result,) in run_with_horovodrun(calls, Path(folder))]
+
+
+def _tokens(fn: Callable[..., Any], strategy: str, **kwargs: Any) -> float:
+    """Token-exact training at 2 processes (batch 2, accumulation 2) against one plain-torch
+    process computing the mean over every token of each global batch of 8."""
+    exact = tokens.reference(8)
+    if strategy == "horovod":
+        from tests.support.horovod_runner import run_with_horovodrun
+
+        with tempfile.TemporaryDirectory() as folder:
+            calls = [("tests.support.token_workloads", fn.__name__, (strategy, 2, 2), kwargs)]
+            ranks = [result for (result,) in run_with_horovodrun(calls, Path(folder))]
+    else:
+        ranks = run_on_ranks(partial(fn, **kwargs), strategy, 2, 2, world_size=2,
+                             agent_store=True)  # fmt: skip
+    return max(max_abs_diff(rank["state"], exact) for rank in ranks)
 
 
 def _save_kill_load() -> float:
@@ -84,6 +107,16 @@ def main() -> None:
         ("GAN horovod x2 vs ddp 1", (lambda: _worst(
             _horovod("gan_loop", ("horovod", 4)), one(loops.gan_loop, "ddp", 8), "gen", "disc"))
             if horovod else None),
+        ("token-exact Trainer ddp x2 (b 2, accum 2) vs token mean", lambda: _tokens(
+            tokens.fit_tokens, "ddp")),
+        ("token-exact user loop ddp x2 vs token mean", lambda: _tokens(
+            tokens.loop_tokens, "ddp")),
+        ("token-exact Trainer fsdp x2 vs token mean", lambda: _tokens(
+            tokens.fit_tokens, "fsdp")),
+        ("token-exact Trainer horovod x2 vs token mean", (lambda: _tokens(
+            tokens.fit_tokens, "horovod")) if horovod else None),
+        ("batch-mean loss ddp x2 vs token mean (not exact)", lambda: _tokens(
+            tokens.fit_tokens, "ddp", exact=False)),
     ]  # fmt: skip
     width = max(len(name) for name, _ in rows)
     for name, measure in rows:
