@@ -48,6 +48,7 @@ class ItemWindow:
         self.device: torch.Tensor | None = None  # counts given as tensors, summed (float64)
         #: steps whose global count was 0, found on the device (read at check points)
         self.empty_steps: torch.Tensor | None = None
+        self.agreed = False  # the ranks agreed on the kind of loss (at the first step)
 
     def note_mean(self, where: str) -> None:
         """A plain (mean) loss's gradients go into this window."""
@@ -78,13 +79,26 @@ class ItemWindow:
 
     def factor(self, strategy: Strategy) -> float | torch.Tensor | None:
         """What the step's averaged gradients are multiplied by (None: a plain loss's
-        window, nothing to do). A collective in a window of items: every rank calls it at
-        the same step."""
-        if self.mode != "items":
+        window, nothing to do). A collective at an optimizer's first step (the ranks agree
+        on the kind of loss) and at every step of a window of items: every rank calls it
+        at the same step."""
+        items = self.mode == "items"
+        if self.agreed and not items:
+            return None  # a mean loss's step: nothing to sum (after the first)
+        first, self.agreed = not self.agreed, True
+        values = [float(self.host), float(self.device is not None), float(items)]
+        host, devices, token_ranks = tagged_sum(strategy, "items", values)
+        if first and 0 < token_ranks < strategy.world_size:
+            raise ConfigurationError(
+                f"the ranks disagree on the kind of loss at this optimizer's first step: "
+                f"{int(token_ranks)} of {strategy.world_size} gave token-exact losses "
+                "(distkit.Loss / rt.backward(total, count=n)) and the others mean losses. "
+                "Every rank must run the same step function: return the same kind on every "
+                "rank (a rank with no tokens returns distkit.Loss(total, 0))"
+            )
+        if not items:
             return None
         numerator = strategy.world_size / self.scale
-        has_device = self.device is not None
-        host, devices = tagged_sum(strategy, "items", [float(self.host), float(has_device)])
         if not devices:  # every rank's counts were ints: the global count is known here
             if host == 0:
                 raise ConfigurationError(zero_items("an optimizer step"))

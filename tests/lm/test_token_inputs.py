@@ -132,3 +132,30 @@ def test_a_model_returning_its_own_loss_trains_from_its_output(as_dict):
                 step_fn=lambda m, b: m(**b))  # fmt: skip
     assert max_abs_diff(model.state_dict(), before) > 1e-3
     assert trainer.close() is None
+
+
+def disagreeing_fit(strategy: str) -> str:
+    """Rank 1 returns the batch-mean loss where rank 0 returns distkit.Loss."""
+    import torch.distributed as dist
+
+    trainer = distkit.Trainer(strategy, batch_size=2, max_epochs=1, progress=False)
+    model = make_lm()
+
+    def step(m, b):
+        total, n = token_sum(m, b)
+        return distkit.Loss(total, n) if dist.get_rank() == 0 else total / n.clamp(min=1)
+
+    try:
+        trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), Sequences(),
+                    step_fn=step)  # fmt: skip
+    except ConfigurationError as exc:
+        return str(exc)
+    finally:
+        trainer.close()
+    raise AssertionError("no error")
+
+
+def test_ranks_that_disagree_on_the_kind_of_loss_fail_at_the_first_step(run_on_ranks):
+    for message in run_on_ranks(disagreeing_fit, "ddp", world_size=2):
+        assert "ranks disagree on the kind of loss" in message
+        assert "1 of 2 gave token-exact losses" in message

@@ -104,7 +104,8 @@ def test_host_syncs_a_callback_that_may_stop_adds_only_a_host_side_sum(monkeypat
     with counting(spans):
         trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
                     loss_fn=torch.nn.functional.cross_entropy)  # fmt: skip
-    assert len(sums) == STEPS + 1  # every step, and the epoch's end
+    # every step, the epoch's end, and the first step's agreement on the kind of loss
+    assert len(sums) == STEPS + 2
     assert set(sums) == {torch.device("cpu")}
     for k in range(1, STEPS):
         # the flag's sum (a CPU tensor) and its read
