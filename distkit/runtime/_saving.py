@@ -80,10 +80,17 @@ def write_on_rank_zero(
             write(payload)
         except Exception as exc:
             failure = exc
+    share_outcome(strategy, failure, "the checkpoint")
+
+
+def share_outcome(strategy: Strategy, failure: Exception | None, what: str) -> None:
+    """After rank 0 wrote ``what`` (``failure``: how it failed there, None on the others or
+    when it worked), every rank learns how that went, in one broadcast: rank 0 raises its
+    error, the others a CheckpointError naming it; where it worked, all return."""
     outcome = strategy.broadcast(
         None if failure is None else f"{type(failure).__name__}: {failure}", src=0
     )
     if failure is not None:
         raise failure
     if outcome is not None:
-        raise ckpt.CheckpointError(f"rank 0 could not write the checkpoint: {outcome}")
+        raise ckpt.CheckpointError(f"rank 0 could not write {what}: {outcome}")

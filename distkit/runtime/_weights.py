@@ -21,8 +21,9 @@ from torch import nn
 
 from distkit.checkpoint import _pretrained
 from distkit.checkpoint import _safetensors as st
-from distkit.errors import CheckpointError, ConfigurationError
+from distkit.errors import ConfigurationError
 from distkit.runtime import _agreement
+from distkit.runtime._saving import share_outcome
 from distkit.runtime._set_up import SetUpModel
 from distkit.strategies.base import Strategy
 
@@ -121,13 +122,7 @@ def _write(strategy: Strategy, plan: _Plan, what: str) -> Written:
             _finish(plan.module, target, shards)
         except Exception as exc:
             failure = exc
-    outcome = strategy.broadcast(
-        None if failure is None else f"{type(failure).__name__}: {failure}", src=0
-    )
-    if failure is not None:
-        raise failure
-    if outcome is not None:
-        raise CheckpointError(f"rank 0 could not write the weights to {plan.path}: {outcome}")
+    share_outcome(strategy, failure, f"the weights to {plan.path}")
     folder = target.folder
     return Written(
         files=target.files,
