@@ -1,6 +1,6 @@
 """The language-model example: its corpus, samples and baseline in-process, then the script end
-to end under python, torchrun and horovodrun. Token-exact: 2 processes at batch 8 end where one
-process at batch 16 ends, on batches that hold different numbers of tokens."""
+to end under python, torchrun (ddp and fsdp) and horovodrun. Token-exact: 2 processes at batch 8
+end where one process at batch 16 ends, on batches that hold different numbers of tokens."""
 
 from __future__ import annotations
 
@@ -205,10 +205,13 @@ def test_lm_example_plain_torch_model_learns_and_loads_back(tmp_path):
     assert max_abs_diff(dict(fresh.state_dict()), _weights(tmp_path / "out")) == 0.0
 
 
-def test_lm_example_torchrun_trains_like_one_process(tmp_path, one_process):
-    output = run_example([*TORCHRUN, SCRIPT, *SMALL, "--batch-size", str(BATCH),
-                          "--out", "out"], tmp_path, timeout=120)  # fmt: skip
-    assert "strategy=ddp, world_size=2" in output
+@pytest.mark.parametrize("strategy", ["auto", "fsdp"])
+def test_lm_example_torchrun_trains_like_one_process(tmp_path, one_process, strategy):
+    """ddp ("auto" under torchrun), and fsdp with GPT-2's tied embedding and output layer."""
+    output = run_example([*TORCHRUN, SCRIPT, *SMALL, "--batch-size", str(BATCH), "--strategy",
+                          strategy, "--out", "out"], tmp_path, timeout=120)  # fmt: skip
+    expected = "ddp" if strategy == "auto" else strategy
+    assert f"strategy={expected}, world_size=2" in output
     _same_as_one_process(output, _weights(tmp_path / "out"), one_process)
 
 
