@@ -385,10 +385,11 @@ CASES: list[tuple[str, Callable[[Path], Any], type[BaseException], str]] = [
         "val_data is an iterator (list_iterator), which can be read once, and max_epochs=2",
     ),
     (
-        "val_data-nothing-to-compute",
-        lambda t: _fit_untrained(val_data=_data()),
+        # (val_data with only a step_fn is validated with that step_fn: issue 27)
+        "eval_step_fn-not-callable",
+        lambda t: _fit_untrained(val_data=_data(), eval_step_fn="loss"),
         ConfigurationError,
-        "val_data needs a loss_fn, metrics, or both",
+        "eval_step_fn must be callable, got str",
     ),
     (
         "metrics-without-val_data",
@@ -419,7 +420,7 @@ CASES: list[tuple[str, Callable[[Path], Any], type[BaseException], str]] = [
         "evaluate-nothing-to-compute",
         lambda t: _trainer().evaluate(_model(), _data()),
         ConfigurationError,
-        "evaluate needs a loss_fn, metrics, or both",
+        "evaluate needs a loss_fn, a step_fn, metrics",
     ),
     (
         "evaluate-model-not-module",

@@ -83,6 +83,10 @@ class ItemWindow:
         on the kind of loss) and at every step of a window of items: every rank calls it
         at the same step."""
         items = self.mode == "items"
+        if strategy.elastic is not None:
+            # a process that joins mid-fit starts with a fresh window: the ranks there could
+            # not meet an agreement only it makes (its first step is not theirs)
+            self.agreed = True
         if self.agreed and not items:
             return None  # a mean loss's step: nothing to sum (after the first)
         first, self.agreed = not self.agreed, True
