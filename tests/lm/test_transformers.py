@@ -121,3 +121,16 @@ def test_a_gpt2_trains_from_its_own_loss(tmp_path: Path):
     trainer.close()
     assert max_abs_diff(model.state_dict(), before) > 1e-3
     assert result.validations and result.validations[-1]["val_loss"] > 0
+
+
+def test_a_gpt2_with_its_tied_output_layer_shards_on_fsdp_by_default(run_on_ranks):
+    """GPT-2's lm_head shares its weight with transformer.wte: fsdp's default units are its
+    blocks (a unit per top-level child would hold the tied weight twice, which FSDP2
+    refuses), and 2 ranks train like one process."""
+    from distkit.strategies.fsdp._units import default_units
+
+    assert default_units(make_gpt2()) == {"transformer.h.0", "transformer.h.1"}
+    fit = partial(fit_gpt2, max_epochs=1, sgd=0.5)
+    one = run_on_ranks(fit, "ddp", 8, 1, world_size=1)[0]
+    for rank in run_on_ranks(fit, "fsdp", 2, 2, world_size=2):
+        assert max_abs_diff(rank["state"], one["state"]) <= 1e-5

@@ -346,3 +346,33 @@ def test_fsdp_shard_policy_chooses_the_units():
     default = FSDPStrategy().shard
     assert default("0", nn.Linear(2, 2)) and not default("1", nn.Tanh())
     assert not default("0.sub", nn.Linear(2, 2))  # top-level children only
+
+
+class _Tied(nn.Module):
+    """An embedding, two blocks in a module list, and an output layer tied to the embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(5, 4)
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+        self.norm = nn.LayerNorm(4)
+        self.head = nn.Linear(4, 5, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def test_fsdp_default_units_keep_tied_weights_out_of_two_units():
+    from distkit.strategies.fsdp._units import default_units
+
+    # untied: each top-level child with parameters
+    assert default_units(nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 2))) == {"0", "2"}
+    # tied: embed and head share a weight, so neither is a unit; blocks and norm are whole
+    assert default_units(_Tied()) == {"blocks", "norm"}
+    wrapper = nn.Module()
+    wrapper.model = _Tied()  # the tie inside one child: that child is a unit
+    wrapper.other = nn.Linear(2, 2)
+    assert default_units(wrapper) == {"model", "other"}
+    outer = nn.Module()
+    outer.body = _Tied()
+    outer.out = nn.Linear(4, 5)
+    outer.out.weight = outer.body.embed.weight  # tied across children: the body's blocks
+    assert default_units(outer) == {"body.blocks.0", "body.blocks.1"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import secrets
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -24,9 +24,9 @@ from distkit.strategies._steps import GradientClip, clip_, local_norm, scale_, s
 from distkit.strategies.base import StepOutcome, Strategy, Topology
 from distkit.strategies.capabilities import StateIO
 from distkit.strategies.fsdp import _state as _fsdp_state
+from distkit.strategies.fsdp._units import ShardPolicy, default_units, policy_of
 from distkit.strategies.precision import Precision
 
-ShardPolicy = Callable[[str, nn.Module], bool]
 CHECKPOINTS = ("full", "sharded")
 FSDP_HINT = "Upgrade torch (distkit's fsdp is tested on torch 2.13): pip install -U torch"
 
@@ -41,7 +41,9 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
 
     Args:
         shard: the submodules sharded as units of their own, each all-gathered and freed in
-            turn: ``None`` (each top-level child that holds parameters), a tuple of module
+            turn: ``None`` (each top-level child that holds parameters; where one shares a
+            parameter with the rest of the model, as a language model's output layer tied
+            to its embedding does, the blocks of its module lists instead), a tuple of module
             classes (every instance, e.g. your transformer block), or ``fn(name, module) ->
             bool``. The root module is sharded last and holds what is left.
         reshard_after_forward: free a unit's gathered parameters after its forward (``True``:
@@ -100,6 +102,7 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
                 "(distkit.Trainer(..., precision='bf16'))"
             )
         self.shard = _shard_policy(shard)
+        self._default_shard = shard is None  # refined per model (see _units)
         self.reshard_after_forward = reshard_after_forward
         self.checkpoint = checkpoint
         self.backend = backend
@@ -144,9 +147,11 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
                 param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32
             )
         kwargs.update(self._fsdp_kwargs)
+        # the default: top-level children, but none that shares a parameter (tied weights)
+        policy = policy_of(default_units(model)) if self._default_shard else self.shard
         # bottom-up, as fully_shard requires: a unit's children before the unit
         for name, module in reversed(list(model.named_modules())[1:]):
-            if self.shard(name, module):
+            if policy(name, module):
                 fully_shard(module, **kwargs)
         fully_shard(model, **kwargs)
         current = dict(model.named_parameters())
