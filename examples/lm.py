@@ -190,19 +190,6 @@ def build_model(kind: str, max_len: int) -> nn.Module:
     return GPT2LMHeadModel(config)
 
 
-def strategy_for(name: str, model: nn.Module) -> str | distkit.Strategy:
-    """``--strategy``, where fsdp shards each transformer block as a unit. fsdp's default
-    units (each top-level child) would put GPT-2's tied embedding and output layer
-    (``transformer.wte``, ``lm_head``) in two units, which ``fully_shard`` refuses; with the
-    blocks as units, both stay in the root's."""
-    if name != "fsdp":
-        return name
-    block = nn.TransformerEncoderLayer if isinstance(model, TinyCausalLM) else None
-    if block is None:
-        block = type(model.get_submodule("transformer.h.0"))  # GPT2Block
-    return distkit.FSDPStrategy(shard=(block,))
-
-
 def logits_of(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     """``(batch, length, vocab)`` scores from either model (GPT-2 returns an output object)."""
     out = model(input_ids=input_ids, attention_mask=(input_ids != PAD).long())
@@ -332,7 +319,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = build_model(kind, args.max_len)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     trainer = distkit.Trainer(
-        strategy=strategy_for(args.strategy, model),
+        # fsdp's default units keep GPT-2's tied embedding and output layer in one unit (the
+        # root) and shard each transformer block
+        strategy=args.strategy,
         max_epochs=args.epochs,
         batch_size=args.batch_size,
         precision=args.precision,

@@ -12,10 +12,13 @@ whole global batch, whatever the padding. It runs on the finalized (averaged, un
 gradients, before the callbacks' ``on_before_optimizer_step`` and clipping (so clipping sees
 the normalised gradients).
 
-``C`` takes no device synchronisation: counts given as Python ints are summed on the host
-(one host-side sum per step, as a stop check is), counts given as tensors stay on the device
-(one device all-reduce). With host counts a step over zero items on every rank is refused at
-once; with device counts it is found at the next check point (it applied zero gradients).
+``C`` takes no device synchronisation. At an optimizer's first step the ranks agree, in one
+host-side sum, on the kind of loss (token-exact on every rank, or on none: else all fail at
+once) and of count. Counts given as Python ints are then summed on the host (one host-side
+sum per step, as a stop check is), counts given as tensors on the device (one all-reduce of
+a scalar per step, nothing read). With host counts a step over zero items on every rank is
+refused at once; with device counts it is found at the next check point (it applied zero
+gradients). A mean loss's steps sum nothing after the first.
 """
 
 from __future__ import annotations
@@ -48,7 +51,10 @@ class ItemWindow:
         self.device: torch.Tensor | None = None  # counts given as tensors, summed (float64)
         #: steps whose global count was 0, found on the device (read at check points)
         self.empty_steps: torch.Tensor | None = None
-        self.agreed = False  # the ranks agreed on the kind of loss (at the first step)
+        #: how the counts are summed over ranks: None until the optimizer's first step,
+        #: then "host", "device" or "both" (see _first_sums)
+        self.sums: str | None = None
+        self._first: list[float] | None = None  # the first step's host-side sum
 
     def note_mean(self, where: str) -> None:
         """A plain (mean) loss's gradients go into this window."""
@@ -80,19 +86,40 @@ class ItemWindow:
     def factor(self, strategy: Strategy) -> float | torch.Tensor | None:
         """What the step's averaged gradients are multiplied by (None: a plain loss's
         window, nothing to do). A collective at an optimizer's first step (the ranks agree
-        on the kind of loss) and at every step of a window of items: every rank calls it
-        at the same step."""
+        on the kind of loss and of count) and at every step of a window of items: every
+        rank calls it at the same step."""
         items = self.mode == "items"
-        if strategy.elastic is not None:
-            # a process that joins mid-fit starts with a fresh window: the ranks there could
-            # not meet an agreement only it makes (its first step is not theirs)
-            self.agreed = True
-        if self.agreed and not items:
+        if self.sums is None:  # the first step: its host-side sum is this step's too
+            self.sums = self._first_sums(strategy, items)
+            return self._from_sums(strategy, items)
+        if not items:
             return None  # a mean loss's step: nothing to sum (after the first)
-        first, self.agreed = not self.agreed, True
+        if self.sums == "device":  # every rank's counts on the device: one device all-reduce
+            local = self.device if self.device is not None else _zero(strategy.device)
+            local = local + self.host if self.host else local
+            total = strategy.all_reduce(local.reshape(1).to(strategy.device), op="sum")[0]
+            return self._device_factor(strategy, total, 0.0)
+        if self.sums == "host" and self.device is not None:
+            raise ConfigurationError(
+                "a token-exact count was given as a tensor, where the ranks agreed at this "
+                "optimizer's first step that every count is an int: give counts of one kind "
+                "throughout (a tensor count may stay on the device: (labels != -100).sum())"
+            )
+        return self._from_sums(strategy, items)
+
+    def _first_sums(self, strategy: Strategy, items: bool) -> str:
+        """How the counts are summed from now on: "host" (every rank gave ints: one
+        host-side sum a step), "device" (tensors: one device all-reduce a step), or "both"
+        (a sum of each, every step: an elastic strategy, where a process that joins mid-fit
+        starts with a fresh optimizer and could not meet an agreement only it makes).
+        Elsewhere the ranks agree at the optimizer's first step, in a host-side sum that
+        also holds that step's counts (kept in ``self._first``)."""
+        if strategy.elastic is not None:
+            return "both"
         values = [float(self.host), float(self.device is not None), float(items)]
-        host, devices, token_ranks = tagged_sum(strategy, "items", values)
-        if first and 0 < token_ranks < strategy.world_size:
+        self._first = tagged_sum(strategy, "items", values)
+        _, devices, token_ranks = self._first
+        if 0 < token_ranks < strategy.world_size:
             raise ConfigurationError(
                 f"the ranks disagree on the kind of loss at this optimizer's first step: "
                 f"{int(token_ranks)} of {strategy.world_size} gave token-exact losses "
@@ -100,18 +127,35 @@ class ItemWindow:
                 "Every rank must run the same step function: return the same kind on every "
                 "rank (a rank with no tokens returns distkit.Loss(total, 0))"
             )
+        return "device" if devices else "host"
+
+    def _from_sums(self, strategy: Strategy, items: bool) -> float | torch.Tensor | None:
+        """This step's factor from a host-side sum of the counts (the first step's, taken
+        already; else one now), plus a device all-reduce where any rank's counts were
+        tensors."""
+        first, self._first = self._first, None
         if not items:
             return None
-        numerator = strategy.world_size / self.scale
+        if first is None:
+            values = [float(self.host), float(self.device is not None), float(items)]
+            first = tagged_sum(strategy, "items", values)
+        host, devices, _ = first
         if not devices:  # every rank's counts were ints: the global count is known here
             if host == 0:
                 raise ConfigurationError(zero_items("an optimizer step"))
-            return numerator / host
+            return strategy.world_size / self.scale / host
         local = self.device if self.device is not None else _zero(strategy.device)
-        total = strategy.all_reduce(local.reshape(1).to(strategy.device), op="sum")[0] + host
+        total = strategy.all_reduce(local.reshape(1).to(strategy.device), op="sum")[0]
+        return self._device_factor(strategy, total, host)
+
+    def _device_factor(self, strategy: Strategy, total: torch.Tensor, host: float) -> torch.Tensor:
+        """The factor from a device count (plus ``host`` items summed on the host): 0 where
+        the count is 0, noted for the next check point."""
+        total = total + host if host else total
         if host == 0:  # only the device knows whether any rank had an item
             empty = (total == 0).to(torch.int64)
             self.empty_steps = empty if self.empty_steps is None else self.empty_steps + empty
+        numerator = strategy.world_size / self.scale
         return torch.where(total > 0, numerator / total.clamp(min=1), torch.zeros_like(total))
 
     def check(self) -> None:

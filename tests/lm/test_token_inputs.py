@@ -159,3 +159,37 @@ def test_ranks_that_disagree_on_the_kind_of_loss_fail_at_the_first_step(run_on_r
     for message in run_on_ranks(disagreeing_fit, "ddp", world_size=2):
         assert "ranks disagree on the kind of loss" in message
         assert "1 of 2 gave token-exact losses" in message
+
+
+def test_counts_agreed_as_ints_then_given_as_a_tensor_are_refused():
+    """The first step's counts were ints (summed on the host from then on): a tensor count
+    later would need a device read; refused, naming the fix."""
+    with distkit.Runtime("dp") as rt:
+        model = make_lm()
+        model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        batches = iter(rt.loader(Sequences(), batch_size=4, shuffle=False))
+        total, n = token_sum(model, next(batches))
+        rt.backward(total, count=int(n))
+        optimizer.step()
+        optimizer.zero_grad()
+        total, n = token_sum(model, next(batches))
+        rt.backward(total, count=n)
+        with pytest.raises(ConfigurationError, match="agreed at this optimizer's first step"):
+            optimizer.step()
+
+
+def test_int_counts_after_tensor_counts_are_added_on_the_device():
+    """The other way round is fine: an int joins the device count."""
+    results = []
+    for kinds in (("tensor", "tensor"), ("tensor", "int")):
+        with distkit.Runtime("dp") as rt:
+            model = make_lm()
+            model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.5))
+            for kind, batch in zip(kinds, rt.loader(Sequences(), batch_size=4, shuffle=False),
+                                   strict=False):  # fmt: skip
+                total, n = token_sum(model, batch)
+                rt.backward(total, count=n if kind == "tensor" else int(n))
+                optimizer.step()
+                optimizer.zero_grad()
+            results.append(rt.full_state_dict(model))
+    assert max_abs_diff(results[0], results[1]) == 0
