@@ -187,6 +187,7 @@ class SetUpOptimizer:
         self.last_grad_norm: torch.Tensor | None = None
         #: the items its window's token-exact losses sum (see distkit.runtime._items)
         self.items = ItemWindow()
+        self._takes_before_step: bool | None = None  # whether the strategy's step takes it
 
     @property
     def strategy_optimizer(self) -> torch.optim.Optimizer:
@@ -259,7 +260,9 @@ class SetUpOptimizer:
         if factor is None:
             return before_step
         strategy, inner = self._strategy, self._inner
-        if not takes_before_step(strategy):
+        if self._takes_before_step is None:  # read once: its signature does not change
+            self._takes_before_step = takes_before_step(strategy)
+        if not self._takes_before_step:
             name = type(strategy).__qualname__
             raise ConfigurationError(
                 f"token-exact losses (distkit.Loss / rt.backward(total, count=n)) divide the "

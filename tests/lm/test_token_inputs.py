@@ -193,3 +193,13 @@ def test_int_counts_after_tensor_counts_are_added_on_the_device():
                 optimizer.zero_grad()
             results.append(rt.full_state_dict(model))
     assert max_abs_diff(results[0], results[1]) == 0
+
+
+def test_a_plugin_whose_step_takes_no_before_step_is_refused_naming_the_fix():
+    """The division by the count runs from the step's before_step: a plugin step written
+    before the keyword existed cannot run it, and says so (mean losses keep working)."""
+    from tests.callbacks.test_before_optimizer_step import OldStepPlugin
+
+    with pytest.raises(ConfigurationError, match=r"OldStepPlugin\.step.*takes no before_step"):
+        fit_tokens(OldStepPlugin(), 4, 1, epochs=1)
+    fit_tokens(OldStepPlugin(), 4, 1, epochs=1, exact=False)
