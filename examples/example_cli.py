@@ -36,6 +36,15 @@ def limit_threads() -> None:
         torch.set_num_threads(1)
 
 
+def cosine(total_steps: int) -> Callable[[int], float]:
+    """The LR factor at optimizer step ``s``: from 1 down to 0 at ``total_steps``, a half cosine."""
+
+    def factor(step: int) -> float:
+        return 0.5 * (1.0 + math.cos(math.pi * min(step, total_steps) / total_steps))
+
+    return factor  # a plain function: LambdaLR checkpoints only its step count, not the total
+
+
 def diverged(train_loss: float, lr: float, *, is_main: bool) -> bool:
     """Whether the final loss is not finite; rank 0 says so (the history is the same on all)."""
     if math.isfinite(train_loss):

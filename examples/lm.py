@@ -46,7 +46,7 @@ import re
 import sys
 import sysconfig
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -245,15 +245,6 @@ def sample_line(
 
 
 # ------------------------------------------------------------------------------------ the job
-def cosine(total_steps: int) -> Callable[[int], float]:
-    """The LR factor at optimizer step ``s``: from 1 down to 0 at ``total_steps``, a half cosine."""
-
-    def factor(step: int) -> float:
-        return 0.5 * (1.0 + math.cos(math.pi * min(step, total_steps) / total_steps))
-
-    return factor
-
-
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument(
@@ -356,7 +347,8 @@ def train(
         return 2
     global_batch = trainer.world_size * args.batch_size
     per_epoch = math.ceil(math.ceil(len(train_set) / global_batch) / args.grad_accum)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine(args.epochs * per_epoch))
+    schedule = example_cli.cosine(args.epochs * per_epoch)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     baseline = unigram_perplexity(train_set, val_set)
     if trainer.is_main:
         names = ", ".join(path.stem for path in val_files)

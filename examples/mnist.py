@@ -21,7 +21,7 @@ import argparse
 import math
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import example_cli
 import torch
@@ -41,15 +41,6 @@ MAX_EPOCHS = 10
 def default_epochs(train_images: int) -> int:
     """Epochs that see about :data:`IMAGES_SEEN` training images, from 1 to :data:`MAX_EPOCHS`."""
     return max(1, min(MAX_EPOCHS, round(IMAGES_SEEN / train_images)))
-
-
-def cosine(total_steps: int) -> Callable[[int], float]:
-    """The LR factor at optimizer step ``s``: from 1 down to 0 at ``total_steps``, a half cosine."""
-
-    def factor(step: int) -> float:
-        return 0.5 * (1.0 + math.cos(math.pi * min(step, total_steps) / total_steps))
-
-    return factor  # a plain function: LambdaLR checkpoints only its step count, not the total
 
 
 def build_model() -> nn.Module:
@@ -164,7 +155,7 @@ def train(
     per_epoch = math.ceil(math.ceil(len(train_set) / global_batch) / args.grad_accum)
     epochs = args.epochs or default_epochs(len(train_set))
     trainer.max_epochs = epochs  # the default depends on the data, known only now
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine(epochs * per_epoch))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, example_cli.cosine(epochs * per_epoch))
     if trainer.is_main:
         print(
             f"training on {len(train_set):,} images, testing on {len(test_set):,}: "

@@ -238,7 +238,7 @@ def test_script_accepts_legacy_local_rank_and_rejects_zero_epochs():
 
 
 def test_script_lr_follows_a_half_cosine_to_zero():
-    factor = mnist.cosine(100)
+    factor = mnist.example_cli.cosine(100)
     assert factor(0) == 1.0 and factor(50) == pytest.approx(0.5)
     assert factor(100) == 0.0 and factor(130) == 0.0  # stays at zero past the end
     values = [factor(s) for s in range(101)]
