@@ -15,9 +15,15 @@
 #   suite.log/.xml       the test suite on CUDA (pytest-xdist when installed), with the skip
 #                        reasons; cut off with SIGINT (so pytest still prints its summary) when
 #                        its share of the budget runs out;
-#   apex-V-*.log         per apex generation: the build, then tests/strategies/test_apex.py and
-#                        tests/strategies/test_host_syncs.py (real apex, the sync-debug-mode test);
-#   examples.log         seg.py under torchrun (apex fp16, ddp bf16), mnist.py with dp;
+#   apex-V-*.log         per apex generation: the build, then tests/strategies/test_apex.py,
+#                        test_host_syncs.py and test_cuda_paths.py (real apex, the sync-debug-mode
+#                        test, the paths added since the last GPU run);
+#   focus.log/.xml       the in-process CUDA paths first, whatever the suite reaches:
+#                        tests/strategies/test_cuda_paths.py (token-exact, the user loop, a GAN,
+#                        weights and predictions on the GPU), the host-sync test, the
+#                        checkpoint tests (resume onto the GPU), torch.compile;
+#   examples.log         seg.py under torchrun (apex fp16, ddp bf16), mnist.py with dp, gan.py
+#                        (the Runtime loop, bf16) and lm.py (token-exact, fp16) under torchrun;
 #   bench.log, gpu.json  benchmarks/gpu.py (peers: distkit, the hand loop, Fabric, the Lightning
 #                        Trainer, Accelerate), run last and alone so nothing else shares the GPU;
 #   summary.txt          one line per step: its exit status and seconds.
@@ -68,8 +74,10 @@ build_apex() {  # VERSION: the Python-only build into /tmp/apex-VERSION
 }
 
 test_apex() {  # VERSION
-    PYTHONPATH="/tmp/apex-$1:$root" "$py" -m pytest -q -rA -p no:cacheprovider --timeout 120 \
-        tests/strategies/test_apex.py tests/strategies/test_host_syncs.py
+    # shellcheck disable=SC2046
+    PYTHONPATH="/tmp/apex-$1:$root" "$py" -m pytest -q -rA -p no:cacheprovider --timeout 120 $(workers 2) \
+        tests/strategies/test_apex.py tests/strategies/test_host_syncs.py \
+        tests/strategies/test_cuda_paths.py
 }
 
 examples() {
@@ -88,19 +96,36 @@ examples() {
     echo "== mnist.py, dp"
     timeout 150 "$py" examples/mnist.py --strategy dp --epochs 3
     echo "rc=$?"
+    echo "== gan.py (distkit.Runtime, two models), ddp bf16, torchrun --nproc_per_node 1"
+    timeout 150 "$py" -m torch.distributed.run --standalone --nproc_per_node 1 \
+        examples/gan.py --strategy ddp --precision bf16 --epochs 2 --out-dir "$out/gan"
+    echo "rc=$?"
+    echo "== lm.py (token-exact), ddp fp16, accumulation 2, torchrun --nproc_per_node 1"
+    timeout 150 "$py" -m torch.distributed.run --standalone --nproc_per_node 1 \
+        examples/lm.py --strategy ddp --precision fp16 --grad-accum 2 --epochs 2 \
+        --out "$out/lm-out"
+    echo "rc=$?"
+}
+
+workers() {  # N: pytest's arguments for N workers, when pytest-xdist is installed
+    if "$py" -c 'import xdist' 2>/dev/null; then echo "-n $1"; fi
+}
+
+focus() {
+    # shellcheck disable=SC2046  # the words of workers' output are pytest's arguments
+    "$py" -m pytest -q -rfEs -p no:cacheprovider --timeout 150 --junitxml "$out/focus.xml" \
+        $(workers "${FOCUS_WORKERS:-3}") ${FOCUS_TESTS:-tests/strategies/test_cuda_paths.py \
+        tests/strategies/test_host_syncs.py tests/checkpoint tests/strategies/test_compile.py}
 }
 
 suite() {
-    local parallel=()
-    if "$py" -c 'import xdist' 2>/dev/null; then
-        parallel=(-n "${SUITE_WORKERS:-10}")
-    fi
+    # shellcheck disable=SC2046
     "$py" -m pytest -q -rfEs -p no:cacheprovider --timeout 150 --durations 25 \
-        --junitxml "$out/suite.xml" "${parallel[@]}" ${SUITE_TESTS:-tests}
+        --junitxml "$out/suite.xml" $(workers "${SUITE_WORKERS:-10}") ${SUITE_TESTS:-tests}
 }
 
 export py out root
-export -f smoke build_apex test_apex examples suite
+export -f smoke build_apex test_apex examples workers suite focus
 skipped() {  # NAME: listed in $GPU_CHECK_SKIP (space-separated)?
     case " ${GPU_CHECK_SKIP:-} " in *" $1 "*) echo "$1 skipped (GPU_CHECK_SKIP)" >>"$out/summary.txt" ;; *) return 1 ;; esac
 }
@@ -118,6 +143,7 @@ skipped suite || step suite "$phase" suite &
     fi
 done) &
 skipped examples || step examples "$phase" examples &
+skipped focus || step focus "$phase" focus &
 wait
 left=$((budget - $(elapsed) - 10))
 if skipped bench; then

@@ -30,7 +30,7 @@ def test_gpu_check_runs_its_steps_and_writes_one_summary_line_each(tmp_path):
     proc = _run(
         tmp_path / "logs",
         120,
-        GPU_CHECK_SKIP="smoke apex examples bench",
+        GPU_CHECK_SKIP="smoke apex examples focus bench",
         SUITE_TESTS="tests/test_layers.py",
         SUITE_WORKERS="1",
     )
@@ -52,7 +52,7 @@ def test_gpu_check_cuts_a_step_off_at_its_share_of_the_budget(tmp_path):
     proc = _run(
         tmp_path / "logs",
         10,
-        GPU_CHECK_SKIP="smoke apex examples bench",
+        GPU_CHECK_SKIP="smoke apex examples focus bench",
         SUITE_TESTS=str(slow),
         SUITE_WORKERS="1",
     )
@@ -60,3 +60,21 @@ def test_gpu_check_cuts_a_step_off_at_its_share_of_the_budget(tmp_path):
     summary = (tmp_path / "logs" / "summary.txt").read_text()
     assert "suite rc=124 " in summary, summary
     assert "KeyboardInterrupt" in (tmp_path / "logs" / "suite.log").read_text()
+
+
+def test_gpu_check_focus_step_runs_its_tests_beside_the_suite(tmp_path):
+    """The focus step (the in-process CUDA paths, whatever the suite reaches) is a pytest
+    run of its own, with its own log, JUnit file and summary line."""
+    proc = _run(
+        tmp_path / "logs",
+        120,
+        GPU_CHECK_SKIP="smoke apex examples suite bench",
+        FOCUS_TESTS="tests/test_layers.py",
+        FOCUS_WORKERS="1",
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = (tmp_path / "logs" / "summary.txt").read_text().splitlines()
+    focus = [line for line in summary if line.startswith("focus ")]
+    assert len(focus) == 1 and focus[0].startswith("focus rc=0 "), summary
+    assert " passed" in (tmp_path / "logs" / "focus.log").read_text()
+    assert (tmp_path / "logs" / "focus.xml").is_file()
