@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from distkit.runtime._compile import Compiler
-from distkit.strategies._placement import Placement, place
+from distkit.strategies._placement import Placement, place, state_follows_parameters
 from distkit.strategies.base import Strategy
 
 
@@ -44,8 +44,10 @@ class SetupCache:
             wrapped, strategy_optimizer = self.strategy.setup(model, optimizer)
             self._models[model] = wrapped
             self._optimizers[optimizer] = strategy_optimizer
+            _follow(optimizer, strategy_optimizer)
         elif optimizer not in self._optimizers:
             self._optimizers[optimizer] = self.strategy.setup_optimizer(wrapped, optimizer)
+            _follow(optimizer, self._optimizers[optimizer])
         return wrapped, self._optimizers[optimizer]
 
     def setup_together(
@@ -59,6 +61,7 @@ class SetupCache:
             self._models[model] = wrapped
             for opt, inner in zip(opts, inners, strict=True):
                 self._optimizers[opt] = inner
+                _follow(opt, inner)
         return done
 
     def placement(self, model: nn.Module) -> Placement:
@@ -99,3 +102,11 @@ class SetupCache:
             place(model, strategy.device, strategy.name, strategy.placement_refusal)
             return model
         return wrapped
+
+
+def _follow(*optimizers: torch.optim.Optimizer) -> None:
+    """State loaded before the set-up (a resumed fit's checkpoint) onto the devices the
+    set-up moved the parameters to; the user's optimizer and the strategy's (a wrapper, or
+    a replacement with its own state)."""
+    for optimizer in {id(opt): opt for opt in optimizers}.values():
+        state_follows_parameters(optimizer)

@@ -158,6 +158,28 @@ def place(model: nn.Module, target: torch.device, strategy_name: str, refusal: s
         model.to(target)
 
 
+def state_follows_parameters(optimizer: torch.optim.Optimizer) -> None:
+    """Move ``optimizer``'s state tensors to the device of their parameter.
+
+    torch's ``Optimizer.load_state_dict`` puts each state tensor where its parameter is at
+    load time, and ``model.to(device)`` moves parameters but not optimizer state. A
+    checkpoint loaded before the set-up (as a fit resumes) left the state on the CPU while
+    the set-up moved the model to the GPU: the first step failed on a GPU with "Expected all
+    tensors to be on the same device" (found on an H200, docs/gpu.md). ``step`` stays where
+    it is unless the group is fused or capturable, as torch keeps it.
+    """
+    for group in optimizer.param_groups:
+        host_step = not (group.get("fused") or group.get("capturable"))
+        for param in group["params"]:
+            state = optimizer.state.get(param)
+            for key, value in (state or {}).items():
+                if not isinstance(value, torch.Tensor) or value.device == param.device:
+                    continue
+                if key == "step" and host_step:
+                    continue
+                state[key] = value.to(param.device)
+
+
 def output_device(output: Any) -> torch.device | None:
     """The device of the first tensor in a model's output (a tensor, or tuples, lists and
     mappings of them); None when it holds none."""

@@ -127,8 +127,9 @@ def test_a_model_that_returns_its_own_loss_evaluates_from_its_output(as_dict):
     for start in range(0, 13, 5):
         batch = {k: v[start : start + 5] for k, v in (("input_ids", data.ids),
                                                         ("labels", data.labels))}  # fmt: skip
-        with torch.no_grad():
-            total, n = token_sum(model.lm, batch)
+        with torch.no_grad():  # on the device the evaluation moved the model to (a GPU's)
+            device = next(model.lm.parameters()).device
+            total, n = token_sum(model.lm, {k: v.to(device) for k, v in batch.items()})
         means.append((float(total / n.clamp(min=1)), len(batch["labels"])))
     expected = sum(m * k for m, k in means) / 13
     assert scores["loss"] == pytest.approx(expected, rel=1e-5)

@@ -27,7 +27,9 @@ def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def test_a_runtime_alone_says_where_it_runs_and_closes():
     with distkit.Runtime("dp") as rt:
         assert (rt.rank, rt.world_size, rt.local_rank, rt.is_main) == (0, 1, 0, True)
-        assert rt.device == torch.device("cpu") and rt.strategy.name == "dp"
+        # dp over every local GPU (the first holds the model), else the CPU
+        here = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        assert rt.device == here and rt.strategy.name == "dp"
         assert repr(rt).startswith("Runtime(strategy=")
         assert not rt.closed
     assert rt.closed

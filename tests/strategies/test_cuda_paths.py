@@ -196,11 +196,47 @@ def test_cuda_token_exact_steps_raise_nothing_in_sync_debug_mode(strategy):
                               shuffle=False, gradient_clip_norm=1.0)  # fmt: skip
     model = make_lm()
     try:
-        trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), Sequences(n=80),
+        # 64 samples, 4 per micro-batch, 2 per step: 8 steps, the last a log point (the
+        # epoch's end reads its losses: a check point)
+        trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), Sequences(n=64),
                     step_fn=step)  # fmt: skip
     finally:
         torch.cuda.set_sync_debug_mode(0)
         trainer.close()
+
+
+def _fit_to(strategy: str, epochs: int, folder: str | None, make_optimizer: Any) -> dict:
+    trainer = distkit.Trainer(strategy, batch_size=8, seed=5, max_epochs=epochs, progress=False,
+                              checkpoint_dir=folder, resume="auto" if folder else None)  # fmt: skip
+    net = make_mlp()
+    try:
+        trainer.fit(net, make_optimizer(net.parameters()), make_dataset(40),
+                    loss_fn=nn.functional.cross_entropy)  # fmt: skip
+        return {"state": trainer.full_state_dict(), "steps": trainer.global_step}
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize(
+    "make_optimizer",
+    [
+        pytest.param(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), id="sgd-momentum"),
+        pytest.param(lambda p: torch.optim.Adam(p, lr=1e-2), id="adam"),
+    ],
+)
+@pytest.mark.parametrize("strategy", ["dp", "ddp", "fsdp"])
+def test_cuda_resumed_fit_with_optimizer_state_equals_the_uninterrupted_one(
+    strategy, make_optimizer, tmp_path
+):
+    """The checkpoint's optimizer state is loaded before the set-up moves the model to the
+    GPU; it must follow the parameters there (the first GPU runs: every resumed fit with
+    momentum or Adam failed at its first step, 'Expected all tensors to be on the same
+    device')."""
+    whole = _fit_to(strategy, 2, None, make_optimizer)
+    _fit_to(strategy, 1, str(tmp_path), make_optimizer)
+    resumed = _fit_to(strategy, 2, str(tmp_path), make_optimizer)
+    assert resumed["steps"] == whole["steps"] == 10
+    assert max_abs_diff(resumed["state"], whole["state"]) <= 1e-5
 
 
 # ---------------------------------------------------- real NVIDIA apex (and a GPU) for these

@@ -439,3 +439,23 @@ def test_seed3_model_split_over_two_gpus_trains_under_ddp(backend, run_on_ranks,
         for key, value in reference.items():
             assert torch.allclose(result["state"][key], value, atol=1e-5), key
             assert torch.equal(result["fresh"][key], result["state"][key]), key
+
+
+def test_optimizer_state_follows_its_parameters_to_their_device():
+    """torch's load_state_dict puts optimizer state where each parameter is at load time, and
+    model.to() moves parameters but not optimizer state: a checkpoint loaded before the set-up
+    moved the model to a GPU left the state on the CPU, and the first step failed (found on
+    an H200). The set-up now moves the state after the parameters; here the parameters' other
+    device is ``meta``, the only one besides the CPU on a machine without a GPU."""
+    from distkit.strategies._placement import state_follows_parameters
+
+    param = torch.nn.Parameter(torch.empty(3, device="meta"))
+    fused = torch.nn.Parameter(torch.empty(2, device="meta"))
+    optimizer = torch.optim.Adam([{"params": [param]}, {"params": [fused], "capturable": True}])
+    for p in (param, fused):
+        optimizer.state[p] = {"step": torch.tensor(4.0), "exp_avg": torch.zeros(p.shape)}
+    state_follows_parameters(optimizer)
+    assert optimizer.state[param]["exp_avg"].device.type == "meta"
+    assert optimizer.state[param]["step"].device.type == "cpu"  # torch keeps it on the host
+    assert optimizer.state[fused]["step"].device.type == "meta"  # capturable: with the param
+    assert optimizer.state[fused]["exp_avg"].device.type == "meta"
