@@ -172,7 +172,9 @@ def state_follows_parameters(optimizer: torch.optim.Optimizer) -> None:
         host_step = not (group.get("fused") or group.get("capturable"))
         for param in group["params"]:
             state = optimizer.state.get(param)
-            for key, value in (state or {}).items():
+            if not state:
+                continue
+            for key, value in state.items():
                 if not isinstance(value, torch.Tensor) or value.device == param.device:
                     continue
                 if key == "step" and host_step:
