@@ -78,6 +78,14 @@ test_apex() {  # VERSION
     PYTHONPATH="/tmp/apex-$1:$root" "$py" -m pytest -q -rA -p no:cacheprovider --timeout 120 $(workers 2) \
         tests/strategies/test_apex.py tests/strategies/test_host_syncs.py \
         tests/strategies/test_cuda_paths.py
+    local rc=$?
+    if [ "$("$py" -c 'from distkit.strategies.apex._detect import detect_apex; print(detect_apex().generation)' 2>/dev/null)" = legacy ]; then
+        for mode in plain upcast; do  # does a hand-written O1 loop skip its first step too?
+            echo "== scripts/apex_o1_first_step.py $mode"
+            PYTHONPATH="/tmp/apex-$1:$root" timeout 60 "$py" scripts/apex_o1_first_step.py "$mode"
+        done
+    fi
+    return $rc
 }
 
 examples() {

@@ -91,7 +91,13 @@ def test_cuda_user_loop_is_the_trainers_fit(precision):
     backward, unscale before clipping, the scaler's step and update)."""
     loop = user_loop("ddp", 8, 2, precision=precision, clip=0.5)
     fit = trainer_fit(8, 2, precision=precision, clip=0.5)
-    assert max_abs_diff(loop["state"], fit["state"]) <= 1e-6
+    # fp32: the same numbers. Under autocast the loop computes its loss outside the autocast
+    # on float32 logits (as Fabric and Accelerate do) and the Trainer inside it: on an H200
+    # the two differ by 2.1e-4 (bf16) and 4.8e-5 (fp16) here, run after run (each path
+    # repeats itself exactly), the size of fp16 against fp32 itself (1.9e-4); a lost
+    # scaling or division moves the weights by orders of magnitude more
+    tolerance = 1e-6 if precision == "32" else 2e-3
+    assert max_abs_diff(loop["state"], fit["state"]) <= tolerance
 
 
 def _gan(strategy: str) -> dict[str, Any]:
