@@ -34,6 +34,7 @@ BUILTIN_STRATEGIES: Mapping[str, str] = MappingProxyType(
         "horovod": "distkit.strategies.horovod:HorovodStrategy",
         "apex": "distkit.strategies.apex:ApexStrategy",
         "fsdp": "distkit.strategies.fsdp:FSDPStrategy",
+        "deepspeed": "distkit.strategies.deepspeed:DeepSpeedStrategy",
     }
 )
 

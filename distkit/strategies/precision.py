@@ -40,14 +40,18 @@ class Precision:
     Args:
         precision: ``"32"``, ``"bf16"`` or ``"fp16"``.
         device: the device the model trains on; its type selects the autocast and scaler kind.
+        loss_scaling: fp16's ``GradScaler``; False where the backend scales losses itself
+            (DeepSpeed's engine).
     """
 
-    def __init__(self, precision: str | int, device: torch.device) -> None:
+    def __init__(
+        self, precision: str | int, device: torch.device, *, loss_scaling: bool = True
+    ) -> None:
         self.name = normalize_precision(precision)
         self.device_type = device.type
         self._dtype = {"32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[self.name]
         self.scaler: torch.amp.GradScaler | None = (
-            torch.amp.GradScaler(self.device_type) if self.name == "fp16" else None
+            torch.amp.GradScaler(self.device_type) if self.name == "fp16" and loss_scaling else None
         )
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:

@@ -10,6 +10,8 @@ What can be asked for:
     a Horovod build: ``horovod.torch`` importable and ``horovodrun`` beside Python or on PATH.
 ``"horovod runner"``
     Horovod's pure-Python runner only (``horovod.runner``), without a build of ``horovod.torch``.
+``"deepspeed"``
+    DeepSpeed installed (found, not imported).
 ``"cuda"``
     a CUDA GPU.
 ``"2 gpus"``
@@ -47,6 +49,12 @@ def _horovod_runner() -> bool:
     return is_importable("horovod.runner.common.util.hosts")
 
 
+def _deepspeed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("deepspeed") is not None
+
+
 def _cuda() -> bool:
     return torch.cuda.is_available()
 
@@ -79,6 +87,11 @@ GATES: dict[str, tuple[Callable[[], bool], str]] = {
     "horovod": (
         _horovod,
         "needs Horovod (python -m distkit.horovod_build; nox -s tests builds it)",
+    ),
+    "deepspeed": (
+        _deepspeed,
+        "needs DeepSpeed: pip install 'distkit[deepspeed]' after the pinned torch (nox -s "
+        "tests installs it)",
     ),
     "horovod runner": (
         _horovod_runner,

@@ -1,0 +1,280 @@
+"""DeepSpeed ZeRO (stages 1, 2, 3): optimizer state, gradients and parameters sharded over ranks.
+
+Runs under the torch launchers (torchrun, ``python -m torch.distributed.launch``, plain
+``python`` for a world of one), on the process group distkit joins (gloo on CPU, nccl on
+CUDA). DeepSpeed is imported only when the strategy starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+from typing_extensions import override
+
+from distkit._imports import require
+from distkit.diagnosis import MachineFacts, StrategyReport
+from distkit.errors import ConfigurationError, UnsupportedFeatureError
+from distkit.launch.families import TORCH_LAUNCHERS
+from distkit.strategies import _torch_dist, _torch_group
+from distkit.strategies._steps import GradientClip, StepOutcome
+from distkit.strategies.base import Strategy, Topology
+from distkit.strategies.capabilities import StateIO
+from distkit.strategies.deepspeed import _doctor
+from distkit.strategies.deepspeed._config import engine_config, resolve_stage
+from distkit.strategies.deepspeed._state import DeepSpeedStateIO, Engine, load_into_engine
+from distkit.strategies.precision import Precision
+
+HINT = (
+    "Install it after the pinned torch: `pip install 'distkit[deepspeed]'` (or `pip install "
+    "deepspeed`; installed before torch, pip may pull a CUDA build of torch)"
+)
+
+
+class DeepSpeedStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
+    """DeepSpeed's ZeRO engine: each rank holds a shard of the optimizer state (stage 1), and
+    of the gradients (stage 2), and of the parameters (stage 3).
+
+    distkit keeps its guarantees on it: N processes with ``batch_size=b`` train like one
+    process with ``N * b`` (uneven last batches and accumulation included), evaluation counts
+    every sample once, clipping is DeepSpeed's own (on the averaged gradients, across the
+    shards), checkpoints hold the full weights and optimizer state (they resume under ddp,
+    fsdp or one process, and back).
+
+    Args:
+        stage: the ZeRO stage, 1, 2 or 3; None takes the config's
+            ``zero_optimization.stage``, else 2.
+        config: a DeepSpeed config dict, honoured as it is (``zero_optimization``'s other
+            keys, ``communication_data_type``, ...). The keys distkit sets from the Trainer
+            or Runtime (batch sizes, accumulation, clipping, precision, optimizer, scheduler)
+            are refused there, naming the distkit argument instead.
+        backend: torch.distributed backend; None picks nccl on CUDA and gloo on CPU.
+        timeout: how long a collective may wait for the other ranks (seconds or timedelta).
+    """
+
+    name = "deepspeed"
+    launcher = TORCH_LAUNCHERS
+    libraries = ("deepspeed",)
+    placement_refusal = (
+        "DeepSpeed's engine puts the whole model on this rank's device itself (and, at "
+        "stage 3, partitions it there)"
+    )
+
+    @override
+    @classmethod
+    def diagnose(cls, machine: MachineFacts) -> StrategyReport:
+        """Installed (found, not imported), and a C++ compiler for the ops DeepSpeed JIT-builds."""
+        report = super().diagnose(machine)
+        return _doctor.verdict(cls.name, machine, report)
+
+    def __init__(
+        self,
+        *,
+        stage: int | None = None,
+        config: Mapping[str, Any] | None = None,
+        backend: str | None = None,
+        timeout: timedelta | float | None = None,
+    ) -> None:
+        super().__init__()
+        if config is not None and not isinstance(config, Mapping):
+            raise ConfigurationError(
+                f"DeepSpeedStrategy(config={type(config).__name__}); allowed: a dict (a "
+                "DeepSpeed config; read a JSON file with json.load first) or None"
+            )
+        zero = (config or {}).get("zero_optimization") or {}
+        self.stage = resolve_stage(stage, zero.get("stage"))
+        self.config = dict(config or {})
+        engine_config(self.config, stage=self.stage, precision="32")  # refuse clashes now
+        self.backend = backend
+        self.timeout = _torch_group.as_timeout(timeout)
+        self._engines: dict[int, Engine] = {}  # by id of the user's model, optimizer, engine
+
+    # ------------------------------------------------------------------ lifecycle
+    @override
+    def _setup_environment(self) -> Topology:
+        cuda = torch.cuda.is_available() and self.backend != "gloo"
+        if not cuda:  # else DeepSpeed guesses, and warns that it found no GPU
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        require("deepspeed", feature="strategy='deepspeed'", hint=HINT)
+        return self._join_group()
+
+    @override
+    def _make_precision(self, device: torch.device) -> Precision:
+        precision = self.options.precision
+        if precision == "fp16" and device.type != "cuda":
+            raise UnsupportedFeatureError(
+                "strategy='deepspeed' with precision='fp16' needs CUDA: DeepSpeed's CPU "
+                "accelerator has no fp16 training. Use precision='bf16' (or '32') here"
+            )
+        # the forward runs under torch's autocast (fp32 inputs meet DeepSpeed's bf16/fp16
+        # weights); DeepSpeed keeps fp32 master weights and scales fp16 losses itself
+        return Precision(precision, device, loss_scaling=False)
+
+    @override
+    def teardown(self) -> None:
+        for record in {id(r): r for r in self._engines.values()}.values():
+            destroy = getattr(record.engine, "destroy", None)
+            if callable(destroy):
+                destroy()
+        self._engines.clear()
+        self._leave_group()
+        super().teardown()
+
+    # ------------------------------------------------------------------ set-up
+    @override
+    def _setup_model_and_optimizer(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        if id(optimizer) in self._engines:
+            raise ConfigurationError(
+                "this optimizer is already set up with a model under strategy='deepspeed'; "
+                "DeepSpeed gives each model its own engine and optimizer"
+            )
+        deepspeed = require("deepspeed", feature="strategy='deepspeed'", hint=HINT)
+        _skip_inference_op_build()
+        # a checkpoint loaded before the set-up (a resumed fit) is in torch's form, keyed by
+        # the user's parameters: ZeRO re-binds the optimizer to its flat partitions
+        saved = optimizer.state_dict() if optimizer.state else None
+        groups = [list(group["params"]) for group in optimizer.param_groups]
+        config = engine_config(self.config, stage=self.stage, precision=self.options.precision)
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=config, dist_init_required=False
+        )
+        record = Engine(engine, groups, self.stage)
+        for key in (id(model), id(optimizer), id(engine)):
+            self._engines[key] = record
+        if saved is not None:
+            load_into_engine(record, saved)
+        return engine, optimizer
+
+    @override
+    def setup_optimizer(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> torch.optim.Optimizer:
+        raise UnsupportedFeatureError(
+            "strategy='deepspeed' gives each model one optimizer (DeepSpeed's engine owns "
+            "it); set up a second optimizer with a model of its own, or use ddp/fsdp for two "
+            "optimizers over one model"
+        )
+
+    @override
+    def compile_model(
+        self, model: nn.Module, compiler: Callable[[nn.Module], nn.Module]
+    ) -> nn.Module:
+        raise UnsupportedFeatureError(
+            "compile= with strategy='deepspeed' is not supported by distkit yet (DeepSpeed "
+            "compiles through its own engine.compile()); train uncompiled, or use ddp/fsdp "
+            "with compile="
+        )
+
+    def engine_of_model(self, model: nn.Module) -> Engine | None:
+        """The engine set up for the user's ``model`` (or the engine itself), or None."""
+        return self._engines.get(id(model))
+
+    def engine_of_optimizer(self, optimizer: Any) -> Engine | None:
+        return self._engines.get(id(optimizer))
+
+    def _engine(self, optimizer: Any) -> Any:
+        record = self._engines.get(id(optimizer))
+        if record is None:
+            raise ConfigurationError(
+                "this optimizer was not set up by strategy='deepspeed': pass the one "
+                "fit/rt.setup returned"
+            )
+        return record.engine
+
+    # ------------------------------------------------------------------ steps
+    @override
+    def backward(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
+        # distkit already weighted the loss by the micro-batch's share of the step
+        self._engine(optimizer).backward(loss, scale_wrt_gas=False)
+
+    @override
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        # backward accumulates; engine.step() is the boundary (stages 2/3 reduce in each
+        # backward all the same: their gradients live as shards)
+        return contextlib.nullcontext()
+
+    @override
+    def step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        clip: GradientClip | None = None,
+        skip_nonfinite: bool = False,
+        before_step: Callable[[], None] | None = None,
+    ) -> tuple[StepOutcome, torch.Tensor | None]:
+        engine = self._engine(optimizer)
+        if before_step is not None:
+            raise UnsupportedFeatureError(
+                "strategy='deepspeed' reduces, clips and applies the gradients in one call "
+                "(engine.step()), so nothing can read or change them in between: a "
+                "callback's on_before_optimizer_step and token-exact losses (distkit.Loss, "
+                "rt.backward(total, count=...)) need that. Use a mean loss and no such "
+                "callback, or strategy='fsdp' (sharded too) or 'ddp'"
+            )
+        if skip_nonfinite and not self.options.precision == "fp16":
+            raise UnsupportedFeatureError(
+                "nonfinite='skip' with strategy='deepspeed': DeepSpeed checks for overflow "
+                "only with fp16 (its loss scaler skips such steps). Use nonfinite='raise' "
+                "(the default: a non-finite loss stops training at the next check point)"
+            )
+        if clip is not None and clip.max_value is not None:
+            raise UnsupportedFeatureError(
+                "strategy='deepspeed' clips by norm only (its gradient_clipping, across the "
+                "shards): use gradient_clip_norm=... / max_norm=..., not value clipping"
+            )
+        _set_clip(engine, clip.max_norm if clip is not None else None)
+        skipped = engine.skipped_steps
+        engine.step()
+        stepped = engine.skipped_steps == skipped  # fp16: DeepSpeed's scaler skipped it
+        outcome = StepOutcome.STEPPED if stepped else StepOutcome.SKIPPED_OVERFLOW
+        if clip is None:
+            return outcome, None
+        norm = engine.get_global_grad_norm()
+        return outcome, torch.as_tensor(0.0 if norm is None else norm, dtype=torch.float32)
+
+    # ------------------------------------------------------------------ models
+    @override
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        record = self._engines.get(id(model))
+        return record.engine.module if record is not None else model
+
+    @override
+    def eval_rounds(self, batches: int) -> int:
+        if self.stage < 3 or self.world_size == 1:
+            return batches
+        # a stage-3 forward all-gathers parameters: every rank runs as many as the busiest
+        return int(self.all_gather(torch.tensor([batches])).max().item())
+
+    @override
+    def convert_sync_batchnorm(self, model: nn.Module) -> nn.Module:
+        return _torch_dist.convert_sync_batchnorm(model, self.device)
+
+    @property
+    @override
+    def state_io(self) -> StateIO:
+        return DeepSpeedStateIO(self)
+
+
+def _set_clip(engine: Any, max_norm: float | None) -> None:
+    """This step's clipping norm (0: none). DeepSpeed reads it from its config at set-up;
+    its ZeRO optimizer keeps it as ``clip_grad`` and reads that at each step."""
+    value = float(max_norm or 0.0)
+    engine._config.gradient_clipping = value
+    engine.optimizer.clip_grad = value
+
+
+def _skip_inference_op_build() -> None:
+    """DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op (``deepspeed_shm_comm``,
+    for inference) at the first ``initialize``: 90-130 s of g++ on two cores, and an error
+    without a compiler. Training never uses it: mark it incompatible so it is not built."""
+    import deepspeed.ops
+
+    with contextlib.suppress(Exception):  # a DeepSpeed without the table builds it as before
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False

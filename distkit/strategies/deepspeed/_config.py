@@ -1,0 +1,98 @@
+"""The DeepSpeed config distkit hands ``deepspeed.initialize``: the user's, plus what distkit owns.
+
+distkit feeds the batches, weights each micro-batch's loss by its share of the step's samples,
+decides where each optimizer step falls (uneven last windows included), clips, and casts. So
+it runs DeepSpeed with ``managed_gradient_accumulation: false`` (every ``engine.step()`` is an
+accumulation boundary; ``engine.backward`` accumulates), and sets the keys that would
+otherwise disagree with the Trainer or Runtime. A user config that sets one of those keys is
+refused, naming the distkit argument that says the same thing.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+from distkit.errors import ConfigurationError
+
+STAGES = (1, 2, 3)
+
+#: keys distkit sets itself -> where a user says the same thing
+OWNED: Mapping[str, str] = {
+    "train_batch_size": "Trainer(batch_size=...) / rt.loader(batch_size=...): per process",
+    "train_micro_batch_size_per_gpu": "Trainer(batch_size=...) / rt.loader(batch_size=...)",
+    "gradient_accumulation_steps": "Trainer(grad_accum_steps=...) / Runtime(grad_accum_steps=...)",
+    "managed_gradient_accumulation": "distkit decides where each step falls",
+    "gradient_clipping": "Trainer(gradient_clip_norm=...) / rt.clip_gradients(...)",
+    "fp16": "Trainer(precision='fp16') / Runtime(precision=...)",
+    "bf16": "Trainer(precision='bf16') / Runtime(precision=...)",
+    "bfloat16": "Trainer(precision='bf16') / Runtime(precision=...)",
+    "amp": "Trainer(precision=...)",
+    "torch_autocast": "Trainer(precision=...): distkit runs the forward under torch's autocast",
+    "optimizer": "pass your torch.optim optimizer to fit / rt.setup",
+    "scheduler": "pass your LR scheduler to fit (scheduler=...) or step it in your loop",
+}
+
+
+def engine_config(
+    user: Mapping[str, Any] | None, *, stage: int | None, precision: str
+) -> dict[str, Any]:
+    """The config for one ``deepspeed.initialize``.
+
+    Args:
+        user: the ``DeepSpeedStrategy(config=...)`` dict (None: empty).
+        stage: ``DeepSpeedStrategy(stage=...)``; None takes the config's
+            ``zero_optimization.stage``, else 2.
+        precision: distkit's precision name (``"32"``, ``"bf16"``, ``"fp16"``).
+    """
+    config = copy.deepcopy(dict(user or {}))
+    clashes = sorted(key for key in OWNED if key in config)
+    if clashes:
+        raise ConfigurationError(
+            "DeepSpeedStrategy(config=...) sets "
+            + ", ".join(repr(key) for key in clashes)
+            + ", which distkit sets itself; say it through distkit instead: "
+            + "; ".join(f"{key}: {OWNED[key]}" for key in clashes)
+        )
+    zero = dict(config.get("zero_optimization") or {})
+    config["zero_optimization"] = zero
+    zero["stage"] = resolve_stage(stage, zero.get("stage"))
+    config.update(
+        {
+            # bookkeeping only: distkit feeds the micro-batches and weights their losses
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            "managed_gradient_accumulation": False,
+            "gradient_clipping": 0.0,  # set per step from distkit's clip (see the strategy)
+            # a torch.optim optimizer DeepSpeed has not tested with ZeRO is still stepped as
+            # torch steps it (SGD, AdamW, ...): the tests hold it to a one-process loop
+            "zero_allow_untested_optimizer": True,
+        }
+    )
+    config.setdefault("steps_per_print", 2**31 - 1)  # distkit logs; DeepSpeed stays quiet
+    config.setdefault("wall_clock_breakdown", False)
+    if precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    elif precision == "fp16":
+        config["fp16"] = {"enabled": True}  # DeepSpeed's own dynamic loss scaler
+    return config
+
+
+def resolve_stage(stage: int | None, configured: Any) -> int:
+    """The ZeRO stage from the argument and the config (they must agree)."""
+    for name, value in (("stage", stage), ("config's zero_optimization.stage", configured)):
+        if value is not None and (isinstance(value, bool) or value not in STAGES):
+            hint = " (stage 0 is plain data parallelism: use strategy='ddp')" if value == 0 else ""
+            raise ConfigurationError(
+                f"DeepSpeedStrategy: {name}={value!r}; allowed: 1 (optimizer state sharded), "
+                f"2 (and gradients), 3 (and parameters){hint}"
+            )
+    if stage is not None and configured is not None and stage != configured:
+        raise ConfigurationError(
+            f"DeepSpeedStrategy(stage={stage}) and config zero_optimization.stage={configured} "
+            "disagree: give the stage once"
+        )
+    if stage is not None:
+        return stage
+    return int(configured) if configured is not None else 2
