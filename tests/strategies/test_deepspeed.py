@@ -172,3 +172,40 @@ def _catch(body: str) -> BaseException | None:
     except Exception as exc:  # returned to the test
         return exc
     return None
+
+
+# ---------------------------------------------------------------- checkpoints
+def ckpt_fit(name: str, batch: int, folder: str, *, stage: int = 2, **settings: Any) -> dict:
+    """AdamW (per-parameter step, exp_avg, exp_avg_sq), 2 epochs of 3 steps, checkpoints in
+    ``folder``; ``max_steps`` interrupts, ``resume="auto"`` continues."""
+    torch.manual_seed(0)
+    trainer = distkit.Trainer(_strategy(name, stage), batch_size=batch, seed=5, max_epochs=2,
+                              progress=False, checkpoint_dir=folder, **settings)  # fmt: skip
+    model = make_mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    trainer.fit(model, opt, make_dataset(N), loss_fn=nn.functional.cross_entropy)
+    out = {"state": trainer.full_state_dict(), "steps": trainer.global_step}
+    trainer.close()
+    return out
+
+
+@pytest.mark.parametrize(("first", "then"), [("deepspeed", "ddp"), ("ddp", "deepspeed")])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_checkpoints_resume_exactly_under_ddp_and_back(
+    run_on_ranks, tmp_path, stage, first, then
+):
+    """The checkpoint holds the full weights and AdamW's state in torch's form: a deepspeed
+    x2 run interrupted at step 4 resumes under one ddp process (and a ddp run under
+    deepspeed x2) and ends where an uninterrupted run ends."""
+    batch = {"ddp": (8, 1), "deepspeed": (4, 2)}
+    whole = run_on_ranks(ckpt_fit, "ddp", 8, str(tmp_path / "whole"), world_size=1)[0]
+    folder = str(tmp_path / "ckpt")
+    size, world = batch[first]
+    run_on_ranks(partial(ckpt_fit, stage=stage, max_steps=4), first, size, folder,
+                 world_size=world)  # fmt: skip
+    size, world = batch[then]
+    resumed = run_on_ranks(partial(ckpt_fit, stage=stage, resume="auto"), then, size, folder,
+                           world_size=world)  # fmt: skip
+    for rank in resumed:
+        assert rank["steps"] == whole["steps"] == 6
+        assert max_abs_diff(rank["state"], whole["state"]) <= TOL

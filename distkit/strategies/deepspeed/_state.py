@@ -47,10 +47,18 @@ class Engine:
 
     def flat_partitions(self) -> list[torch.Tensor]:
         """This rank's fp32 partition of each group, as the inner torch optimizer keys them."""
-        flats = getattr(self.zero, "fp32_partitioned_groups_flat", None)  # stage 3
-        if flats is None:
-            flats = self.zero.single_partition_of_fp32_groups  # stages 1 and 2
-        return list(flats)
+        for name in (
+            "fp32_partitioned_groups_flat",  # stage 3
+            "single_partition_of_fp32_groups",  # stages 1 and 2
+            "fp32_groups_flat_partition",  # stage 1 with bf16 (DeepSpeed's BF16_Optimizer)
+        ):
+            flats = getattr(self.zero, name, None)
+            if flats is not None:
+                return list(flats)
+        raise RuntimeError(
+            f"distkit does not know where {type(self.zero).__name__} keeps its fp32 partitions "
+            "(a DeepSpeed version distkit was not tested with: see the deepspeed extra's pin)"
+        )
 
     def inner_state(self) -> dict[Any, dict[str, Any]]:
         state: dict[Any, dict[str, Any]] = self.zero.optimizer.state
@@ -82,7 +90,10 @@ def set_full_weight(param: nn.Parameter, value: torch.Tensor) -> None:
     from deepspeed.utils import safe_set_full_fp32_param
 
     value = value.detach()
-    safe_set_full_fp32_param(param, value.to(param.device, torch.float32))
+    if hasattr(param, "ds_id"):
+        _set_stage3(param, value, None)
+    else:
+        safe_set_full_fp32_param(param, value.to(param.device, torch.float32))
     if hasattr(param, "ds_id"):
         with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
             param.data.copy_(value.to(param.device, param.dtype))
@@ -221,11 +232,36 @@ def load_into_engine(engine: Engine, saved: dict[str, Any]) -> None:
                 entry.setdefault(key, torch.zeros_like(flat))
             else:
                 entry[key] = value.clone() if isinstance(value, torch.Tensor) else value
+    # stages 1 and 2 map each parameter's slice of the optimizer state at the first step;
+    # before it (a resumed fit) the state above is linked here
+    link = getattr(engine.zero, "_lazy_init_hp_params_optimizer_state", None)
+    if callable(link):
+        link()
     for index, param in enumerate(params):
         for key, value in per_param.get(index, {}).items():
             if isinstance(value, torch.Tensor) and value.ndim > 0:
                 full = value.to(param.device, torch.float32).reshape(_shape(param))
-                safe_set_full_optimizer_state(param, full, key)
+                if hasattr(param, "ds_id"):
+                    _set_stage3(param, full, key)
+                else:
+                    safe_set_full_optimizer_state(param, full, key)
+
+
+def _set_stage3(param: nn.Parameter, value: torch.Tensor, key: str | None) -> None:
+    """This rank's slice of ``value`` into a stage-3 parameter's fp32 partition (``key``:
+    None) or its optimizer state. DeepSpeed 0.19.8's own ``set_full_hp_param`` cuts the slice
+    past the end of a parameter whose size the world size does not divide (the last rank's
+    partition is padded); here the padding stays zero."""
+    zero = param._z3_optimizer  # type: ignore[attr-defined]
+    partition, _ = zero._get_fp32_opt_state_partition(
+        param, release_swap_buffers=False, optim_state_key=key
+    )
+    size = partition.numel()
+    start = size * zero._get_param_partition_rank(param)
+    piece = value.flatten()[start : start + size]
+    with torch.no_grad():
+        partition.zero_()
+        partition[: piece.numel()].copy_(piece.to(partition.device, partition.dtype))
 
 
 def _shape(param: nn.Parameter) -> torch.Size:
