@@ -135,7 +135,9 @@ def run_promises(
     if launcher not in LAUNCHERS:
         raise ConfigurationError(f"unknown launcher {launcher!r}. Allowed: {', '.join(LAUNCHERS)}")
     world = _world_size(world_size, single, target.label)
+    exceptions = target.resolve().contract_exceptions
     skipped = {n: r for n in chosen if (r := promise_named(n).not_applicable(world)) is not None}
+    skipped.update({n: f"{target.label}: {exceptions[n]}" for n in chosen if n in exceptions})
     to_run = tuple(name for name in chosen if name not in skipped)
     run = ContractRun(target.label, world, launcher, skipped=skipped)
     if not to_run:

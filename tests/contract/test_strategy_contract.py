@@ -6,7 +6,8 @@ so one broken promise does not hide the others. The same functions are what plug
 run (docs/reference/testing.md).
 
 Backends: ddp (2 gloo processes), dp (1 process), fsdp (2 gloo processes; once registered),
-horovod (``horovodrun -np 2 --gloo``) and apex-fake (see ``_fake_legacy_apex_and_cuda``).
+horovod (``horovodrun -np 2 --gloo``), apex-fake (see ``_fake_legacy_apex_and_cuda``) and
+deepspeed (2 gloo processes, ZeRO stage 2, its default).
 """
 
 from __future__ import annotations
@@ -50,6 +51,12 @@ def _horovod_missing() -> str | None:
     )
 
 
+def _deepspeed_missing() -> str | None:
+    if is_importable("deepspeed"):
+        return None
+    return "DeepSpeed is not installed: pip install 'distkit[deepspeed]' (nox -s tests does)"
+
+
 def _fsdp_missing() -> str | None:
     return None if "fsdp" in distkit.available_strategies() else "fsdp not registered yet"
 
@@ -61,6 +68,7 @@ BACKENDS = {
     "fsdp": (dict(strategy="fsdp"), _fsdp_missing),
     "horovod": (dict(strategy="horovod", launcher="horovodrun"), _horovod_missing),
     "apex-fake": (dict(strategy="apex", rank_setup=_fake_legacy_apex_and_cuda), lambda: None),
+    "deepspeed": (dict(strategy="deepspeed"), _deepspeed_missing),
 }
 
 

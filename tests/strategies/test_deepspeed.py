@@ -209,3 +209,33 @@ def test_deepspeed_checkpoints_resume_exactly_under_ddp_and_back(
     for rank in resumed:
         assert rank["steps"] == whole["steps"] == 6
         assert max_abs_diff(rank["state"], whole["state"]) <= TOL
+
+
+def gan_step(freeze: bool) -> BaseException | None:
+    torch.manual_seed(0)
+    with distkit.Runtime(distkit.DeepSpeedStrategy(stage=2), seed=0) as rt:
+        gen = nn.Linear(4, 6)
+        disc = nn.Linear(6, 1)
+        gen, opt_g = rt.setup(gen, torch.optim.SGD(gen.parameters(), lr=0.1))
+        disc, opt_d = rt.setup(disc, torch.optim.SGD(disc.parameters(), lr=0.1))
+        x = torch.randn(8, 4)
+        try:
+            fake = gen(x)
+            rt.backward(disc(fake.detach()).mean(), optimizer=opt_d)  # fine: only disc
+            opt_d.step()
+            opt_d.zero_grad()
+            disc.requires_grad_(not freeze)  # the generator's step: the discriminator frozen
+            rt.backward(disc(fake).mean(), optimizer=opt_g)
+            disc.requires_grad_(True)
+            opt_g.step()
+        except Exception as exc:  # returned to the test
+            return exc
+        return None
+
+
+@pytest.mark.parametrize("freeze", [False, True], ids=["trainable", "frozen"])
+def test_deepspeed_refuses_a_loss_through_two_engines_naming_the_way_out(run_on_ranks, freeze):
+    """Before DeepSpeed runs (the other model's parameters in the graph), or as DeepSpeed
+    fails (frozen: its forward's hook still runs that engine's epilogue): one clear error."""
+    (error,) = run_on_ranks(gan_step, freeze, world_size=1)
+    assert isinstance(error, UnsupportedFeatureError) and "two models" in str(error), error

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Mapping
+import sys
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -36,6 +37,15 @@ HINT = (
 )
 
 
+CROSSING = (
+    "under strategy='deepspeed' this loss runs through two models (each has its own "
+    "DeepSpeed engine, whose hooks reduce its gradients only inside its own backward; DeepSpeed "
+    "runs them for any loss through its forward): a GAN's generator loss through the "
+    "discriminator, say. Train one model per loss (detach its input to the other model), or "
+    "use strategy='ddp' or 'fsdp' for such loops"
+)
+
+
 class DeepSpeedStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
     """DeepSpeed's ZeRO engine: each rank holds a shard of the optimizer state (stage 1), and
     of the gradients (stage 2), and of the parameters (stage 3).
@@ -59,6 +69,18 @@ class DeepSpeedStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
 
     name = "deepspeed"
     launcher = TORCH_LAUNCHERS
+    contract_exceptions = {
+        "mean_gradients": (
+            "ZeRO keeps the averaged gradients in its partitions and frees them in "
+            "engine.step(), so no parameter holds one after the step; world_size_invariance "
+            "and runtime_accumulation check what they did"
+        ),
+        "runtime_two_models": (
+            "DeepSpeed gives each model its own engine, and a loss that runs through two "
+            "engines (a GAN's generator loss through the discriminator) is refused, naming "
+            "the way out (tests/strategies/test_deepspeed.py)"
+        ),
+    }
     libraries = ("deepspeed",)
     placement_refusal = (
         "DeepSpeed's engine puts the whole model on this rank's device itself (and, at "
@@ -122,6 +144,8 @@ class DeepSpeedStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
             if callable(destroy):
                 destroy()
         self._engines.clear()
+        if self._owns_group:  # the world goes: DeepSpeed's clones of it with it
+            _forget_groups()
         self._leave_group()
         super().teardown()
 
@@ -142,9 +166,10 @@ class DeepSpeedStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         saved = optimizer.state_dict() if optimizer.state else None
         groups = [list(group["params"]) for group in optimizer.param_groups]
         config = engine_config(self.config, stage=self.stage, precision=self.options.precision)
-        engine, _, _, _ = deepspeed.initialize(
-            model=model, optimizer=optimizer, config=config, dist_init_required=False
-        )
+        with _local_rank_variable(self.local_rank):
+            engine, _, _, _ = deepspeed.initialize(
+                model=model, optimizer=optimizer, config=config, dist_init_required=False
+            )
         record = Engine(engine, groups, self.stage)
         for key in (id(model), id(optimizer), id(engine)):
             self._engines[key] = record
@@ -191,8 +216,27 @@ class DeepSpeedStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
     # ------------------------------------------------------------------ steps
     @override
     def backward(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
-        # distkit already weighted the loss by the micro-batch's share of the step
-        self._engine(optimizer).backward(loss, scale_wrt_gas=False)
+        engine = self._engine(optimizer)
+        if len({id(r) for r in self._engines.values()}) == 1:
+            # distkit already weighted the loss by the micro-batch's share of the step
+            engine.backward(loss, scale_wrt_gas=False)
+            return
+        reached = graph_leaves(loss)
+        for record in {id(r): r for r in self._engines.values()}.values():
+            if record.engine is not engine and any(id(p) in reached for p in record.params()):
+                raise UnsupportedFeatureError(CROSSING)
+        try:
+            engine.backward(loss, scale_wrt_gas=False)
+        except (IndexError, AssertionError, RuntimeError) as exc:
+            # another engine's backward hook ran inside this one (the loss went through its
+            # forward with its parameters frozen): DeepSpeed's state is no longer sound
+            raise UnsupportedFeatureError(f"{CROSSING} ({type(exc).__name__}: {exc})") from exc
+
+    @override
+    def optimizer_step(
+        self, optimizer: torch.optim.Optimizer, *, skip_nonfinite: bool = False
+    ) -> StepOutcome:
+        return self.step(optimizer, skip_nonfinite=skip_nonfinite)[0]
 
     @override
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
@@ -268,6 +312,47 @@ def _set_clip(engine: Any, max_norm: float | None) -> None:
     value = float(max_norm or 0.0)
     engine._config.gradient_clipping = value
     engine.optimizer.clip_grad = value
+
+
+def graph_leaves(loss: torch.Tensor) -> set[int]:
+    """The ids of the leaf tensors (parameters) ``loss``'s autograd graph accumulates into."""
+    leaves: set[int] = set()
+    seen: set[Any] = set()
+    stack = [loss.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        variable = getattr(fn, "variable", None)  # an AccumulateGrad node
+        if variable is not None:
+            leaves.add(id(variable))
+        stack.extend(next_fn for next_fn, _ in fn.next_functions)
+    return leaves
+
+
+@contextlib.contextmanager
+def _local_rank_variable(local_rank: int) -> Iterator[None]:
+    """``LOCAL_RANK`` while DeepSpeed sets up: it refuses to start without it, which plain
+    ``python`` (a world of one) does not set; removed after, as it was."""
+    if "LOCAL_RANK" in os.environ:
+        yield
+        return
+    os.environ["LOCAL_RANK"] = str(local_rank)
+    try:
+        yield
+    finally:
+        os.environ.pop("LOCAL_RANK", None)
+
+
+def _forget_groups() -> None:
+    """Drop DeepSpeed's module-level references to the process groups it cloned from the
+    world distkit is about to destroy: a later strategy in this process (a second Trainer)
+    joins a new world, and DeepSpeed would reach for the dead groups."""
+    groups = sys.modules.get("deepspeed.utils.groups")
+    release = getattr(groups, "_release_process_group_references", None)
+    if callable(release):
+        release(group=None)
 
 
 def _skip_inference_op_build() -> None:
