@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import distkit
-from distkit.errors import ConfigurationError, UnsupportedFeatureError
+from distkit.errors import UnsupportedFeatureError
 from tests.support.gates import needs
 from tests.support.workloads import make_dataset, make_mlp, max_abs_diff
 
@@ -117,23 +117,6 @@ def test_deepspeed_user_loop_at_two_ranks_equals_one_process(run_on_ranks):
     for rank in two:
         assert max_abs_diff(rank["state"], one["state"]) <= TOL
         assert rank["scores"]["loss"] == pytest.approx(one["scores"]["loss"], abs=1e-6)
-
-
-def test_deepspeed_config_keys_distkit_sets_are_refused_naming_the_distkit_argument():
-    with pytest.raises(ConfigurationError, match="grad_accum_steps"):
-        distkit.DeepSpeedStrategy(config={"gradient_accumulation_steps": 4})
-    with pytest.raises(ConfigurationError, match="precision"):
-        distkit.DeepSpeedStrategy(config={"bf16": {"enabled": True}})
-    with pytest.raises(ConfigurationError, match=r"torch\.optim"):
-        distkit.DeepSpeedStrategy(config={"optimizer": {"type": "Adam"}})
-    with pytest.raises(ConfigurationError, match="disagree"):
-        distkit.DeepSpeedStrategy(stage=1, config={"zero_optimization": {"stage": 3}})
-    with pytest.raises(ConfigurationError, match="strategy='ddp'"):
-        distkit.DeepSpeedStrategy(stage=0)
-    with pytest.raises(ConfigurationError, match="a dict"):
-        distkit.DeepSpeedStrategy(config="ds.json")
-    assert distkit.DeepSpeedStrategy(config={"zero_optimization": {"stage": 3}}).stage == 3
-    assert distkit.DeepSpeedStrategy().stage == 2
 
 
 def _refused(body: str) -> None:

@@ -1,0 +1,69 @@
+"""DeepSpeedStrategy's arguments and ``distkit doctor``'s verdict: no DeepSpeed needed (the
+strategy imports it only when it starts; the doctor never imports it)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import pytest
+
+import distkit
+from distkit.diagnosis import MachineFacts, StrategyReport
+from distkit.errors import ConfigurationError
+from distkit.launch._env import LaunchEnv
+from distkit.strategies.deepspeed import _doctor
+from distkit.strategies.deepspeed._config import engine_config
+
+
+def test_deepspeed_config_keys_distkit_sets_are_refused_naming_the_distkit_argument():
+    with pytest.raises(ConfigurationError, match="grad_accum_steps"):
+        distkit.DeepSpeedStrategy(config={"gradient_accumulation_steps": 4})
+    with pytest.raises(ConfigurationError, match="precision"):
+        distkit.DeepSpeedStrategy(config={"bf16": {"enabled": True}})
+    with pytest.raises(ConfigurationError, match=r"torch\.optim"):
+        distkit.DeepSpeedStrategy(config={"optimizer": {"type": "Adam"}})
+    with pytest.raises(ConfigurationError, match="disagree"):
+        distkit.DeepSpeedStrategy(stage=1, config={"zero_optimization": {"stage": 3}})
+    with pytest.raises(ConfigurationError, match="strategy='ddp'"):
+        distkit.DeepSpeedStrategy(stage=0)
+    with pytest.raises(ConfigurationError, match="a dict"):
+        distkit.DeepSpeedStrategy(config="ds.json")
+    assert distkit.DeepSpeedStrategy(config={"zero_optimization": {"stage": 3}}).stage == 3
+    assert distkit.DeepSpeedStrategy().stage == 2
+
+
+def test_deepspeed_engine_config_keeps_the_users_keys_and_sets_distkits():
+    user = {"zero_optimization": {"overlap_comm": True}, "communication_data_type": "fp32"}
+    config = engine_config(user, stage=3, precision="bf16")
+    assert config["zero_optimization"] == {"overlap_comm": True, "stage": 3}
+    assert config["communication_data_type"] == "fp32"
+    assert config["managed_gradient_accumulation"] is False
+    assert config["bf16"] == {"enabled": True} and "fp16" not in config
+    assert user == {"zero_optimization": {"overlap_comm": True}, "communication_data_type": "fp32"}
+
+
+def _machine() -> MachineFacts:
+    return MachineFacts("python3", "2.13.0", 0, True, False, True, LaunchEnv(launcher="python"))
+
+
+LAUNCHER = StrategyReport("deepspeed", True, "backend gloo on CPU")
+
+
+def test_doctor_says_deepspeed_is_missing_and_how_to_install_it(monkeypatch):
+    def missing(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    report = _doctor.verdict("deepspeed", _machine(), LAUNCHER)
+    assert not report.usable and "not installed" in report.summary
+    assert report.fix is not None and "distkit[deepspeed]" in report.fix
+
+
+@pytest.mark.parametrize("compiler", ["/usr/bin/c++", None])
+def test_doctor_reports_the_deepspeed_version_and_the_compiler(monkeypatch, compiler):
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.19.8")
+    monkeypatch.setattr(_doctor.shutil, "which", lambda name: compiler)
+    report = _doctor.verdict("deepspeed", _machine(), LAUNCHER)
+    assert report.usable and report.summary.startswith("deepspeed 0.19.8; backend gloo")
+    assert report.details["c++ compiler"] == compiler
+    assert ("no C++ compiler" in report.summary) is (compiler is None)
