@@ -33,6 +33,7 @@ from distkit.registry import make_strategy
 from distkit.runtime import _agreement, _weights
 from distkit.runtime._arguments import check_runtime_arguments, check_setup_args
 from distkit.runtime._call_tags import tagged_sum
+from distkit.runtime._checkpointing import ActivationCheckpointing, checkpoint_policy
 from distkit.runtime._evaluation import EvalStepFn, LossFn, Metrics, as_score, evaluate_shard
 from distkit.runtime._loader import RuntimeLoader
 from distkit.runtime._loop import LoopState
@@ -68,6 +69,9 @@ class Runtime:
             the others up (None: off).
         collective_timeout: seconds a collective may wait for the other ranks (None: the
             backend's default).
+        activation_checkpointing: module classes (``[Block]``) or a predicate
+            ``fn(module) -> bool``: each matching module of a model set up here keeps no
+            activations and recomputes them in backward (non-reentrant; None: off).
 
     The arguments mean what :class:`~distkit.Trainer`'s arguments of the same names mean.
     """
@@ -84,7 +88,9 @@ class Runtime:
         fault_timeout: float | None = 10.0,
         hang_warning: float | None = 300.0,
         collective_timeout: float | None = None,
+        activation_checkpointing: ActivationCheckpointing = None,
     ) -> None:
+        checkpointing = checkpoint_policy(activation_checkpointing)
         check_runtime_arguments(
             grad_accum_steps=grad_accum_steps,
             seed=seed,
@@ -109,7 +115,9 @@ class Runtime:
         #: this rank's place; kept past close() (handlers after a failure still ask "am I
         #: rank 0?"), and renewed when an elastic strategy re-forms its group
         self.topology: Topology = self.strategy.topology
-        self.setups = SetupCache(self.strategy)
+        self.setups = SetupCache(self.strategy, checkpointing)
+        #: the ``activation_checkpointing`` argument, as given
+        self.activation_checkpointing = activation_checkpointing
         #: where this rank is (step, phase), for the watchdog's hang reports
         self.progress = Progress()
         self._failure_channel: Any = None

@@ -12,6 +12,7 @@ import weakref
 import torch
 from torch import nn
 
+from distkit.runtime._checkpointing import Policy, apply_checkpointing
 from distkit.runtime._compile import Compiler
 from distkit.strategies._placement import Placement, place, state_follows_parameters
 from distkit.strategies.base import Strategy
@@ -20,8 +21,10 @@ from distkit.strategies.base import Strategy
 class SetupCache:
     """Models and optimizers as the strategy set them up, held weakly."""
 
-    def __init__(self, strategy: Strategy) -> None:
+    def __init__(self, strategy: Strategy, checkpointing: Policy | None = None) -> None:
         self.strategy = strategy
+        #: the modules whose activations are recomputed in backward (None: none)
+        self.checkpointing = checkpointing
         self._models: weakref.WeakKeyDictionary[nn.Module, nn.Module]
         self._models = weakref.WeakKeyDictionary()
         self._optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, torch.optim.Optimizer]
@@ -41,6 +44,7 @@ class SetupCache:
         wrapped = self._models.get(model)
         if wrapped is None:
             self._placements[model] = placement
+            self._checkpoint(model)
             wrapped, strategy_optimizer = self.strategy.setup(model, optimizer)
             self._models[model] = wrapped
             self._optimizers[optimizer] = strategy_optimizer
@@ -55,6 +59,8 @@ class SetupCache:
     ) -> list[tuple[nn.Module, list[torch.optim.Optimizer]]]:
         """Set several models (each with its optimizers) up in one strategy call, for a
         backend that sets up everything at once (legacy apex's ``amp.initialize``)."""
+        for model, _, _ in entries:
+            self._checkpoint(model)
         done = self.strategy.setup_together([(model, opts) for model, opts, _ in entries])
         for (model, opts, placement), (wrapped, inners) in zip(entries, done, strict=True):
             self._placements[model] = placement
@@ -63,6 +69,11 @@ class SetupCache:
                 self._optimizers[opt] = inner
                 _follow(opt, inner)
         return done
+
+    def _checkpoint(self, model: nn.Module) -> None:
+        """Activation checkpointing, before the strategy wraps the model (see _checkpointing)."""
+        if self.checkpointing is not None:
+            apply_checkpointing(model, self.checkpointing)
 
     def placement(self, model: nn.Module) -> Placement:
         """Where ``model`` was when it was set up, or where it is now if it was not."""

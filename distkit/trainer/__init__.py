@@ -17,6 +17,7 @@ from distkit.callbacks._list import CallbackList
 from distkit.errors import ConfigurationError, TrainerClosedError
 from distkit.loggers import Logger
 from distkit.runtime import _agreement, _compile, _resume, _saving, _weights
+from distkit.runtime._checkpointing import ActivationCheckpointing
 from distkit.runtime._evaluation import LossFn, Metrics
 from distkit.runtime._predict import PredictFn
 from distkit.runtime._resume import LatestFit
@@ -127,12 +128,16 @@ class Trainer:
             its convolution algorithms for each new input shape and keeps the fastest: faster
             for fixed shapes, slower while shapes vary, and not bitwise reproducible). False
             (the default) leaves ``torch.backends.cudnn`` as you set it.
+        activation_checkpointing: module classes (``[Block]``) or a predicate
+            ``fn(module) -> bool``: each matching module keeps no activations for backward
+            and recomputes them there (torch's non-reentrant checkpointing, applied before
+            the strategy wraps the model; the weights are those without it). None: off.
         runtime: a :class:`~distkit.Runtime` to train on (its strategy, process group and
             set-up models), kept open when this Trainer closes: a sweep of fits in one
             process joins the group once. Its strategy and options are the Trainer's
             (``strategy``, ``precision``, ``grad_accum_steps``, ``sync_batchnorm``,
-            ``find_unused_parameters`` and ``collective_timeout`` may be left out, or must
-            match it).
+            ``find_unused_parameters``, ``collective_timeout`` and
+            ``activation_checkpointing`` may be left out, or must match it).
 
     ``trainer.config`` holds every setting but the strategy, the callbacks and the loggers as
     one frozen, validated value; ``trainer.max_epochs = 5`` (and the like) replaces it,
@@ -194,6 +199,7 @@ class Trainer:
         compile: bool | dict[str, Any] = False,
         input_device: str | int | torch.device | None = None,
         cudnn_benchmark: bool = False,
+        activation_checkpointing: ActivationCheckpointing = None,
         runtime: Runtime | None = None,
     ) -> None:
         #: every setting above but strategy, callbacks and loggers: one frozen, validated
@@ -220,6 +226,7 @@ class Trainer:
                 fault_timeout=fault_timeout,
                 hang_warning=hang_warning,
                 collective_timeout=collective_timeout,
+                activation_checkpointing=activation_checkpointing,
             )
         else:
             self.runtime = _checked_runtime(runtime, strategy, self.config)
@@ -610,6 +617,13 @@ def _checked_runtime(runtime: object, strategy: object, config: TrainerConfig) -
             f"Trainer(strategy={strategy!r}, runtime=...): the runtime already runs "
             f"{runtime.strategy.name!r}; leave strategy='auto' (the runtime's) or create the "
             "Trainer without a runtime"
+        )
+    checkpointing = config.activation_checkpointing
+    if checkpointing is not None and checkpointing is not runtime.activation_checkpointing:
+        raise ConfigurationError(
+            f"Trainer(activation_checkpointing={checkpointing!r}, runtime=...): the runtime was "
+            f"created with activation_checkpointing={runtime.activation_checkpointing!r}; pass "
+            "it to distkit.Runtime(...), or leave it out here"
         )
     defaults = TrainerConfig()
     options = runtime.options

@@ -19,6 +19,7 @@ from typing import Any, Generic, TypeVar, overload
 import torch
 
 from distkit.runtime._arguments import check_trainer_arguments
+from distkit.runtime._checkpointing import ActivationCheckpointing, checkpoint_policy
 from distkit.runtime._compile import check_compile
 from distkit.strategies._placement import input_device_override
 from distkit.strategies._steps import GradientClip
@@ -57,6 +58,7 @@ class TrainerConfig:
     compile: bool | dict[str, Any] = False
     input_device: str | int | torch.device | None = None
     cudnn_benchmark: bool = False
+    activation_checkpointing: ActivationCheckpointing = None
 
     # derived from the fields above, once, in __post_init__ (validated there)
     #: ``compile``'s ``torch.compile`` arguments (None: off)
@@ -74,6 +76,7 @@ class TrainerConfig:
         derive("input_device_override", input_device_override(self.input_device))
         clip = GradientClip.from_settings(self.gradient_clip_norm, self.gradient_clip_value)
         derive("clip", clip)
+        checkpoint_policy(self.activation_checkpointing)  # refuses what it cannot take
 
     def replace(self, **changes: Any) -> TrainerConfig:
         """A copy with ``changes``, validated as ``Trainer(...)`` validates its arguments

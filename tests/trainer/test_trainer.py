@@ -181,7 +181,7 @@ def test_trainer_rejects_bad_arguments(kwargs, words):
 def test_trainer_unknown_strategy_suggests_closest_name():
     with pytest.raises(
         distkit.UnknownStrategyError,
-        match=r"Did you mean 'ddp'\?.*Available: auto, apex, ddp, dp, fsdp, horovod",
+        match=r"Did you mean 'ddp'\?.*Available: auto, apex, ddp, deepspeed, dp, fsdp, horovod",
     ):
         distkit.Trainer("ddpp")
 
