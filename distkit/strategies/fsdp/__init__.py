@@ -56,6 +56,11 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         backend: torch.distributed backend; ``None`` picks nccl on CUDA and gloo on CPU.
         timeout: how long a collective may wait for the other ranks (seconds or timedelta);
             ``None``: the Trainer's ``collective_timeout``, else 30 minutes.
+        replicate: hybrid sharding (HSDP): the ranks form ``replicate`` groups of
+            ``world_size // replicate`` consecutive ranks (one node each, typically); each
+            group shards the model over its ranks, and the groups hold replicas whose
+            gradients are averaged across them. 1 (default): one group, plain sharding.
+            Needs a world size it divides.
         **fsdp_kwargs: passed to every ``fully_shard`` call (``offload_policy``,
             ``shard_placement_fn``, ...); ``mesh`` and ``mp_policy`` are set by distkit.
     """
@@ -86,9 +91,17 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         checkpoint: str = "full",
         backend: str | None = None,
         timeout: timedelta | float | None = None,
+        replicate: int = 1,
         **fsdp_kwargs: Any,
     ) -> None:
         super().__init__()
+        if isinstance(replicate, bool) or not isinstance(replicate, int) or replicate < 1:
+            raise ConfigurationError(
+                f"FSDPStrategy(replicate={replicate!r}); allowed: an int >= 1, the number of "
+                "replica groups (HSDP: replicate=2 on 2 nodes shards inside each node)"
+            )
+        self.replicate = replicate
+        self._mesh: Any = None  # the (replicate, shard) DeviceMesh under HSDP
         if checkpoint not in CHECKPOINTS:
             raise ConfigurationError(
                 f"checkpoint={checkpoint!r}; allowed: {', '.join(CHECKPOINTS)} ('sharded' "
@@ -98,7 +111,8 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         if reserved:
             raise ConfigurationError(
                 f"FSDPStrategy sets {', '.join(sorted(reserved))} itself: it shards over every "
-                "rank of the process group, and takes its mixed precision from the Trainer "
+                "rank of the process group (or, with replicate=R, inside R groups of ranks: "
+                "HSDP), and takes its mixed precision from the Trainer "
                 "(distkit.Trainer(..., precision='bf16'))"
             )
         self.shard = _shard_policy(shard)
@@ -114,10 +128,14 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         missing = missing_fsdp2()
         if missing is not None:
             raise MissingDependencyError(f"strategy='fsdp': {missing}. {FSDP_HINT}")
-        return self._join_group()
+        topology = self._join_group()
+        if self.replicate > 1:
+            self._mesh = _hybrid_mesh(topology, self.replicate)
+        return topology
 
     @override
     def teardown(self) -> None:
+        self._mesh = None
         self._leave_group()
         super().teardown()
 
@@ -142,6 +160,8 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         _broadcast_module(model)  # every rank starts from rank 0's weights, as under DDP
         originals = dict(model.named_parameters())
         kwargs: dict[str, Any] = {"reshard_after_forward": self.reshard_after_forward}
+        if self._mesh is not None:
+            kwargs["mesh"] = self._mesh  # HSDP: shard inside a group, replicate across
         if self.options.precision == "bf16":  # bf16 compute, fp32 reduction and output
             kwargs["mp_policy"] = MixedPrecisionPolicy(
                 param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32
@@ -182,7 +202,12 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         # each rank holds a slice of every gradient: the norm sums the squares of every slice
         grads = [_local(g) for g in step_gradients(optimizer)]
         squares = local_norm(grads, self.device).square().reshape(1)
-        total = self.all_reduce(squares, op="sum").sqrt().reshape(())
+        if self._mesh is None:
+            total = self.all_reduce(squares, op="sum").sqrt().reshape(())
+        else:  # HSDP: every replica holds the same slices; the sum runs inside one group
+            squares = squares.clone()
+            torch.distributed.all_reduce(squares, group=self._mesh.get_group("shard"))
+            total = squares.sqrt().reshape(())
         return clip_(grads, clip, total)
 
     @override
@@ -320,3 +345,19 @@ def missing_fsdp2() -> str | None:
 def _local(grad: torch.Tensor) -> torch.Tensor:
     to_local = getattr(grad, "to_local", None)
     return grad if to_local is None else to_local()
+
+
+def _hybrid_mesh(topology: Topology, replicate: int) -> Any:
+    """The (replicate, shard) DeviceMesh of HSDP: rows of consecutive ranks shard."""
+    world = topology.world_size
+    if world % replicate:
+        raise ConfigurationError(
+            f"FSDPStrategy(replicate={replicate}) needs a world size it divides; this job has "
+            f"{world} ranks. Use a divisor of {world} (the number of nodes, typically), or "
+            "replicate=1"
+        )
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(
+        topology.device.type, (replicate, world // replicate), mesh_dim_names=("replicate", "shard")
+    )
