@@ -28,6 +28,7 @@ from distkit.loss import Loss
 from distkit.metrics import Accuracy, ConfusionMatrix, MeanIoU, Metric
 from distkit.registry import BUILTIN_STRATEGIES as _BUILTINS
 from distkit.registry import available_strategies, register_strategy
+from distkit.runtime._empty import init_empty
 from distkit.runtime._prediction_files import read_predictions
 from distkit.runtime._runtime import Runtime
 from distkit.strategies.base import Strategy, Topology, TrainOptions
@@ -75,6 +76,7 @@ __all__ = [
     "__version__",
     "available_strategies",
     "callbacks",
+    "init_empty",
     "load_weights",
     "loggers",
     "read_predictions",

@@ -26,6 +26,8 @@ from distkit.errors import ConfigurationError
 from distkit.launch._registry_view import registry
 
 CPU = torch.device("cpu")
+#: why a strategy cannot train a model built on meta (its ``meta_refusal`` default)
+NO_META = "every rank needs the whole model's values before it starts"
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,15 @@ class Placement:
         Computed once: the training loop reads it every micro-batch."""
         if len(self.devices) > 1:
             return True
+        if self.on_meta:
+            return False  # no values yet: the strategy materialises it (or refuses it)
         return bool(self.devices) and self.devices[0] not in (CPU, self.target)
+
+    @property
+    def on_meta(self) -> bool:
+        """Whether the whole model is on the meta device (built under ``torch.device("meta")``
+        or ``distkit.init_empty()``)."""
+        return bool(self.devices) and all(d.type == "meta" for d in self.devices)
 
     @property
     def input_device(self) -> torch.device:
@@ -70,15 +80,22 @@ class Placement:
     def describe(self) -> str:
         return ", ".join(str(device) for device in self.devices) or "no parameters"
 
-    def check(self, strategy_name: str, refusal: str | None) -> None:
-        """Raise when the model cannot train here: meta tensors (no values), or a
-        user-placed model under a strategy that refuses one (``refusal`` says why)."""
-        if torch.device("meta") in self.devices:
+    def check(
+        self, strategy_name: str, refusal: str | None, meta_refusal: str | None = NO_META
+    ) -> None:
+        """Raise when the model cannot train here: meta tensors (no values) where
+        ``meta_refusal`` says why the strategy cannot materialise them (None: it can, for a
+        model wholly on meta), or a user-placed model under a strategy that refuses one
+        (``refusal`` says why)."""
+        if torch.device("meta") in self.devices and (meta_refusal or not self.on_meta):
+            why = meta_refusal if self.on_meta else "some of it is not"
             raise ConfigurationError(
                 f"the model has parameters or buffers on the meta device (found on: "
-                f"{self.describe()}); meta tensors hold no values to train. Materialise them "
-                "first: model.to_empty(device='cpu'), then initialise the weights (e.g. "
-                "reset_parameters()) or load a state dict"
+                f"{self.describe()}); meta tensors hold no values to train, and strategy "
+                f"{strategy_name!r} does not materialise them here ({why}). Use "
+                "strategy='fsdp', which materialises each rank's shard of a model built "
+                "wholly on meta, or materialise it first: model.to_empty(device='cpu'), then "
+                "initialise the weights (e.g. reset_parameters()) or load a state dict"
             )
         if self.user_placed and refusal is not None:
             keepers = " or ".join(  # those that keep such a model, plugins included
@@ -150,11 +167,18 @@ def check_claims(claims: Sequence[Claim | None]) -> None:
             )
 
 
-def place(model: nn.Module, target: torch.device, strategy_name: str, refusal: str | None) -> None:
-    """Move ``model`` to ``target`` unless the user placed it (and the strategy keeps that)."""
+def place(
+    model: nn.Module,
+    target: torch.device,
+    strategy_name: str,
+    refusal: str | None,
+    meta_refusal: str | None = NO_META,
+) -> None:
+    """Move ``model`` to ``target`` unless the user placed it (and the strategy keeps that),
+    or it is wholly on meta and the strategy materialises it (``meta_refusal`` None)."""
     placement = Placement.of(model, target)
-    placement.check(strategy_name, refusal)
-    if not placement.user_placed:
+    placement.check(strategy_name, refusal, meta_refusal)
+    if not placement.user_placed and not placement.on_meta:
         model.to(target)
 
 

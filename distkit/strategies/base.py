@@ -92,7 +92,7 @@ from distkit.strategies._legacy_hooks import (
     LegacyStateIO,
     overrides,
 )
-from distkit.strategies._placement import place
+from distkit.strategies._placement import NO_META, place
 from distkit.strategies._steps import (
     GradientClip,
     StepOutcome,
@@ -153,6 +153,9 @@ class Strategy(Collectives, ABC):
         "Strategy subclass that can sets placement_refusal = None)"
     )
 
+    #: why it cannot train a model built wholly on the meta device (no values yet); None:
+    #: its set-up materialises and initialises such a model itself (fsdp: shard by shard)
+    meta_refusal: ClassVar[str | None] = NO_META
     #: promises of the contract suite (:mod:`distkit.testing`) that cannot hold as written on
     #: this backend -> why, and what checks the guarantee instead; the suite reports them as
     #: skipped with that reason (default: none)
@@ -270,7 +273,7 @@ class Strategy(Collectives, ABC):
         such models (:attr:`placement_refusal` is None) and is refused otherwise.
         """
         self.start()
-        place(model, self.device, self.name, self.placement_refusal)
+        place(model, self.device, self.name, self.placement_refusal, self.meta_refusal)
         if self.options.sync_batchnorm:
             model = self.convert_sync_batchnorm(model)
         return self._setup_model_and_optimizer(model, optimizer)

@@ -23,6 +23,7 @@ from distkit.strategies import _torch_dist, _torch_group
 from distkit.strategies._steps import GradientClip, clip_, local_norm, scale_, step_gradients
 from distkit.strategies.base import StepOutcome, Strategy, Topology
 from distkit.strategies.capabilities import StateIO
+from distkit.strategies.fsdp import _meta
 from distkit.strategies.fsdp import _state as _fsdp_state
 from distkit.strategies.fsdp._units import ShardPolicy, default_units, policy_of
 from distkit.strategies.precision import Precision
@@ -72,6 +73,7 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         "the model must sit whole on this rank's device"
     )
     auto_select = False  # strategy="auto" under torchrun stays ddp
+    meta_refusal = None  # a meta model is sharded, then materialised slice by slice (_meta)
 
     @override
     @classmethod
@@ -102,6 +104,9 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
             )
         self.replicate = replicate
         self._mesh: Any = None  # the (replicate, shard) DeviceMesh under HSDP
+        #: checkpoint state loaded into a meta model (or its optimizer) before its set-up,
+        #: by id of the model or optimizer: applied once the set-up materialised it
+        self._before_setup: dict[int, dict[str, Any]] = {}
         if checkpoint not in CHECKPOINTS:
             raise ConfigurationError(
                 f"checkpoint={checkpoint!r}; allowed: {', '.join(CHECKPOINTS)} ('sharded' "
@@ -153,11 +158,15 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
     def _setup_model_and_optimizer(
         self, model: nn.Module, optimizer: torch.optim.Optimizer
     ) -> tuple[nn.Module, torch.optim.Optimizer]:
-        if not self._sharded():
-            return model, optimizer  # a world of one: nothing to shard or synchronise
+        meta = _meta.on_meta(model)
+        if not self._sharded():  # a world of one: nothing to shard or synchronise
+            if meta:
+                self._materialize(model, optimizer, dict(model.named_parameters()))
+            return model, optimizer
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        _broadcast_module(model)  # every rank starts from rank 0's weights, as under DDP
+        if not meta:  # a meta model has no values yet: each rank makes rank 0's (below)
+            _broadcast_module(model)  # every rank starts from rank 0's weights, as under DDP
         originals = dict(model.named_parameters())
         kwargs: dict[str, Any] = {"reshard_after_forward": self.reshard_after_forward}
         if self._mesh is not None:
@@ -174,10 +183,32 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
             if policy(name, module):
                 fully_shard(module, **kwargs)
         fully_shard(model, **kwargs)
+        if meta:
+            self._materialize(model, optimizer, originals)
+            return model, optimizer
         current = dict(model.named_parameters())
         replaced = {id(p): current[name] for name, p in originals.items()}
         _fsdp_state.rebind_optimizer(optimizer, replaced)
         return model, optimizer
+
+    def _materialize(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, originals: dict[str, Any]
+    ) -> None:
+        """A meta model: this rank's slices made and initialised from rank 0's random state
+        (see _meta); the optimizer pointed at them; a checkpoint loaded before the set-up
+        (kept aside: meta tensors hold no values) loaded into them."""
+        state = self.broadcast(torch.get_rng_state() if self.is_main else None, src=0)
+        _meta.materialize(model, self.device, state, main=self.is_main)
+        current = dict(model.named_parameters())
+        names = {id(p): name for name, p in originals.items()}
+        for group in optimizer.param_groups:  # the meta parameters it was built with
+            group["params"] = [current[_name_of(p, names)] for p in group["params"]]
+        pending = self._before_setup.pop(id(model), None)
+        if pending is not None:
+            _fsdp_state.load_full_model_state(model, pending)
+        saved = self._before_setup.pop(id(optimizer), None)
+        if saved is not None:
+            _fsdp_state.load_full_optimizer_state(optimizer, saved)
 
     @override
     def convert_sync_batchnorm(self, model: nn.Module) -> nn.Module:
@@ -267,12 +298,19 @@ class FSDPStateIO(StateIO):
 
     @override
     def load_model_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
+        if _meta.on_meta(model):  # no values to load into yet: at the set-up
+            self.strategy._before_setup[id(model)] = state
+            return
         _fsdp_state.load_full_model_state(model, state)
 
     @override
     def load_optimizer_state_dict(
         self, optimizer: torch.optim.Optimizer, state: dict[str, Any]
     ) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if params and all(p.is_meta for p in params):  # a meta model's, not set up yet
+            self.strategy._before_setup[id(optimizer)] = state
+            return
         _fsdp_state.load_full_optimizer_state(optimizer, state)
 
     @override
@@ -360,4 +398,13 @@ def _hybrid_mesh(topology: Topology, replicate: int) -> Any:
 
     return init_device_mesh(
         topology.device.type, (replicate, world // replicate), mesh_dim_names=("replicate", "shard")
+    )
+
+
+def _name_of(param: Any, names: dict[int, str]) -> str:
+    if id(param) in names:
+        return names[id(param)]
+    raise ConfigurationError(
+        "the optimizer holds a parameter that is not the model's: pass the model's own "
+        "parameters (optimizer = SGD(model.parameters(), ...)) to the optimizer"
     )

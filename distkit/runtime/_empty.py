@@ -1,0 +1,33 @@
+"""``distkit.init_empty()``: build a model with no values, on the meta device.
+
+Inside it, torch creates parameters and buffers on ``meta``: shapes and dtypes, no storage, no
+random draws. A strategy that shards (fsdp) then gives each rank storage for its own slices
+only and initialises them as the normal build would have (see
+``distkit/strategies/fsdp/_meta.py``), so a model larger than one device's memory never exists
+whole on any rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+
+@contextlib.contextmanager
+def init_empty() -> Iterator[None]:
+    """Build the model inside this block to create it on the meta device::
+
+        torch.manual_seed(0)
+        with distkit.init_empty():
+            model = Transformer(config)      # no memory, no random draws
+        trainer.fit(model, optimizer, data)  # fsdp: each rank materialises its shard
+
+    The weights then equal those of the same model built normally after the same
+    ``torch.manual_seed`` (each module's ``reset_parameters()`` runs at the set-up, in the
+    order the modules were built, from rank 0's random state at that moment: draw nothing
+    from torch's global generator between building and fitting).
+    """
+    with torch.device("meta"):
+        yield

@@ -1,0 +1,136 @@
+"""A model built on the meta device, handed to fit as it is (issue 28, part 2): fsdp shards it
+first, then each rank materialises and initialises its own slices; the result equals the same
+model built normally after the same seed. Backends that cannot do this refuse it."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import distkit
+from distkit.errors import ConfigurationError
+from tests.support.workloads import make_dataset, max_abs_diff
+
+pytestmark = pytest.mark.timeout(300)
+
+FEATURES = make_dataset(1).tensors[0].shape[1]
+
+
+class Net(nn.Module):
+    """Linear layers, an embedding-like table, BatchNorm (buffers) and LayerNorm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(FEATURES, 16)
+        self.norm = nn.BatchNorm1d(16)
+        self.hidden = nn.Linear(16, 16)
+        self.layer_norm = nn.LayerNorm(16)
+        self.out = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.norm(self.inp(x)))
+        return self.out(self.layer_norm(torch.tanh(self.hidden(h))))
+
+
+def build(meta: str) -> nn.Module:
+    torch.manual_seed(0)
+    if meta == "init_empty":
+        with distkit.init_empty():
+            return Net()
+    if meta == "torch":
+        with torch.device("meta"):
+            return Net()
+    return Net()
+
+
+def fit(name: str, batch: int, meta: str, epochs: int = 2, **settings: Any) -> dict[str, Any]:
+    model = build(meta)
+    trainer = distkit.Trainer(name, batch_size=batch, seed=3, max_epochs=epochs,
+                              progress=False, **settings)  # fmt: skip
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    trainer.fit(model, optimizer, make_dataset(21), loss_fn=nn.functional.cross_entropy)
+    out = {"state": trainer.full_state_dict(), "steps": trainer.global_step}
+    trainer.close()
+    return out
+
+
+@pytest.mark.parametrize("meta", ["init_empty", "torch"])
+def test_a_meta_model_under_fsdp_x2_trains_like_the_normally_built_one(run_on_ranks, meta):
+    """(Its BatchNorm keeps per-rank statistics, so both differ from one process at 2x the
+    batch: what must match is the two builds.)"""
+    normal = run_on_ranks(fit, "fsdp", 4, "normal", world_size=2)
+    built = run_on_ranks(fit, "fsdp", 4, meta, world_size=2)
+    for a, b in zip(normal, built, strict=True):
+        assert max_abs_diff(b["state"], a["state"]) <= 1e-6
+
+
+def initial(name: str, meta: str) -> dict[str, torch.Tensor]:
+    """The weights right after the set-up (no step)."""
+    with distkit.Runtime(name, seed=0) as rt:
+        model = build(meta)
+        model, _ = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        return rt.full_state_dict(model)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_meta_model_is_materialised_with_the_normal_builds_initial_values(run_on_ranks, world):
+    """Exactly (bitwise), in a world of one (not sharded) and of two (each rank its slice)."""
+    normal = run_on_ranks(initial, "fsdp", "normal", world_size=world)
+    built = run_on_ranks(initial, "fsdp", "init_empty", world_size=world)
+    for a, b in zip(normal, built, strict=True):
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) for k in a), max_abs_diff(a, b)
+
+
+def test_a_meta_model_resumes_from_a_checkpoint(run_on_ranks, tmp_path):
+    """The checkpoint is loaded before the set-up, into a model with no values: it waits
+    for the materialisation (else the weights would be the initial ones, silently)."""
+    whole = run_on_ranks(fit, "fsdp", 4, "normal", world_size=2)[0]
+    folder = str(tmp_path / "ckpt")
+    run_on_ranks(partial(fit, checkpoint_dir=folder, max_steps=3), "fsdp", 4, "normal",
+                 world_size=2)  # fmt: skip
+    resumed = run_on_ranks(partial(fit, checkpoint_dir=folder, resume="auto"), "fsdp", 4,
+                           "init_empty", world_size=2)  # fmt: skip
+    params = [k for k in whole["state"] if "running" not in k and "num_batches" not in k]
+    for rank in resumed[:1]:  # rank 0: BatchNorm's running statistics are each rank's own
+        assert rank["steps"] == whole["steps"]
+        assert max_abs_diff(rank["state"], whole["state"]) <= 1e-5
+    for rank in resumed:
+        assert max_abs_diff({k: rank["state"][k] for k in params},
+                            {k: whole["state"][k] for k in params}) <= 1e-5  # fmt: skip
+
+
+class NoReset(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(3))
+        self.linear = nn.Linear(FEATURES, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * self.scale
+
+
+def _fit_meta(name: str, make: Any) -> str:
+    with torch.device("meta"):
+        model = make()
+    try:
+        with distkit.Trainer(name, batch_size=4, progress=False) as trainer:
+            trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), make_dataset(8),
+                        loss_fn=nn.functional.cross_entropy)  # fmt: skip
+    except ConfigurationError as exc:
+        return str(exc)
+    return "trained"
+
+
+def test_a_meta_module_without_reset_parameters_is_refused_naming_it(run_on_ranks):
+    (message,) = run_on_ranks(_fit_meta, "fsdp", NoReset, world_size=1)
+    assert "NoReset holds" in message and "reset_parameters()" in message, message
+
+
+def test_a_meta_model_under_a_backend_that_needs_it_whole_is_refused(run_on_ranks):
+    (message,) = run_on_ranks(_fit_meta, "ddp", Net, world_size=1)
+    assert "meta device" in message and "strategy='fsdp'" in message, message
