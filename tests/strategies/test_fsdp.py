@@ -331,7 +331,8 @@ def test_fsdp_load_checkpoint_after_setup_restores_sharded_state(tmp_path, run_o
     ("kwargs", "words"),
     [
         ({"checkpoint": "zip"}, "checkpoint='zip'; allowed: full, sharded"),
-        ({"mp_policy": None}, "sets mp_policy itself: .* precision='bf16'"),
+        ({"mesh": None}, "sets mesh itself: .* replicate=R"),
+        ({"mp_policy": "bf16"}, "allowed: a torch.distributed.fsdp.MixedPrecisionPolicy"),
         ({"shard": 3}, "shard=3; allowed: None"),
     ],
 )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import secrets
+import warnings
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -63,7 +64,9 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
             gradients are averaged across them. 1 (default): one group, plain sharding.
             Needs a world size it divides.
         **fsdp_kwargs: passed to every ``fully_shard`` call (``offload_policy``,
-            ``shard_placement_fn``, ...); ``mesh`` and ``mp_policy`` are set by distkit.
+            ``shard_placement_fn``, ...); ``mesh`` is set by distkit. ``mp_policy``: your
+            ``MixedPrecisionPolicy`` instead of the one distkit derives from
+            ``Trainer(precision="bf16")`` (then leave the Trainer's precision at ``"32"``).
     """
 
     name = "fsdp"
@@ -112,14 +115,14 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
                 f"checkpoint={checkpoint!r}; allowed: {', '.join(CHECKPOINTS)} ('sharded' "
                 "for models whose full state does not fit one process)"
             )
-        reserved = {"mesh", "mp_policy", "module"} & set(fsdp_kwargs)
+        reserved = {"mesh", "module"} & set(fsdp_kwargs)
         if reserved:
             raise ConfigurationError(
                 f"FSDPStrategy sets {', '.join(sorted(reserved))} itself: it shards over every "
                 "rank of the process group (or, with replicate=R, inside R groups of ranks: "
-                "HSDP), and takes its mixed precision from the Trainer "
-                "(distkit.Trainer(..., precision='bf16'))"
+                "HSDP)"
             )
+        self.mp_policy = _checked_policy(fsdp_kwargs.pop("mp_policy", None))
         self.shard = _shard_policy(shard)
         self._default_shard = shard is None  # refined per model (see _units)
         self.reshard_after_forward = reshard_after_forward
@@ -149,6 +152,12 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
 
     @override
     def _make_precision(self, device: torch.device) -> Precision:
+        if self.mp_policy is not None and self.options.precision != "32":
+            raise ConfigurationError(
+                f"FSDPStrategy(mp_policy=...) and precision={self.options.precision!r} both "
+                "set the mixed precision: keep your policy and leave precision='32', or drop "
+                "mp_policy and let distkit derive it from precision"
+            )
         # bf16 is FSDP's MixedPrecisionPolicy (bf16 compute, fp32 gradient reduction) when
         # sharded; autocast on top would only cast again
         bf16_policy = self.options.precision == "bf16" and self._sharded()
@@ -160,6 +169,14 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
     ) -> tuple[nn.Module, torch.optim.Optimizer]:
         meta = _meta.on_meta(model)
         if not self._sharded():  # a world of one: nothing to shard or synchronise
+            if self.mp_policy is not None:
+                warnings.warn(
+                    "FSDPStrategy(mp_policy=...) applies to sharded units, and in a world of "
+                    "one fsdp shards nothing: this process trains in the model's own dtype. "
+                    "For mixed precision in a world of one, use precision='bf16'",
+                    UserWarning,
+                    stacklevel=2,
+                )
             if meta:
                 self._materialize(model, optimizer, dict(model.named_parameters()))
             return model, optimizer
@@ -171,7 +188,9 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         kwargs: dict[str, Any] = {"reshard_after_forward": self.reshard_after_forward}
         if self._mesh is not None:
             kwargs["mesh"] = self._mesh  # HSDP: shard inside a group, replicate across
-        if self.options.precision == "bf16":  # bf16 compute, fp32 reduction and output
+        if self.mp_policy is not None:
+            kwargs["mp_policy"] = self.mp_policy
+        elif self.options.precision == "bf16":  # bf16 compute, fp32 reduction and output
             kwargs["mp_policy"] = MixedPrecisionPolicy(
                 param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32
             )
@@ -408,3 +427,25 @@ def _name_of(param: Any, names: dict[int, str]) -> str:
         "the optimizer holds a parameter that is not the model's: pass the model's own "
         "parameters (optimizer = SGD(model.parameters(), ...)) to the optimizer"
     )
+
+
+def _checked_policy(policy: Any) -> Any:
+    """``mp_policy=``: None or a ``MixedPrecisionPolicy`` whose parameters are not fp16 (FSDP2
+    has no loss scaler for them: fp16 gradients underflow)."""
+    if policy is None:
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if not isinstance(policy, MixedPrecisionPolicy):
+        raise ConfigurationError(
+            f"FSDPStrategy(mp_policy={policy!r}); allowed: a "
+            "torch.distributed.fsdp.MixedPrecisionPolicy, or None (distkit's, from precision=)"
+        )
+    if policy.param_dtype == torch.float16:
+        raise ConfigurationError(
+            "FSDPStrategy(mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16)): fp16 "
+            "compute needs a loss scaler, which a policy does not bring. Use "
+            "param_dtype=torch.bfloat16, or Trainer(precision='fp16') (autocast and a "
+            "GradScaler) without mp_policy"
+        )
+    return policy
