@@ -27,6 +27,7 @@ from distkit.runtime._arguments import check_loss
 from distkit.runtime._compile import Compiler
 from distkit.runtime._set_up import SetUpModel, SetUpOptimizer
 from distkit.runtime._setups import SetupCache
+from distkit.strategies._graph import graph_leaves
 from distkit.strategies._placement import Placement
 from distkit.strategies.base import Strategy
 
@@ -307,18 +308,7 @@ class LoopState:
 
 def _reached_models(loss: torch.Tensor, set_ups: Any) -> list[SetUpModel]:
     """The set-up models whose parameters ``loss``'s backward reaches (its graph's leaves)."""
-    leaves: set[int] = set()
-    seen: set[Any] = set()
-    stack = [loss.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf
-        if variable is not None:
-            leaves.add(id(variable))
-        stack.extend(next_node for next_node, _ in node.next_functions)
+    leaves = graph_leaves(loss)
     return [
         set_up for set_up in set_ups if any(id(p) in leaves for p in set_up.module.parameters())
     ]

@@ -23,6 +23,7 @@ from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ConfigurationError, UnsupportedFeatureError
 from distkit.launch.families import TORCH_LAUNCHERS
 from distkit.strategies import _torch_dist, _torch_group
+from distkit.strategies._graph import graph_leaves
 from distkit.strategies._steps import GradientClip, StepOutcome
 from distkit.strategies.base import Strategy, Topology
 from distkit.strategies.capabilities import StateIO
@@ -312,23 +313,6 @@ def _set_clip(engine: Any, max_norm: float | None) -> None:
     value = float(max_norm or 0.0)
     engine._config.gradient_clipping = value
     engine.optimizer.clip_grad = value
-
-
-def graph_leaves(loss: torch.Tensor) -> set[int]:
-    """The ids of the leaf tensors (parameters) ``loss``'s autograd graph accumulates into."""
-    leaves: set[int] = set()
-    seen: set[Any] = set()
-    stack = [loss.grad_fn]
-    while stack:
-        fn = stack.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        variable = getattr(fn, "variable", None)  # an AccumulateGrad node
-        if variable is not None:
-            leaves.add(id(variable))
-        stack.extend(next_fn for next_fn, _ in fn.next_functions)
-    return leaves
 
 
 @contextlib.contextmanager
