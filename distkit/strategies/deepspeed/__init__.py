@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any
@@ -115,7 +116,10 @@ class DeepSpeedStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         engine_config(self.config, stage=self.stage, precision="32")  # refuse clashes now
         self.backend = backend
         self.timeout = _torch_group.as_timeout(timeout)
-        self._engines: dict[int, Engine] = {}  # by id of the user's model, optimizer, engine
+        #: each set-up engine's record, by id of the user's model, its optimizer and the
+        #: engine; held weakly: a record lives as long as its engine (which holds it), so a
+        #: sweep of fits on one Runtime frees each engine with its model
+        self._engines: weakref.WeakValueDictionary[int, Engine] = weakref.WeakValueDictionary()
 
     # ------------------------------------------------------------------ lifecycle
     @override
@@ -140,7 +144,7 @@ class DeepSpeedStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
 
     @override
     def teardown(self) -> None:
-        for record in {id(r): r for r in self._engines.values()}.values():
+        for record in self._records():
             destroy = getattr(record.engine, "destroy", None)
             if callable(destroy):
                 destroy()
@@ -172,6 +176,7 @@ class DeepSpeedStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
                 model=model, optimizer=optimizer, config=config, dist_init_required=False
             )
         record = Engine(engine, groups, self.stage)
+        engine._distkit_record = record  # keeps the record alive as long as the engine
         for key in (id(model), id(optimizer), id(engine)):
             self._engines[key] = record
         if saved is not None:
@@ -198,6 +203,10 @@ class DeepSpeedStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
             "with compile="
         )
 
+    def _records(self) -> list[Engine]:
+        """Every live engine's record, once each."""
+        return list({id(r): r for r in list(self._engines.values())}.values())
+
     def engine_of_model(self, model: nn.Module) -> Engine | None:
         """The engine set up for the user's ``model`` (or the engine itself), or None."""
         return self._engines.get(id(model))
@@ -218,12 +227,13 @@ class DeepSpeedStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
     @override
     def backward(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
         engine = self._engine(optimizer)
-        if len({id(r) for r in self._engines.values()}) == 1:
+        records = self._records()
+        if len(records) == 1:
             # distkit already weighted the loss by the micro-batch's share of the step
             engine.backward(loss, scale_wrt_gas=False)
             return
         reached = graph_leaves(loss)
-        for record in {id(r): r for r in self._engines.values()}.values():
+        for record in records:
             if record.engine is not engine and any(id(p) in reached for p in record.params()):
                 raise UnsupportedFeatureError(CROSSING)
         try:

@@ -6,6 +6,7 @@ import contextlib
 import inspect
 import secrets
 import warnings
+import weakref
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -108,8 +109,9 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         self.replicate = replicate
         self._mesh: Any = None  # the (replicate, shard) DeviceMesh under HSDP
         #: checkpoint state loaded into a meta model (or its optimizer) before its set-up,
-        #: by id of the model or optimizer: applied once the set-up materialised it
-        self._before_setup: dict[int, dict[str, Any]] = {}
+        #: by the model or optimizer (held weakly): applied once the set-up materialised it
+        self._before_setup: weakref.WeakKeyDictionary[Any, dict[str, Any]]
+        self._before_setup = weakref.WeakKeyDictionary()
         if checkpoint not in CHECKPOINTS:
             raise ConfigurationError(
                 f"checkpoint={checkpoint!r}; allowed: {', '.join(CHECKPOINTS)} ('sharded' "
@@ -222,10 +224,10 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         names = {id(p): name for name, p in originals.items()}
         for group in optimizer.param_groups:  # the meta parameters it was built with
             group["params"] = [current[_name_of(p, names)] for p in group["params"]]
-        pending = self._before_setup.pop(id(model), None)
+        pending = self._before_setup.pop(model, None)
         if pending is not None:
             _fsdp_state.load_full_model_state(model, pending)
-        saved = self._before_setup.pop(id(optimizer), None)
+        saved = self._before_setup.pop(optimizer, None)
         if saved is not None:
             _fsdp_state.load_full_optimizer_state(optimizer, saved)
 
@@ -318,7 +320,7 @@ class FSDPStateIO(StateIO):
     @override
     def load_model_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
         if _meta.on_meta(model):  # no values to load into yet: at the set-up
-            self.strategy._before_setup[id(model)] = state
+            self.strategy._before_setup[model] = state
             return
         _fsdp_state.load_full_model_state(model, state)
 
@@ -328,7 +330,7 @@ class FSDPStateIO(StateIO):
     ) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if params and all(p.is_meta for p in params):  # a meta model's, not set up yet
-            self.strategy._before_setup[id(optimizer)] = state
+            self.strategy._before_setup[optimizer] = state
             return
         _fsdp_state.load_full_optimizer_state(optimizer, state)
 
