@@ -334,6 +334,12 @@ class Strategy(Collectives, ABC):
             f"strategy={instead!r} (under torchrun), or sync_batchnorm=False"
         )
 
+    def agreed_options(self) -> str:
+        """The strategy's own options that every rank must hold alike, in words (the fit's
+        agreement compares them before the first collective of the set-up; ranks that
+        differ fail at once). Default: none beyond :class:`TrainOptions`."""
+        return ""
+
     # ------------------------------------------------------------------ topology
     @property
     def topology(self) -> Topology:

@@ -129,6 +129,7 @@ def prepare_fit(
         "optimizer": f"{type(optimizer).__name__}, {len(optimizer.param_groups)} group(s)",
         "scheduler": "none" if call.scheduler is None else type(call.scheduler).__name__,
         "settings": f"strategy={strategy.name} {strategy.options}, {agreed_settings(config)}",
+        "strategy options": strategy.agreed_options() or "none",
         # called on every rank: the same kinds in the same order (some are collectives)
         "callbacks": callbacks.describe(),
     }

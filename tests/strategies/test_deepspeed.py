@@ -7,6 +7,7 @@ weights by 5e-2 or more (../shared/notes/deepspeed.md), so 1e-5 is a real check.
 
 from __future__ import annotations
 
+import os
 from functools import partial
 from typing import Any
 
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 
 import distkit
-from distkit.errors import UnsupportedFeatureError
+from distkit.errors import RankDisagreementError, UnsupportedFeatureError
 from tests.support.gates import needs
 from tests.support.workloads import make_dataset, make_mlp, max_abs_diff
 
@@ -222,3 +223,17 @@ def test_deepspeed_refuses_a_loss_through_two_engines_naming_the_way_out(run_on_
     fails (frozen: its forward's hook still runs that engine's epilogue): one clear error."""
     (error,) = run_on_ranks(gan_step, freeze, world_size=1)
     assert isinstance(error, UnsupportedFeatureError) and "two models" in str(error), error
+
+
+def _fit_rank_dependent_stage() -> str:
+    stage = 1 + int(os.environ["RANK"])
+    try:
+        fit("deepspeed", 4, stage=stage, epochs=1)
+    except RankDisagreementError as exc:
+        return str(exc)
+    return "trained"
+
+
+def test_ranks_that_disagree_on_the_stage_fail_at_once_saying_so(run_on_ranks):
+    for message in run_on_ranks(_fit_rank_dependent_stage, world_size=2):
+        assert "stage=1" in message and "stage=2" in message, message

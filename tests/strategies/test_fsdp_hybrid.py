@@ -4,6 +4,7 @@ the batch, its clipping, its checkpoints into plain fsdp, and the refusals."""
 
 from __future__ import annotations
 
+import os
 from functools import partial
 from typing import Any
 
@@ -12,7 +13,7 @@ import torch
 from torch import nn
 
 import distkit
-from distkit.errors import ConfigurationError
+from distkit.errors import ConfigurationError, RankDisagreementError
 from tests.support.workloads import make_dataset, make_mlp, max_abs_diff
 
 pytestmark = pytest.mark.timeout(400)
@@ -86,3 +87,19 @@ def test_hsdp_needs_a_world_size_replicate_divides(run_on_ranks):
 def test_hsdp_replicate_must_be_a_positive_int(value):
     with pytest.raises(ConfigurationError, match="replicate"):
         distkit.FSDPStrategy(replicate=value)
+
+
+def _start_with_rank_dependent_replicate() -> str:
+    rank = int(os.environ["RANK"])
+    try:
+        distkit.Trainer(distkit.FSDPStrategy(replicate=1 + rank), progress=False).close()
+    except RankDisagreementError as exc:
+        return str(exc)
+    return "started"
+
+
+def test_ranks_that_disagree_on_replicate_fail_before_building_the_mesh(run_on_ranks):
+    """Building a mesh is a collective whose groups every rank must make alike: ranks with
+    different replicate values are stopped before it, on every rank, saying what differs."""
+    for message in run_on_ranks(_start_with_rank_dependent_replicate, world_size=2):
+        assert "replicate" in message and "[1, 2]" in message, message

@@ -8,6 +8,7 @@ CUDA). DeepSpeed is imported only when the strategy starts.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 import weakref
@@ -120,6 +121,11 @@ class DeepSpeedStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         #: engine; held weakly: a record lives as long as its engine (which holds it), so a
         #: sweep of fits on one Runtime frees each engine with its model
         self._engines: weakref.WeakValueDictionary[int, Engine] = weakref.WeakValueDictionary()
+
+    @override
+    def agreed_options(self) -> str:
+        config = json.dumps(self.config, sort_keys=True, default=repr)
+        return f"stage={self.stage}, config={config}"
 
     # ------------------------------------------------------------------ lifecycle
     @override

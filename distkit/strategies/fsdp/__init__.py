@@ -19,7 +19,7 @@ from typing_extensions import override
 from distkit import checkpoint as ckpt
 from distkit.checkpoint import _shard_files
 from distkit.diagnosis import MachineFacts, StrategyReport
-from distkit.errors import ConfigurationError, MissingDependencyError
+from distkit.errors import ConfigurationError, MissingDependencyError, RankDisagreementError
 from distkit.launch.families import TORCH_LAUNCHERS
 from distkit.strategies import _torch_dist, _torch_group
 from distkit.strategies._steps import GradientClip, clip_, local_norm, scale_, step_gradients
@@ -134,11 +134,27 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         self._fsdp_kwargs = fsdp_kwargs
 
     @override
+    def agreed_options(self) -> str:
+        return (
+            f"replicate={self.replicate}, checkpoint={self.checkpoint}, "
+            f"reshard_after_forward={self.reshard_after_forward}, mp_policy={self.mp_policy}"
+        )
+
+    @override
     def _setup_environment(self) -> Topology:
         missing = missing_fsdp2()
         if missing is not None:
             raise MissingDependencyError(f"strategy='fsdp': {missing}. {FSDP_HINT}")
         topology = self._join_group()
+        if topology.world_size > 1:  # before the mesh's groups, which every rank must build alike
+            everyone: list[Any] = [None] * topology.world_size
+            torch.distributed.all_gather_object(everyone, self.replicate)
+            if len(set(everyone)) > 1:
+                raise RankDisagreementError(
+                    f"the ranks disagree on FSDPStrategy(replicate=...): {everyone} (rank 0 "
+                    "first); every rank must build the same mesh. Pass the same value on "
+                    "every rank"
+                )
         if self.replicate > 1:
             self._mesh = _hybrid_mesh(topology, self.replicate)
         return topology
