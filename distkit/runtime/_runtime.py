@@ -34,6 +34,7 @@ from distkit.runtime import _agreement, _weights
 from distkit.runtime._arguments import check_runtime_arguments, check_setup_args
 from distkit.runtime._call_tags import tagged_sum
 from distkit.runtime._checkpointing import ActivationCheckpointing, checkpoint_policy
+from distkit.runtime._empty import init_empty
 from distkit.runtime._evaluation import EvalStepFn, LossFn, Metrics, as_score, evaluate_shard
 from distkit.runtime._loader import RuntimeLoader
 from distkit.runtime._loop import LoopState
@@ -484,6 +485,19 @@ class Runtime:
         if self.is_main:
             kwargs.setdefault("flush", True)
             print(*values, **kwargs)
+
+    @contextlib.contextmanager
+    def init_module(self, *, empty: bool = True) -> Iterator[None]:
+        """Build a model inside this block: ``empty=True`` on the meta device (no memory, no
+        random draws; fsdp materialises each rank's shard at ``rt.setup``, see
+        :func:`distkit.init_empty`), ``empty=False`` straight on this rank's device."""
+        check_flags(empty=empty)
+        if empty:
+            with init_empty():
+                yield
+            return
+        with torch.device(self.device):
+            yield
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """``model``'s weights as full CPU tensors, the same on every rank, keyed as the

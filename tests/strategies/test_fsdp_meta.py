@@ -70,17 +70,25 @@ def test_a_meta_model_under_fsdp_x2_trains_like_the_normally_built_one(run_on_ra
 def initial(name: str, meta: str) -> dict[str, torch.Tensor]:
     """The weights right after the set-up (no step)."""
     with distkit.Runtime(name, seed=0) as rt:
-        model = build(meta)
+        if meta == "rt.init_module":
+            torch.manual_seed(0)
+            with rt.init_module(empty=True):
+                model = Net()
+            assert all(p.is_meta for p in model.parameters())
+        else:
+            model = build(meta)
         model, _ = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
         return rt.full_state_dict(model)
 
 
-@pytest.mark.parametrize(("world", "meta"), [(1, "init_empty"), (2, "init_empty"), (2, "torch")])
+@pytest.mark.parametrize(
+    ("world", "meta"), [(1, "init_empty"), (2, "rt.init_module"), (2, "torch")]
+)
 def test_a_meta_model_is_materialised_with_the_normal_builds_initial_values(
     run_on_ranks, world, meta
 ):
     """Exactly (bitwise), in a world of one (not sharded) and of two (each rank its slice),
-    built under distkit.init_empty() or torch.device("meta")."""
+    built under distkit.init_empty(), rt.init_module(empty=True) or torch.device("meta")."""
     normal = run_on_ranks(initial, "fsdp", "normal", world_size=world)
     built = run_on_ranks(initial, "fsdp", meta, world_size=world)
     for a, b in zip(normal, built, strict=True):
