@@ -67,3 +67,17 @@ def test_doctor_reports_the_deepspeed_version_and_the_compiler(monkeypatch, comp
     assert report.usable and report.summary.startswith("deepspeed 0.19.8; backend gloo")
     assert report.details["c++ compiler"] == compiler
     assert ("no C++ compiler" in report.summary) is (compiler is None)
+
+
+def test_strategies_with_options_pickle_for_spawned_processes():
+    """distkit.spawn and the test harness send strategy instances to child processes."""
+    import pickle
+
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    for strategy in (
+        distkit.DeepSpeedStrategy(stage=3, config={"zero_optimization": {"overlap_comm": True}}),
+        distkit.FSDPStrategy(replicate=2, offload_policy=CPUOffloadPolicy(pin_memory=False)),
+    ):
+        copy = pickle.loads(pickle.dumps(strategy))
+        assert type(copy) is type(strategy) and copy.agreed_options() == strategy.agreed_options()

@@ -11,7 +11,6 @@ import contextlib
 import json
 import os
 import sys
-import weakref
 from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any
@@ -118,9 +117,9 @@ class DeepSpeedStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         self.backend = backend
         self.timeout = _torch_group.as_timeout(timeout)
         #: each set-up engine's record, by id of the user's model, its optimizer and the
-        #: engine; held weakly: a record lives as long as its engine (which holds it), so a
-        #: sweep of fits on one Runtime frees each engine with its model
-        self._engines: weakref.WeakValueDictionary[int, Engine] = weakref.WeakValueDictionary()
+        #: engine (a plain dict: a strategy is pickled to spawned processes); released at
+        #: teardown
+        self._engines: dict[int, Engine] = {}
 
     @override
     def agreed_options(self) -> str:
@@ -182,7 +181,6 @@ class DeepSpeedStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
                 model=model, optimizer=optimizer, config=config, dist_init_required=False
             )
         record = Engine(engine, groups, self.stage)
-        engine._distkit_record = record  # keeps the record alive as long as the engine
         for key in (id(model), id(optimizer), id(engine)):
             self._engines[key] = record
         if saved is not None:
@@ -211,7 +209,7 @@ class DeepSpeedStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
 
     def _records(self) -> list[Engine]:
         """Every live engine's record, once each."""
-        return list({id(r): r for r in list(self._engines.values())}.values())
+        return list({id(r): r for r in self._engines.values()}.values())
 
     def engine_of_model(self, model: nn.Module) -> Engine | None:
         """The engine set up for the user's ``model`` (or the engine itself), or None."""

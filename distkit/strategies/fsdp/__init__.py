@@ -6,7 +6,6 @@ import contextlib
 import inspect
 import secrets
 import warnings
-import weakref
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -109,9 +108,9 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         self.replicate = replicate
         self._mesh: Any = None  # the (replicate, shard) DeviceMesh under HSDP
         #: checkpoint state loaded into a meta model (or its optimizer) before its set-up,
-        #: by the model or optimizer (held weakly): applied once the set-up materialised it
-        self._before_setup: weakref.WeakKeyDictionary[Any, dict[str, Any]]
-        self._before_setup = weakref.WeakKeyDictionary()
+        #: by id of the model or optimizer: applied (and dropped) once the set-up
+        #: materialised it (a plain dict: a strategy is pickled to spawned processes)
+        self._before_setup: dict[int, dict[str, Any]] = {}
         if checkpoint not in CHECKPOINTS:
             raise ConfigurationError(
                 f"checkpoint={checkpoint!r}; allowed: {', '.join(CHECKPOINTS)} ('sharded' "
@@ -240,10 +239,10 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         names = {id(p): name for name, p in originals.items()}
         for group in optimizer.param_groups:  # the meta parameters it was built with
             group["params"] = [current[_name_of(p, names)] for p in group["params"]]
-        pending = self._before_setup.pop(model, None)
+        pending = self._before_setup.pop(id(model), None)
         if pending is not None:
             _fsdp_state.load_full_model_state(model, pending)
-        saved = self._before_setup.pop(optimizer, None)
+        saved = self._before_setup.pop(id(optimizer), None)
         if saved is not None:
             _fsdp_state.load_full_optimizer_state(optimizer, saved)
 
@@ -336,7 +335,7 @@ class FSDPStateIO(StateIO):
     @override
     def load_model_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
         if _meta.on_meta(model):  # no values to load into yet: at the set-up
-            self.strategy._before_setup[model] = state
+            self.strategy._before_setup[id(model)] = state
             return
         _fsdp_state.load_full_model_state(model, state)
 
@@ -346,7 +345,7 @@ class FSDPStateIO(StateIO):
     ) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if params and all(p.is_meta for p in params):  # a meta model's, not set up yet
-            self.strategy._before_setup[optimizer] = state
+            self.strategy._before_setup[id(optimizer)] = state
             return
         _fsdp_state.load_full_optimizer_state(optimizer, state)
 
