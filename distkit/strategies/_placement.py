@@ -88,7 +88,7 @@ class Placement:
         model wholly on meta), or a user-placed model under a strategy that refuses one
         (``refusal`` says why)."""
         if torch.device("meta") in self.devices and (meta_refusal or not self.on_meta):
-            why = meta_refusal if self.on_meta else "some of it is not"
+            why = meta_refusal if self.on_meta else "only a model wholly on meta can be"
             raise ConfigurationError(
                 f"the model has parameters or buffers on the meta device (found on: "
                 f"{self.describe()}); meta tensors hold no values to train, and strategy "

@@ -4,19 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import secrets
 import warnings
 from collections.abc import Iterator
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 from typing_extensions import override
 
-from distkit import checkpoint as ckpt
-from distkit.checkpoint import _shard_files
 from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ConfigurationError, MissingDependencyError, RankDisagreementError
 from distkit.launch.families import TORCH_LAUNCHERS
@@ -26,6 +22,7 @@ from distkit.strategies.base import StepOutcome, Strategy, Topology
 from distkit.strategies.capabilities import StateIO
 from distkit.strategies.fsdp import _meta
 from distkit.strategies.fsdp import _state as _fsdp_state
+from distkit.strategies.fsdp._options import checked_policy, hybrid_mesh
 from distkit.strategies.fsdp._units import ShardPolicy, default_units, policy_of
 from distkit.strategies.precision import Precision
 
@@ -123,7 +120,7 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
                 "rank of the process group (or, with replicate=R, inside R groups of ranks: "
                 "HSDP)"
             )
-        self.mp_policy = _checked_policy(fsdp_kwargs.pop("mp_policy", None))
+        self.mp_policy = checked_policy(fsdp_kwargs.pop("mp_policy", None))
         self.shard = _shard_policy(shard)
         self._default_shard = shard is None  # refined per model (see _units)
         self.reshard_after_forward = reshard_after_forward
@@ -155,7 +152,7 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
                     "every rank"
                 )
         if self.replicate > 1:
-            self._mesh = _hybrid_mesh(topology, self.replicate)
+            self._mesh = hybrid_mesh(topology, self.replicate)
         return topology
 
     @override
@@ -301,71 +298,9 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
     @property
     @override
     def state_io(self) -> StateIO:
+        from distkit.strategies.fsdp._state_io import FSDPStateIO  # it names this class
+
         return FSDPStateIO(self)
-
-
-class FSDPStateIO(StateIO):
-    """The full state of a sharded model and optimizer: gathered to full tensors (every read
-    is a collective), loaded by each rank into its shards; checkpoints either gathered into
-    the file (``checkpoint="full"``) or written by every rank as shards beside it."""
-
-    strategy: FSDPStrategy
-
-    def __init__(self, strategy: FSDPStrategy) -> None:
-        super().__init__(strategy)
-
-    @override
-    def model_state_dict(
-        self, model: nn.Module, *, rank0_only: bool = False
-    ) -> dict[str, torch.Tensor]:
-        return _fsdp_state.full_model_state(model, keep=self.strategy.is_main or not rank0_only)
-
-    @override
-    def optimizer_state_dict(
-        self, optimizer: torch.optim.Optimizer, *, rank0_only: bool = False
-    ) -> dict[str, Any]:
-        keep = self.strategy.is_main or not rank0_only
-        return _fsdp_state.full_optimizer_state(optimizer, keep=keep)
-
-    @override
-    def full_tensor(self, entry: torch.Tensor, *, keep: bool) -> torch.Tensor | None:
-        full = _fsdp_state.gathered(entry)  # an all-gather: every rank, in the same order
-        return full if keep else None
-
-    @override
-    def load_model_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
-        if _meta.on_meta(model):  # no values to load into yet: at the set-up
-            self.strategy._before_setup[id(model)] = state
-            return
-        _fsdp_state.load_full_model_state(model, state)
-
-    @override
-    def load_optimizer_state_dict(
-        self, optimizer: torch.optim.Optimizer, state: dict[str, Any]
-    ) -> None:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        if params and all(p.is_meta for p in params):  # a meta model's, not set up yet
-            self.strategy._before_setup[id(optimizer)] = state
-            return
-        _fsdp_state.load_full_optimizer_state(optimizer, state)
-
-    @override
-    def checkpoint_state(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, path: Path
-    ) -> dict[str, Any]:
-        strategy = self.strategy
-        if strategy.checkpoint == "full":
-            return super().checkpoint_state(model, optimizer, path)
-        # rank 0's path and a fresh name for this save, so that a checkpoint file being
-        # replaced keeps its own shards until the new file is in place
-        where, token = strategy.broadcast((str(path), secrets.token_hex(6)), src=0)
-        folder = _shard_files.folder_for(Path(where), token)
-        if strategy.is_main:
-            _shard_files.sweep(folder.parent, keep=folder.name, named_by=ckpt.shards_named_by)
-        entries = _shard_files.save(
-            folder, model, optimizer, strategy.all_gather_object, strategy.rank
-        )
-        return entries if strategy.is_main else {}
 
 
 def _shard_policy(shard: tuple[type[nn.Module], ...] | ShardPolicy | None) -> ShardPolicy:
@@ -421,22 +356,6 @@ def _local(grad: torch.Tensor) -> torch.Tensor:
     return grad if to_local is None else to_local()
 
 
-def _hybrid_mesh(topology: Topology, replicate: int) -> Any:
-    """The (replicate, shard) DeviceMesh of HSDP: rows of consecutive ranks shard."""
-    world = topology.world_size
-    if world % replicate:
-        raise ConfigurationError(
-            f"FSDPStrategy(replicate={replicate}) needs a world size it divides; this job has "
-            f"{world} ranks. Use a divisor of {world} (the number of nodes, typically), or "
-            "replicate=1"
-        )
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh(
-        topology.device.type, (replicate, world // replicate), mesh_dim_names=("replicate", "shard")
-    )
-
-
 def _name_of(param: Any, names: dict[int, str]) -> str:
     if id(param) in names:
         return names[id(param)]
@@ -444,25 +363,3 @@ def _name_of(param: Any, names: dict[int, str]) -> str:
         "the optimizer holds a parameter that is not the model's: pass the model's own "
         "parameters (optimizer = SGD(model.parameters(), ...)) to the optimizer"
     )
-
-
-def _checked_policy(policy: Any) -> Any:
-    """``mp_policy=``: None or a ``MixedPrecisionPolicy`` whose parameters are not fp16 (FSDP2
-    has no loss scaler for them: fp16 gradients underflow)."""
-    if policy is None:
-        return None
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    if not isinstance(policy, MixedPrecisionPolicy):
-        raise ConfigurationError(
-            f"FSDPStrategy(mp_policy={policy!r}); allowed: a "
-            "torch.distributed.fsdp.MixedPrecisionPolicy, or None (distkit's, from precision=)"
-        )
-    if policy.param_dtype == torch.float16:
-        raise ConfigurationError(
-            "FSDPStrategy(mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16)): fp16 "
-            "compute needs a loss scaler, which a policy does not bring. Use "
-            "param_dtype=torch.bfloat16, or Trainer(precision='fp16') (autocast and a "
-            "GradScaler) without mp_policy"
-        )
-    return policy

@@ -1,0 +1,84 @@
+"""FSDPStrategy's StateIO: the full state of a sharded model and optimizer."""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from typing_extensions import override
+
+from distkit import checkpoint as ckpt
+from distkit.checkpoint import _shard_files
+from distkit.strategies.capabilities import StateIO
+from distkit.strategies.fsdp import _meta
+from distkit.strategies.fsdp import _state as _fsdp_state
+
+if TYPE_CHECKING:
+    from distkit.strategies.fsdp import FSDPStrategy
+
+
+class FSDPStateIO(StateIO):
+    """The full state of a sharded model and optimizer: gathered to full tensors (every read
+    is a collective), loaded by each rank into its shards; checkpoints either gathered into
+    the file (``checkpoint="full"``) or written by every rank as shards beside it."""
+
+    strategy: FSDPStrategy
+
+    def __init__(self, strategy: FSDPStrategy) -> None:
+        super().__init__(strategy)
+
+    @override
+    def model_state_dict(
+        self, model: nn.Module, *, rank0_only: bool = False
+    ) -> dict[str, torch.Tensor]:
+        return _fsdp_state.full_model_state(model, keep=self.strategy.is_main or not rank0_only)
+
+    @override
+    def optimizer_state_dict(
+        self, optimizer: torch.optim.Optimizer, *, rank0_only: bool = False
+    ) -> dict[str, Any]:
+        keep = self.strategy.is_main or not rank0_only
+        return _fsdp_state.full_optimizer_state(optimizer, keep=keep)
+
+    @override
+    def full_tensor(self, entry: torch.Tensor, *, keep: bool) -> torch.Tensor | None:
+        full = _fsdp_state.gathered(entry)  # an all-gather: every rank, in the same order
+        return full if keep else None
+
+    @override
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
+        if _meta.on_meta(model):  # no values to load into yet: at the set-up
+            self.strategy._before_setup[id(model)] = state
+            return
+        _fsdp_state.load_full_model_state(model, state)
+
+    @override
+    def load_optimizer_state_dict(
+        self, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if params and all(p.is_meta for p in params):  # a meta model's, not set up yet
+            self.strategy._before_setup[id(optimizer)] = state
+            return
+        _fsdp_state.load_full_optimizer_state(optimizer, state)
+
+    @override
+    def checkpoint_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, path: Path
+    ) -> dict[str, Any]:
+        strategy = self.strategy
+        if strategy.checkpoint == "full":
+            return super().checkpoint_state(model, optimizer, path)
+        # rank 0's path and a fresh name for this save, so that a checkpoint file being
+        # replaced keeps its own shards until the new file is in place
+        where, token = strategy.broadcast((str(path), secrets.token_hex(6)), src=0)
+        folder = _shard_files.folder_for(Path(where), token)
+        if strategy.is_main:
+            _shard_files.sweep(folder.parent, keep=folder.name, named_by=ckpt.shards_named_by)
+        entries = _shard_files.save(
+            folder, model, optimizer, strategy.all_gather_object, strategy.rank
+        )
+        return entries if strategy.is_main else {}
