@@ -1,9 +1,9 @@
 """``distkit.init_empty()``: build a model with no values, on the meta device.
 
 Inside it, torch creates parameters and buffers on ``meta``: shapes and dtypes, no storage, no
-random draws. A strategy that shards (fsdp) then gives each rank storage for its own slices
-only and initialises them as the normal build would have (see
-``distkit/strategies/fsdp/_meta.py``), so a model larger than one device's memory never exists
+random draws. A strategy that shards (fsdp, DeepSpeed stage 3) then gives each rank storage for
+its own slices only and initialises them as the normal build would have (see
+``distkit/strategies/_meta_init.py``), so a model larger than one device's memory never exists
 whole on any rank.
 """
 
@@ -22,7 +22,7 @@ def init_empty() -> Iterator[None]:
         torch.manual_seed(0)
         with distkit.init_empty():
             model = Transformer(config)      # no memory, no random draws
-        trainer.fit(model, optimizer, data)  # fsdp: each rank materialises its shard
+        trainer.fit(model, optimizer, data)  # fsdp, ZeRO-3: each rank makes its shard
 
     The weights then equal those of the same model built normally after the same
     ``torch.manual_seed`` (each module's ``reset_parameters()`` runs at the set-up, in the

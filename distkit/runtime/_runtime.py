@@ -489,7 +489,7 @@ class Runtime:
     @contextlib.contextmanager
     def init_module(self, *, empty: bool = True) -> Iterator[None]:
         """Build a model inside this block: ``empty=True`` on the meta device (no memory, no
-        random draws; fsdp materialises each rank's shard at ``rt.setup``, see
+        random draws; fsdp and DeepSpeed stage 3 make each rank's shard at ``rt.setup``, see
         :func:`distkit.init_empty`), ``empty=False`` straight on this rank's device."""
         check_flags(empty=empty)
         if empty:

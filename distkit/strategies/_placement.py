@@ -93,9 +93,10 @@ class Placement:
                 f"the model has parameters or buffers on the meta device (found on: "
                 f"{self.describe()}); meta tensors hold no values to train, and strategy "
                 f"{strategy_name!r} does not materialise them here ({why}). Use "
-                "strategy='fsdp', which materialises each rank's shard of a model built "
-                "wholly on meta, or materialise it first: model.to_empty(device='cpu'), then "
-                "initialise the weights (e.g. reset_parameters()) or load a state dict"
+                "strategy='fsdp' or DeepSpeedStrategy(stage=3), which materialise each rank's "
+                "shard of a model built wholly on meta, or materialise it first: "
+                "model.to_empty(device='cpu'), then initialise the weights (e.g. "
+                "reset_parameters()) or load a state dict"
             )
         if self.user_placed and refusal is not None:
             keepers = " or ".join(  # those that keep such a model, plugins included

@@ -154,8 +154,9 @@ class Strategy(Collectives, ABC):
     )
 
     #: why it cannot train a model built wholly on the meta device (no values yet); None:
-    #: its set-up materialises and initialises such a model itself (fsdp: shard by shard)
-    meta_refusal: ClassVar[str | None] = NO_META
+    #: its set-up materialises and initialises such a model itself (fsdp, and DeepSpeed at
+    #: stage 3: shard by shard); an instance may set its own (it may depend on its options)
+    meta_refusal: str | None = NO_META
     #: promises of the contract suite (:mod:`distkit.testing`) that cannot hold as written on
     #: this backend -> why, and what checks the guarantee instead; the suite reports them as
     #: skipped with that reason (default: none)

@@ -77,6 +77,22 @@ def test_deepspeed_two_ranks_equal_one_process_with_accumulation_and_an_uneven_e
         )
 
 
+def _alone(stage: int) -> dict[str, Any]:
+    os.environ.pop("LOCAL_RANK", None)  # as plain `python` runs it: no launcher set it
+    out = fit("deepspeed", 8, stage=stage)
+    return {**out, "local_rank_after": os.environ.get("LOCAL_RANK")}
+
+
+def test_deepspeed_stage_3_in_a_world_of_one_trains_like_one_ddp_process(run_on_ranks):
+    """Plain `python` sets no LOCAL_RANK, which DeepSpeed reads at its set-up and, at stage
+    3, in every forward (it failed there with a KeyError); distkit sets it for the strategy's
+    life and removes it at teardown."""
+    one = run_on_ranks(fit, "ddp", 8, world_size=1)[0]
+    (alone,) = run_on_ranks(_alone, 3, world_size=1)
+    assert max_abs_diff(alone["state"], one["state"]) <= TOL
+    assert alone["local_rank_after"] is None
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 def test_deepspeed_clips_the_averaged_gradients_like_one_process(run_on_ranks, stage):
     one = run_on_ranks(partial(fit, clip=0.05, optimizer="adamw"), "ddp", 8, world_size=1)[0]

@@ -13,38 +13,10 @@ from torch import nn
 
 import distkit
 from distkit.errors import ConfigurationError
+from tests.support.meta_models import Net, NoReset, build
 from tests.support.workloads import make_dataset, max_abs_diff
 
 pytestmark = pytest.mark.timeout(300)
-
-FEATURES = make_dataset(1).tensors[0].shape[1]
-
-
-class Net(nn.Module):
-    """Linear layers, an embedding-like table, BatchNorm (buffers) and LayerNorm."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(FEATURES, 16)
-        self.norm = nn.BatchNorm1d(16)
-        self.hidden = nn.Linear(16, 16)
-        self.layer_norm = nn.LayerNorm(16)
-        self.out = nn.Linear(16, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.norm(self.inp(x)))
-        return self.out(self.layer_norm(torch.tanh(self.hidden(h))))
-
-
-def build(meta: str) -> nn.Module:
-    torch.manual_seed(0)
-    if meta == "init_empty":
-        with distkit.init_empty():
-            return Net()
-    if meta == "torch":
-        with torch.device("meta"):
-            return Net()
-    return Net()
 
 
 def fit(name: str, batch: int, meta: str, epochs: int = 2, **settings: Any) -> dict[str, Any]:
@@ -112,16 +84,6 @@ def test_a_meta_model_resumes_from_a_checkpoint(run_on_ranks, tmp_path):
     for rank in resumed:
         assert max_abs_diff({k: rank["state"][k] for k in params},
                             {k: whole["state"][k] for k in params}) <= 1e-5  # fmt: skip
-
-
-class NoReset(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.scale = nn.Parameter(torch.ones(3))
-        self.linear = nn.Linear(FEATURES, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x) * self.scale
 
 
 def _fit_meta(name: str, make: Any) -> str:

@@ -11,7 +11,7 @@ import contextlib
 import json
 import os
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -23,12 +23,12 @@ from distkit._imports import require
 from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ConfigurationError, UnsupportedFeatureError
 from distkit.launch.families import TORCH_LAUNCHERS
-from distkit.strategies import _torch_dist, _torch_group
+from distkit.strategies import _meta_init, _torch_dist, _torch_group
 from distkit.strategies._graph import graph_leaves
 from distkit.strategies._steps import GradientClip, StepOutcome
 from distkit.strategies.base import Strategy, Topology
 from distkit.strategies.capabilities import StateIO
-from distkit.strategies.deepspeed import _doctor
+from distkit.strategies.deepspeed import _doctor, _meta
 from distkit.strategies.deepspeed._config import engine_config, resolve_stage
 from distkit.strategies.deepspeed._state import DeepSpeedStateIO, Engine, load_into_engine
 from distkit.strategies.precision import Precision
@@ -45,6 +45,12 @@ CROSSING = (
     "runs them for any loss through its forward): a GAN's generator loss through the "
     "discriminator, say. Train one model per loss (detach its input to the other model), or "
     "use strategy='ddp' or 'fsdp' for such loops"
+)
+
+
+STAGES_NEED_VALUES = (
+    "ZeRO stages 1 and 2 keep the whole model on every rank: use DeepSpeedStrategy(stage=3), "
+    "which partitions a meta model module by module"
 )
 
 
@@ -120,6 +126,11 @@ class DeepSpeedStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         #: engine (a plain dict: a strategy is pickled to spawned processes); released at
         #: teardown
         self._engines: dict[int, Engine] = {}
+        #: a checkpoint loaded into a meta model before its set-up, by id of the model or
+        #: optimizer: loaded once the set-up has given it values
+        self._before_setup: dict[int, dict[str, Any]] = {}
+        self.meta_refusal = None if self.stage == 3 else STAGES_NEED_VALUES
+        self._set_local_rank = False  # whether LOCAL_RANK is ours to remove at teardown
 
     @override
     def agreed_options(self) -> str:
@@ -133,7 +144,13 @@ class DeepSpeedStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         if not cuda:  # else DeepSpeed guesses, and warns that it found no GPU
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         require("deepspeed", feature="strategy='deepspeed'", hint=HINT)
-        return self._join_group()
+        topology = self._join_group()
+        if "LOCAL_RANK" not in os.environ:
+            # DeepSpeed reads it at its set-up and, at stage 3, in each forward; plain
+            # `python` (a world of one) does not set it. Removed at teardown, as it was.
+            os.environ["LOCAL_RANK"] = str(topology.local_rank)
+            self._set_local_rank = True
+        return topology
 
     @override
     def _make_precision(self, device: torch.device) -> Precision:
@@ -154,9 +171,13 @@ class DeepSpeedStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
             if callable(destroy):
                 destroy()
         self._engines.clear()
+        self._before_setup.clear()
         if self._owns_group:  # the world goes: DeepSpeed's clones of it with it
             _forget_groups()
         self._leave_group()
+        if self._set_local_rank:
+            os.environ.pop("LOCAL_RANK", None)
+            self._set_local_rank = False
         super().teardown()
 
     # ------------------------------------------------------------------ set-up
@@ -171,18 +192,26 @@ class DeepSpeedStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
             )
         deepspeed = require("deepspeed", feature="strategy='deepspeed'", hint=HINT)
         _skip_inference_op_build()
+        meta = _meta_init.on_meta(model)
         # a checkpoint loaded before the set-up (a resumed fit) is in torch's form, keyed by
-        # the user's parameters: ZeRO re-binds the optimizer to its flat partitions
-        saved = optimizer.state_dict() if optimizer.state else None
+        # the user's parameters: ZeRO re-binds the optimizer to its flat partitions (a meta
+        # model's was kept aside: meta tensors hold no values)
+        saved = optimizer.state_dict() if optimizer.state and not meta else None
+        saved = self._before_setup.pop(id(optimizer), saved)
         groups = [list(group["params"]) for group in optimizer.param_groups]
         config = engine_config(self.config, stage=self.stage, precision=self.options.precision)
-        with _local_rank_variable(self.local_rank):
-            engine, _, _, _ = deepspeed.initialize(
-                model=model, optimizer=optimizer, config=config, dist_init_required=False
-            )
+        if meta:  # stage 3 (else refused before): partitioned module by module
+            rng = self.broadcast(torch.get_rng_state() if self.is_main else None, src=0)
+            _meta.partition(model, config, self.device, rng, main=self.is_main)
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=config, dist_init_required=False
+        )
         record = Engine(engine, groups, self.stage)
         for key in (id(model), id(optimizer), id(engine)):
             self._engines[key] = record
+        weights = self._before_setup.pop(id(model), None)
+        if weights is not None:
+            DeepSpeedStateIO(self).load_model_state_dict(model, weights)
         if saved is not None:
             load_into_engine(record, saved)
         return engine, optimizer
@@ -327,20 +356,6 @@ def _set_clip(engine: Any, max_norm: float | None) -> None:
     value = float(max_norm or 0.0)
     engine._config.gradient_clipping = value
     engine.optimizer.clip_grad = value
-
-
-@contextlib.contextmanager
-def _local_rank_variable(local_rank: int) -> Iterator[None]:
-    """``LOCAL_RANK`` while DeepSpeed sets up: it refuses to start without it, which plain
-    ``python`` (a world of one) does not set; removed after, as it was."""
-    if "LOCAL_RANK" in os.environ:
-        yield
-        return
-    os.environ["LOCAL_RANK"] = str(local_rank)
-    try:
-        yield
-    finally:
-        os.environ.pop("LOCAL_RANK", None)
 
 
 def _forget_groups() -> None:

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from typing_extensions import override
 
+from distkit.strategies import _meta_init
 from distkit.strategies.capabilities import StateIO
 
 if TYPE_CHECKING:
@@ -166,7 +167,10 @@ class DeepSpeedStateIO(StateIO):
     @override
     def load_model_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
         if self.strategy.engine_of_model(model) is None:
-            model.load_state_dict(state)
+            if _meta_init.on_meta(model):  # no values to load into yet: at the set-up
+                self.strategy._before_setup[id(model)] = state
+            else:
+                model.load_state_dict(state)
             return
         missing = set(model.state_dict()) - set(state)
         unexpected = set(state) - set(model.state_dict())
@@ -191,7 +195,11 @@ class DeepSpeedStateIO(StateIO):
     ) -> None:
         engine = self.strategy.engine_of_optimizer(optimizer)
         if engine is None:  # not set up yet: torch's form, taken over at the set-up
-            optimizer.load_state_dict(state)
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            if params and all(p.is_meta for p in params):  # a meta model's: kept aside
+                self.strategy._before_setup[id(optimizer)] = state
+            else:
+                optimizer.load_state_dict(state)
             return
         load_into_engine(engine, state)
 

@@ -1,0 +1,53 @@
+"""A small model for the meta-device tests (fsdp and DeepSpeed stage 3): linear layers,
+BatchNorm (buffers, an integer one among them) and LayerNorm, built normally or on meta."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import distkit
+from tests.support.workloads import make_dataset
+
+FEATURES = make_dataset(1).tensors[0].shape[1]
+
+
+class Net(nn.Module):
+    """Linear layers, BatchNorm (buffers; ``batch_norm=False``: none) and LayerNorm."""
+
+    def __init__(self, batch_norm: bool = True) -> None:
+        super().__init__()
+        self.inp = nn.Linear(FEATURES, 16)
+        self.norm = nn.BatchNorm1d(16) if batch_norm else nn.Identity()
+        self.hidden = nn.Linear(16, 16)
+        self.layer_norm = nn.LayerNorm(16)
+        self.out = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.norm(self.inp(x)))
+        return self.out(self.layer_norm(torch.tanh(self.hidden(h))))
+
+
+class NoReset(nn.Module):
+    """A module with a parameter of its own and no reset_parameters()."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(3))
+        self.linear = nn.Linear(FEATURES, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * self.scale
+
+
+def build(meta: str, batch_norm: bool = True) -> nn.Module:
+    """``Net`` after ``torch.manual_seed(0)``: ``"normal"``, or on meta by ``"init_empty"``
+    (distkit.init_empty()) or ``"torch"`` (torch.device("meta"))."""
+    torch.manual_seed(0)
+    if meta == "init_empty":
+        with distkit.init_empty():
+            return Net(batch_norm)
+    if meta == "torch":
+        with torch.device("meta"):
+            return Net(batch_norm)
+    return Net(batch_norm)
