@@ -23,7 +23,13 @@ def gathered(value: Any) -> Any:
     A DTensor takes an all-gather: every rank calls this for the same tensors in the same order.
     """
     if _is_dtensor(value):
-        return value.full_tensor().detach().cpu()  # a new tensor already: no second copy
+        full = value.full_tensor().detach().cpu()  # gathered: a new tensor, no second copy
+        # where nothing is gathered (each shard group one rank: HSDP with replicate equal to
+        # the world size), full_tensor() is this rank's local tensor itself, and on the CPU
+        # .cpu() keeps it: a copy, or the "full" state would go on changing with training
+        if full.untyped_storage().data_ptr() == value.to_local().untyped_storage().data_ptr():
+            return full.clone()
+        return full
     if isinstance(value, torch.Tensor):
         return value.detach().to("cpu", copy=True)
     return value
