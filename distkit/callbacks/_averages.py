@@ -80,7 +80,11 @@ def full_averages(averages: Averages, module: nn.Module) -> Averages:
                 shape=sharded.shape,
                 stride=sharded.stride(),
             )
-            out[name] = whole.full_tensor().cpu()
+            full = whole.full_tensor().cpu()
+            # nothing to gather (HSDP whose shard groups are one rank each): full_tensor() is
+            # the running average itself, which would go on changing; copy it then
+            shares = full.untyped_storage().data_ptr() == average.untyped_storage().data_ptr()
+            out[name] = full.clone() if shares else full
         else:
             out[name] = average.detach().to("cpu", copy=True)
     return out

@@ -136,6 +136,41 @@ def load(payload: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optim
         optimizer.load_state_dict({"state": optim_state, "param_groups": stub["param_groups"]})
 
 
+def read_full(payload: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The model's and the optimizer's state of ``payload`` read whole from its shards, as
+    plain CPU tensors in torch's ``state_dict`` forms (for a backend that loads full state;
+    every rank reads all of it)."""
+    import torch.distributed.checkpoint as dcp
+
+    def blank(stub: Any) -> Any:
+        if isinstance(stub, torch.Tensor):
+            return torch.zeros(stub.shape, dtype=stub.dtype)
+        return stub
+
+    model_state = {key: blank(value) for key, value in payload["model"].items()}
+    stub = payload.get("optimizer") or None
+    state = (
+        {
+            index: {k: blank(v) for k, v in entries.items()}
+            for index, entries in stub["state"].items()
+        }
+        if stub
+        else {}
+    )
+    tensors = {
+        "model": {k: v for k, v in model_state.items() if isinstance(v, torch.Tensor)},
+        "optimizer": {
+            str(index): {k: v for k, v in entries.items() if isinstance(v, torch.Tensor)}
+            for index, entries in state.items()
+        },
+    }
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(tensors, checkpoint_id=payload[KEY], no_dist=True)
+    optimizer = {"state": state, "param_groups": stub["param_groups"]} if stub else None
+    return model_state, optimizer
+
+
 def _target(stub: Any, param: torch.Tensor) -> Any:
     """A tensor to read ``stub``'s data into: laid out like ``param`` where shaped like it."""
     if not isinstance(stub, torch.Tensor):

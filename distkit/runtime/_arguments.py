@@ -48,7 +48,15 @@ def check_setup_args(model: object, optimizers: tuple[object, ...]) -> None:
             )
 
 
-def check_fit_args(model: object, optimizer: object, loss_fn: object, step_fn: object) -> None:
+def check_fit_args(
+    model: object,
+    optimizer: object,
+    loss_fn: object,
+    step_fn: object,
+    groups: list[list[torch.Tensor]] | None = None,
+) -> None:
+    """``fit``'s arguments; ``groups``: the optimizer's parameters as the strategy counts
+    them (None: its own ``param_groups``)."""
     model = check_model(model)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigurationError(
@@ -63,9 +71,9 @@ def check_fit_args(model: object, optimizer: object, loss_fn: object, step_fn: o
             "(called as step_fn(model, batch) and returning the loss)"
         )
     owned = {id(p) for p in model.parameters()}
-    foreign = sum(
-        1 for group in optimizer.param_groups for p in group["params"] if id(p) not in owned
-    )
+    if groups is None:
+        groups = [list(group["params"]) for group in optimizer.param_groups]
+    foreign = sum(1 for group in groups for p in group if id(p) not in owned)
     if foreign:
         raise ConfigurationError(
             f"the optimizer holds {foreign} tensor(s) that are not parameters of the model; "

@@ -22,6 +22,7 @@ from distkit.checkpoint import _shard_files
 from distkit.errors import ConfigurationError
 from distkit.runtime._fit_state import FitState
 from distkit.strategies.base import Strategy
+from distkit.strategies.capabilities import StateIO
 
 
 @dataclass
@@ -103,8 +104,8 @@ def load_weights(
     strategy: Strategy, payload: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer
 ) -> None:
     """Model and optimizer state into the user's (unwrapped) objects, set up or not."""
-    if _shard_files.is_sharded(payload):  # read straight into the tensors, whatever their layout
-        _shard_files.load(payload, model, optimizer)
+    if _shard_files.is_sharded(payload):  # read into the tensors, whatever their layout
+        strategy.state_io.load_sharded(payload, model, optimizer)
         return
     strategy.state_io.load_model_state_dict(model, ckpt.strip_wrapper_prefix(payload["model"]))
     if payload.get("optimizer"):
@@ -207,6 +208,8 @@ def check_fits(
     optimizer: torch.optim.Optimizer,
     train_samples: int | None = None,
     epoch_samples: int | None = None,
+    *,
+    io: StateIO | None = None,
 ) -> None:
     """Refuse, naming the difference, a checkpoint that does not fit this model, optimizer or
     training data (checked before anything is loaded, so a refused fit changes nothing).
@@ -214,6 +217,9 @@ def check_fits(
     ``train_samples`` is ``len(train_data)`` (None: unknown, a stream); ``epoch_samples`` the
     samples of an epoch's order where that is fixed (``len(sampler)`` for a user's sampler;
     None: it varies, a batch sampler's, whose plan checks the position when it resumes).
+    ``io``: the strategy's StateIO, which tells the full shapes of a set-up model and the
+    user's parameters of a set-up optimizer (a backend may partition both); None: the
+    model's and optimizer's own.
     """
     for key in ("model", "progress"):
         if not isinstance(found.payload.get(key), dict):
@@ -221,8 +227,9 @@ def check_fits(
                 f"{found.label} has no {key} state: it is not a checkpoint distkit can resume "
                 "from (write checkpoints with Trainer.save_checkpoint or checkpoint_dir=...)"
             )
-    _check_model_fits(found, model)
-    _check_optimizer_fits(found, optimizer)
+    io = io or StateIO(_AsTheyAre())
+    _check_model_fits(found, io.shapes(model))
+    _check_optimizer_fits(found, optimizer, [len(g) for g in io.param_groups(optimizer)])
     if train_samples is None:
         return
     progress = found.payload["progress"]
@@ -240,13 +247,18 @@ def check_fits(
         )
 
 
-def _check_model_fits(found: LoadedCheckpoint, model: nn.Module) -> None:
+class _AsTheyAre:
+    """No strategy's view: the model and optimizer as they are (their own state_dicts)."""
+
+    is_main = True
+
+
+def _check_model_fits(found: LoadedCheckpoint, current: dict[str, torch.Size | None]) -> None:
     saved = ckpt.strip_wrapper_prefix(found.payload["model"])
-    current = model.state_dict()
     problems = [
-        f"{key}: checkpoint {tuple(saved[key].shape)}, model {tuple(value.shape)}"
-        for key, value in current.items()
-        if key in saved and isinstance(value, torch.Tensor) and saved[key].shape != value.shape
+        f"{key}: checkpoint {tuple(saved[key].shape)}, model {tuple(shape)}"
+        for key, shape in current.items()
+        if key in saved and shape is not None and saved[key].shape != shape
     ]
     missing = [key for key in current if key not in saved]
     unexpected = [key for key in saved if key not in current]
@@ -261,7 +273,9 @@ def _check_model_fits(found: LoadedCheckpoint, model: nn.Module) -> None:
         )
 
 
-def _check_optimizer_fits(found: LoadedCheckpoint, optimizer: torch.optim.Optimizer) -> None:
+def _check_optimizer_fits(
+    found: LoadedCheckpoint, optimizer: torch.optim.Optimizer, my_sizes: list[int]
+) -> None:
     state = found.payload.get("optimizer")
     if not state:
         return
@@ -284,7 +298,6 @@ def _check_optimizer_fits(found: LoadedCheckpoint, optimizer: torch.optim.Optimi
             f"optimizer is {mine}. {fix}"
         )
     sizes = [len(g["params"]) for g in groups]
-    my_sizes = [len(g["params"]) for g in optimizer.param_groups]
     if sizes != my_sizes:
         raise ckpt.CheckpointError(
             f"{found.label} holds optimizer state for parameter groups of sizes {sizes}; this "

@@ -79,6 +79,32 @@ class StateIO:
         """Load a full optimizer state (torch's form) into the user's ``optimizer``."""
         optimizer.load_state_dict(state)
 
+    def load_sharded(
+        self, payload: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> None:
+        """Load a checkpoint whose model and optimizer tensors are in a shards folder
+        (``checkpoint="sharded"``) into the user's ``model`` and ``optimizer``, set up or
+        not. Default: read straight into their own tensors, whatever their layout (each rank
+        its slices; no collective). A backend that keeps a copy of the state of its own (ZeRO's
+        master weights) reads full tensors and loads them as :meth:`load_model_state_dict`
+        does."""
+        from distkit.checkpoint import _shard_files
+
+        _shard_files.load(payload, model, optimizer)
+
+    def shapes(self, model: nn.Module) -> dict[str, torch.Size | None]:
+        """The full shape of each entry of the user's ``model``'s state (None: not a
+        tensor), set up or not; what a checkpoint's tensors must match."""
+        return {
+            key: value.shape if isinstance(value, torch.Tensor) else None
+            for key, value in model.state_dict(keep_vars=True).items()
+        }
+
+    def param_groups(self, optimizer: torch.optim.Optimizer) -> list[list[torch.Tensor]]:
+        """The user's parameters in each group of ``optimizer``, set up or not (what a
+        checkpoint's optimizer state must match, and what must belong to the model)."""
+        return [list(group["params"]) for group in optimizer.param_groups]
+
     def weight_entries(self, model: nn.Module) -> dict[str, Any]:
         """The user's ``model``'s state as this backend holds it, for :meth:`full_tensor` to
         fetch one entry at a time (``save_weights``). Default: ``model.state_dict(keep_vars=

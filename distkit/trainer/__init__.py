@@ -487,7 +487,7 @@ class Trainer:
         )
         if self._run is not None:
             run = self._run
-            _resume.check_fits(found, run.model, run.optimizer)
+            _resume.check_fits(found, run.model, run.optimizer, io=self.strategy.state_io)
             _resume.load_weights(self.strategy, found.payload, run.model, run.optimizer)
         self._pending = found
         return {key: found.payload.get(key) for key in ("producer", "progress", "extra")}

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from distkit import checkpoint as ckpt
 from distkit.data import GlobalBatchPlan, LoaderSpec
 from distkit.data._batch_plan import batch_plan
@@ -81,7 +83,11 @@ def prepare_fit(
         owner: what the callbacks are given (the Trainer): their own checks read it.
     """
     model, optimizer = call.model, call.optimizer
-    check_fit_args(model, optimizer, call.loss_fn, call.step_fn)
+    # the user's parameters, as the strategy counts them (DeepSpeed re-points a set-up
+    # optimizer at its partitions: a second fit with it is still the user's)
+    io = runtime.strategy.state_io
+    groups = io.param_groups(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else None
+    check_fit_args(model, optimizer, call.loss_fn, call.step_fn, groups)
     placement = checked_placement(runtime.setups, model, config.input_device_override)
     check_scheduler(call.scheduler, optimizer, per_step=config.scheduler_interval == "step")
     check_validation(
@@ -118,7 +124,9 @@ def prepare_fit(
     )
     if found is not None:
         epoch_samples = None if plan is None else plan.samples_per_epoch
-        _resume.check_fits(found, model, optimizer, samples_of(spec), epoch_samples)
+        _resume.check_fits(
+            found, model, optimizer, samples_of(spec), epoch_samples, io=strategy.state_io
+        )
     callbacks.validate(owner)
     agreed = {
         "resume from": "no checkpoint" if found is None else found.label,

@@ -165,6 +165,37 @@ class DeepSpeedStateIO(StateIO):
         return {"state": state, "param_groups": groups}
 
     @override
+    def shapes(self, model: nn.Module) -> dict[str, torch.Size | None]:
+        shapes = super().shapes(model)
+        for key, value in model.state_dict(keep_vars=True).items():
+            if isinstance(value, torch.Tensor) and hasattr(value, "ds_shape"):
+                shapes[key] = value.ds_shape  # stage 3: partitioned, its data empty
+        return shapes
+
+    @override
+    def param_groups(self, optimizer: torch.optim.Optimizer) -> list[list[torch.Tensor]]:
+        engine = self.strategy.engine_of_optimizer(optimizer)
+        if engine is None:
+            return super().param_groups(optimizer)
+        return [list(group) for group in engine.groups]  # ZeRO re-pointed it at partitions
+
+    @override
+    def load_sharded(
+        self, payload: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> None:
+        if self.strategy.engine_of_model(model) is None and not _meta_init.on_meta(model):
+            super().load_sharded(payload, model, optimizer)  # plain tensors: taken at set-up
+            return
+        # ZeRO keeps its own fp32 master weights and optimizer partitions: written into the
+        # module's tensors alone, the next step would overwrite them with the old ones
+        from distkit.checkpoint import _shard_files
+
+        weights, optimizer_state = _shard_files.read_full(payload)
+        self.load_model_state_dict(model, weights)
+        if optimizer_state is not None:
+            self.load_optimizer_state_dict(optimizer, optimizer_state)
+
+    @override
     def load_model_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
         if self.strategy.engine_of_model(model) is None:
             if _meta_init.on_meta(model):  # no values to load into yet: at the set-up

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from typing_extensions import override
 
+from distkit.checkpoint import _shard_files
 from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ConfigurationError, MissingDependencyError, RankDisagreementError
 from distkit.launch.families import TORCH_LAUNCHERS
@@ -23,6 +24,7 @@ from distkit.strategies.capabilities import StateIO
 from distkit.strategies.fsdp import _meta
 from distkit.strategies.fsdp import _state as _fsdp_state
 from distkit.strategies.fsdp._options import checked_policy, hybrid_mesh
+from distkit.strategies.fsdp._state_io import SHARDED
 from distkit.strategies.fsdp._units import ShardPolicy, default_units, policy_of
 from distkit.strategies.precision import Precision
 
@@ -237,7 +239,9 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         for group in optimizer.param_groups:  # the meta parameters it was built with
             group["params"] = [current[_name_of(p, names)] for p in group["params"]]
         pending = self._before_setup.pop(id(model), None)
-        if pending is not None:
+        if pending is not None and SHARDED in pending:  # each rank reads its own slices
+            _shard_files.load(pending[SHARDED], model, optimizer)
+        elif pending is not None:
             _fsdp_state.load_full_model_state(model, pending)
         saved = self._before_setup.pop(id(optimizer), None)
         if saved is not None:

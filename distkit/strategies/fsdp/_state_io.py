@@ -16,6 +16,9 @@ from distkit.strategies.capabilities import StateIO
 from distkit.strategies.fsdp import _meta
 from distkit.strategies.fsdp import _state as _fsdp_state
 
+#: the key under which a sharded checkpoint's payload waits for a meta model's set-up
+SHARDED = "sharded checkpoint"
+
 if TYPE_CHECKING:
     from distkit.strategies.fsdp import FSDPStrategy
 
@@ -54,6 +57,15 @@ class FSDPStateIO(StateIO):
             self.strategy._before_setup[id(model)] = state
             return
         _fsdp_state.load_full_model_state(model, state)
+
+    @override
+    def load_sharded(
+        self, payload: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> None:
+        if _meta.on_meta(model):  # each rank reads its slices once they exist: at the set-up
+            self.strategy._before_setup[id(model)] = {SHARDED: payload}
+            return
+        super().load_sharded(payload, model, optimizer)
 
     @override
     def load_optimizer_state_dict(
