@@ -31,6 +31,9 @@ from distkit.errors import CheckpointError
 KEY = "shards"
 #: the payload key of ``{shard file name: digest}`` (checked by distkit.checkpoint.load)
 DIGESTS = "shard_digests"
+#: the payload key marking a shards folder of DeepSpeed's own format (``DeepSpeedStrategy(
+#: checkpoint="sharded")``), which torch.distributed.checkpoint cannot read
+DEEPSPEED = "deepspeed_shards"
 _FOLDER = re.compile(r"(?P<file>.+)\.(?P<token>[0-9a-f]{12})\.shards")
 
 
@@ -106,10 +109,26 @@ def _meta(value: Any) -> Any:
     return value
 
 
+def refuse_deepspeed(payload: dict[str, Any]) -> None:
+    """Raise where ``payload``'s shards are DeepSpeed's own: only its engine reads them."""
+    mark = payload.get(DEEPSPEED)
+    if mark:
+        raise CheckpointError(
+            "this checkpoint holds DeepSpeed's own sharded state, written by "
+            f"DeepSpeedStrategy(stage={mark['stage']}, checkpoint='sharded') at world size "
+            f"{mark['world_size']}, and only DeepSpeed reads it back, there. Resume it there; "
+            "or turn it into full weights with the zero_to_fp32.py DeepSpeed put in its shards "
+            "folder; or save with checkpoint='full' (the default), which resumes under any "
+            "backend and world size"
+        )
+
+
 def load(payload: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Read the shards of ``payload`` (loaded by :func:`distkit.checkpoint.load`) into the
     model's and the optimizer's own tensors, whatever their layout now."""
     import torch.distributed.checkpoint as dcp
+
+    refuse_deepspeed(payload)
 
     stub = payload.get("optimizer") or {"state": {}, "param_groups": []}
     params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -141,6 +160,8 @@ def read_full(payload: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] |
     plain CPU tensors in torch's ``state_dict`` forms (for a backend that loads full state;
     every rank reads all of it)."""
     import torch.distributed.checkpoint as dcp
+
+    refuse_deepspeed(payload)
 
     def blank(stub: Any) -> Any:
         if isinstance(stub, torch.Tensor):

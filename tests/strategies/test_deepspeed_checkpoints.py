@@ -7,6 +7,7 @@ alone would be overwritten at the next step, silently."""
 from __future__ import annotations
 
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -65,10 +66,11 @@ def load_after_setup(path: str, stage: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("stage", [2, 3])
 def test_an_fsdp_sharded_checkpoint_resumes_under_deepspeed_before_and_after_setup(
-    run_on_ranks, tmp_path, stage
+    run_on_ranks, tmp_path
 ):
+    """At stage 3 (stage 2 takes the same path, without the partitioned shapes)."""
+    stage = 3
     whole = run_on_ranks(fit, "ddp", 8, None, world_size=1)[0]
     folder = tmp_path / "ckpt"
     run_on_ranks(partial(fit, max_steps=5, checkpoint_every=5), "fsdp-sharded", 4, str(folder),
@@ -82,3 +84,75 @@ def test_an_fsdp_sharded_checkpoint_resumes_under_deepspeed_before_and_after_set
         for rank in runs:
             assert rank["steps"] == whole["steps"], name
             assert max_abs_diff(rank["state"], whole["state"]) <= TOL, name
+
+
+# ------------------------------------------------- DeepSpeedStrategy(checkpoint="sharded")
+def _native(stage: int) -> distkit.DeepSpeedStrategy:
+    return distkit.DeepSpeedStrategy(stage=stage, config=SMALL, checkpoint="sharded")
+
+
+def native_fit(stage: int, folder: str | None, **settings: Any) -> dict:
+    trainer = distkit.Trainer(_native(stage), batch_size=4, max_epochs=2, seed=11,
+                              progress=False, checkpoint_dir=folder, **settings)  # fmt: skip
+    net, optimizer = _net()
+    trainer.fit(net, optimizer, make_dataset(64), loss_fn=nn.functional.cross_entropy)
+    out = {"state": trainer.full_state_dict(), "steps": trainer.global_step}
+    trainer.close()
+    return out
+
+
+def native_load_after_setup(path: str, stage: int) -> dict:
+    trainer = distkit.Trainer(_native(stage), batch_size=4, max_epochs=2, seed=11,
+                              progress=False, max_steps=2)  # fmt: skip
+    net, optimizer = _net()
+    data = make_dataset(64)
+    trainer.fit(net, optimizer, data, loss_fn=nn.functional.cross_entropy)
+    trainer.load_checkpoint(path)
+    trainer.max_steps = None
+    trainer.fit(net, optimizer, data, loss_fn=nn.functional.cross_entropy)
+    out = {"state": trainer.full_state_dict(), "steps": trainer.global_step}
+    trainer.close()
+    return out
+
+
+def _refusal(strategy: Any, path: str) -> str:
+    try:
+        fit(strategy, 4, None, resume=path) if isinstance(strategy, str) else native_fit(
+            strategy, None, resume=path
+        )
+    except distkit.errors.CheckpointError as exc:
+        return str(exc)
+    return "resumed"
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeeds_own_sharded_checkpoint_resumes_exactly_at_its_stage_and_world_size(
+    run_on_ranks, tmp_path, stage
+):
+    """Each rank writes its own partitions (DeepSpeed's save_checkpoint); the file holds no
+    weights. Resumed by resume= and by load_checkpoint after a fit, it ends where an
+    uninterrupted run ends; anywhere DeepSpeed cannot read it, it is refused up front."""
+    whole = run_on_ranks(fit, "ddp", 8, None, world_size=1)[0]
+    folder = tmp_path / "ckpt"
+    run_on_ranks(partial(native_fit, max_steps=5, checkpoint_every=5), stage, str(folder),
+                 world_size=2)  # fmt: skip
+    saved = ckpt.CheckpointFolder(folder).latest()
+    assert saved is not None
+    payload = ckpt.load(saved)  # its digests verified every rank's files
+    assert all(t.device.type == "meta" for t in payload["model"].values())  # no data
+    assert payload["model"]["0.weight"].shape == (16, 6)  # full shapes, even at stage 3
+    files = [p.name for p in Path(payload["shards"]).rglob("*") if p.is_file()]
+    assert sum("zero_pp_rank_0_" in f for f in files) == sum("zero_pp_rank_1_" in f for f in files)
+    assert any("zero_pp_rank_1_" in f for f in files)  # each rank its own partitions
+    resumed = run_on_ranks(partial(native_fit, resume=str(saved)), stage, None, world_size=2)
+    loaded = run_on_ranks(native_load_after_setup, str(saved), stage, world_size=2)
+    for name, runs in (("resumed", resumed), ("loaded after set-up", loaded)):
+        for rank in runs:
+            assert rank["steps"] == whole["steps"], name
+            assert max_abs_diff(rank["state"], whole["state"]) <= TOL, name
+    other_stage = 5 - stage  # 2 <-> 3
+    for strategy, world in (("ddp", 2), (stage, 1), (other_stage, 2)):
+        messages = run_on_ranks(_refusal, strategy, str(saved), world_size=world)
+        for message in messages:
+            assert "DeepSpeed's own sharded state" in message, message
+            assert "zero_to_fp32.py" in message and "checkpoint='full'" in message, message

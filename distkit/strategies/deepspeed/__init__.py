@@ -28,7 +28,7 @@ from distkit.strategies._graph import graph_leaves
 from distkit.strategies._steps import GradientClip, StepOutcome
 from distkit.strategies.base import Strategy, Topology
 from distkit.strategies.capabilities import StateIO
-from distkit.strategies.deepspeed import _doctor, _meta
+from distkit.strategies.deepspeed import _doctor, _meta, _shards
 from distkit.strategies.deepspeed._config import engine_config, resolve_stage
 from distkit.strategies.deepspeed._state import DeepSpeedStateIO, Engine, load_into_engine
 from distkit.strategies.precision import Precision
@@ -48,6 +48,7 @@ CROSSING = (
 )
 
 
+CHECKPOINTS = ("full", "sharded")
 STAGES_NEED_VALUES = (
     "ZeRO stages 1 and 2 keep the whole model on every rank: use DeepSpeedStrategy(stage=3), "
     "which partitions a meta model module by module"
@@ -71,6 +72,11 @@ class DeepSpeedStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
             keys, ``communication_data_type``, ...). The keys distkit sets from the Trainer
             or Runtime (batch sizes, accumulation, clipping, precision, optimizer, scheduler)
             are refused there, naming the distkit argument instead.
+        checkpoint: ``"full"`` (default): checkpoints hold the full weights and optimizer
+            state in torch's form, which every strategy resumes at any world size;
+            ``"sharded"``: each rank writes its own ZeRO partitions with DeepSpeed's
+            ``save_checkpoint`` to a folder beside the checkpoint file, and no rank gathers
+            the model; DeepSpeed reads it back at the same stage and world size only.
         backend: torch.distributed backend; None picks nccl on CUDA and gloo on CPU.
         timeout: how long a collective may wait for the other ranks (seconds or timedelta).
     """
@@ -107,6 +113,7 @@ class DeepSpeedStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         *,
         stage: int | None = None,
         config: Mapping[str, Any] | None = None,
+        checkpoint: str = "full",
         backend: str | None = None,
         timeout: timedelta | float | None = None,
     ) -> None:
@@ -116,6 +123,13 @@ class DeepSpeedStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
                 f"DeepSpeedStrategy(config={type(config).__name__}); allowed: a dict (a "
                 "DeepSpeed config; read a JSON file with json.load first) or None"
             )
+        if checkpoint not in CHECKPOINTS:
+            raise ConfigurationError(
+                f"DeepSpeedStrategy(checkpoint={checkpoint!r}); allowed: "
+                f"{', '.join(map(repr, CHECKPOINTS))} ('sharded': DeepSpeed's own folder of "
+                "partitions, for models whose full state does not fit one process)"
+            )
+        self.checkpoint = checkpoint
         zero = (config or {}).get("zero_optimization") or {}
         self.stage = resolve_stage(stage, zero.get("stage"))
         self.config = dict(config or {})
@@ -135,7 +149,7 @@ class DeepSpeedStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
     @override
     def agreed_options(self) -> str:
         config = json.dumps(self.config, sort_keys=True, default=repr)
-        return f"stage={self.stage}, config={config}"
+        return f"stage={self.stage}, checkpoint={self.checkpoint}, config={config}"
 
     # ------------------------------------------------------------------ lifecycle
     @override
@@ -210,7 +224,9 @@ class DeepSpeedStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         for key in (id(model), id(optimizer), id(engine)):
             self._engines[key] = record
         weights = self._before_setup.pop(id(model), None)
-        if weights is not None:
+        if weights is not None and _shards.MARK in weights:  # DeepSpeed's own folder
+            _shards.load(engine, weights)
+        elif weights is not None:
             DeepSpeedStateIO(self).load_model_state_dict(model, weights)
         if saved is not None:
             load_into_engine(record, saved)

@@ -15,6 +15,7 @@ made them, which the full tensors then overwrite.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,6 +24,7 @@ from typing_extensions import override
 
 from distkit.strategies import _meta_init
 from distkit.strategies.capabilities import StateIO
+from distkit.strategies.deepspeed import _shards
 
 if TYPE_CHECKING:
     from distkit.strategies.deepspeed import DeepSpeedStrategy
@@ -180,9 +182,26 @@ class DeepSpeedStateIO(StateIO):
         return [list(group) for group in engine.groups]  # ZeRO re-pointed it at partitions
 
     @override
+    def checkpoint_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, path: Path
+    ) -> dict[str, Any]:
+        record = self.strategy.engine_of_model(model)
+        if self.strategy.checkpoint == "full" or record is None:
+            return super().checkpoint_state(model, optimizer, path)
+        return _shards.save(self.strategy, record.engine, model, path)
+
+    @override
     def load_sharded(
         self, payload: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer
     ) -> None:
+        if _shards.MARK in payload:  # DeepSpeed's own folder: its engine reads it
+            _shards.check_loadable(payload, self.strategy.stage, self.strategy.world_size)
+            record = self.strategy.engine_of_model(model)
+            if record is None:  # at the set-up, once the engine exists
+                self.strategy._before_setup[id(model)] = payload
+            else:
+                _shards.load(record.engine, payload)
+            return
         if self.strategy.engine_of_model(model) is None and not _meta_init.on_meta(model):
             super().load_sharded(payload, model, optimizer)  # plain tensors: taken at set-up
             return
