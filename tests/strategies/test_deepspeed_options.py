@@ -30,6 +30,9 @@ def test_deepspeed_config_keys_distkit_sets_are_refused_naming_the_distkit_argum
         distkit.DeepSpeedStrategy(config="ds.json")
     assert distkit.DeepSpeedStrategy(config={"zero_optimization": {"stage": 3}}).stage == 3
     assert distkit.DeepSpeedStrategy().stage == 2
+    with pytest.raises(ConfigurationError, match=r"checkpoint='dcp'.*'full', 'sharded'"):
+        distkit.DeepSpeedStrategy(checkpoint="dcp")
+    assert "checkpoint=sharded" in distkit.DeepSpeedStrategy(checkpoint="sharded").agreed_options()
 
 
 def test_deepspeed_engine_config_keeps_the_users_keys_and_sets_distkits():
