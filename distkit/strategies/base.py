@@ -390,6 +390,14 @@ class Strategy(Collectives, ABC):
         """Backpropagate ``loss`` (scaled for fp16)."""
         self.precision.scale(loss).backward()
 
+    def check_step_settings(
+        self, *, before_step: bool, clip: GradientClip | None, skip_nonfinite: bool
+    ) -> None:
+        """Refuse, before anything is set up, step settings this backend cannot honour: a
+        callback's ``before_step`` hook, ``clip``, ``nonfinite="skip"`` (a fit calls it on
+        every rank with its own settings; :meth:`step` later gets the same). Default: every
+        setting is honoured."""
+
     def step(
         self,
         optimizer: torch.optim.Optimizer,

@@ -128,6 +128,12 @@ def prepare_fit(
             found, model, optimizer, samples_of(spec), epoch_samples, io=strategy.state_io
         )
     callbacks.validate(owner)
+    # what the backend cannot do with these settings, refused before anything is set up
+    strategy.check_step_settings(
+        before_step=bool(callbacks.overriding("on_before_optimizer_step")),
+        clip=config.clip,
+        skip_nonfinite=config.nonfinite == "skip",
+    )
     agreed = {
         "resume from": "no checkpoint" if found is None else found.label,
         "train_data samples": describe_data(spec),

@@ -166,6 +166,38 @@ def test_deepspeed_refuses_what_its_engine_cannot_do_naming_the_way_out(run_on_r
     assert isinstance(error, UnsupportedFeatureError) and words in str(error), error
 
 
+class _Reads(distkit.Callback):
+    def on_before_optimizer_step(self, trainer: Any, optimizer: Any) -> None:
+        pass
+
+
+def _refused_before_setup(body: str) -> tuple[str, bool]:
+    """The fit's settings DeepSpeed cannot honour are refused before its engine exists."""
+    settings: dict[str, Any] = {"skip": {"nonfinite": "skip"},
+                                "value": {"gradient_clip_value": 0.1},
+                                "callback": {"callbacks": [_Reads()]}}[body]  # fmt: skip
+    strategy = distkit.DeepSpeedStrategy(stage=2)
+    model = make_mlp()
+    with distkit.Trainer(strategy, batch_size=4, progress=False, **settings) as trainer:
+        try:
+            trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), make_dataset(8),
+                        loss_fn=nn.functional.cross_entropy)  # fmt: skip
+        except UnsupportedFeatureError as exc:
+            return str(exc), strategy.engine_of_model(model) is not None
+    return "trained", True
+
+
+@pytest.mark.parametrize(
+    ("body", "words"),
+    [("callback", "on_before_optimizer_step"), ("skip", "nonfinite='raise'"),
+     ("value", "norm only")],
+)  # fmt: skip
+def test_deepspeed_refuses_step_settings_before_its_engine_is_set_up(run_on_ranks, body, words):
+    ((message, set_up),) = run_on_ranks(_refused_before_setup, body, world_size=1)
+    assert words in message, message
+    assert not set_up  # nothing was built, no forward ran
+
+
 def _catch(body: str) -> BaseException | None:
     try:
         _refused(body)
@@ -253,3 +285,26 @@ def _fit_rank_dependent_stage() -> str:
 def test_ranks_that_disagree_on_the_stage_fail_at_once_saying_so(run_on_ranks):
     for message in run_on_ranks(_fit_rank_dependent_stage, world_size=2):
         assert "stage=1" in message and "stage=2" in message, message
+
+
+def _unrelated_error() -> BaseException | None:
+    """Two engines, a loss through one only, and an error of its own (a non-scalar loss)."""
+    with distkit.Runtime(distkit.DeepSpeedStrategy(stage=2), seed=0) as rt:
+        gen = nn.Linear(4, 6)
+        sgd = torch.optim.SGD(gen.parameters(), lr=0.1)
+        gen, _ = rt.setup(gen, sgd)
+        disc = nn.Linear(6, 1)
+        rt.setup(disc, torch.optim.SGD(disc.parameters(), lr=0.1))
+        try:  # the strategy's own backward: rt.backward refuses such a loss before it
+            rt.strategy.backward(gen(torch.randn(8, 4)), sgd)  # 8 x 6: no implicit grad
+        except Exception as exc:  # returned to the test
+            return exc
+        return None
+
+
+def test_deepspeed_keeps_an_unrelated_backward_error_as_it_is(run_on_ranks):
+    """The two-engines explanation is given only where another engine ran a forward the
+    loss could have gone through."""
+    (error,) = run_on_ranks(_unrelated_error, world_size=1)
+    assert error is not None and not isinstance(error, UnsupportedFeatureError), error
+    assert "two models" not in str(error) and "scalar" in str(error), error  # DeepSpeed's own

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import sys
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
@@ -28,7 +27,7 @@ from distkit.strategies._graph import graph_leaves
 from distkit.strategies._steps import GradientClip, StepOutcome
 from distkit.strategies.base import Strategy, Topology
 from distkit.strategies.capabilities import StateIO
-from distkit.strategies.deepspeed import _doctor, _meta, _shards
+from distkit.strategies.deepspeed import _doctor, _lifecycle, _meta, _shards, _steps
 from distkit.strategies.deepspeed._config import engine_config, resolve_stage
 from distkit.strategies.deepspeed._state import DeepSpeedStateIO, Engine, load_into_engine
 from distkit.strategies.precision import Precision
@@ -36,15 +35,6 @@ from distkit.strategies.precision import Precision
 HINT = (
     "Install it after the pinned torch: `pip install 'distkit[deepspeed]'` (or `pip install "
     "deepspeed`; installed before torch, pip may pull a CUDA build of torch)"
-)
-
-
-CROSSING = (
-    "under strategy='deepspeed' this loss runs through two models (each has its own "
-    "DeepSpeed engine, whose hooks reduce its gradients only inside its own backward; DeepSpeed "
-    "runs them for any loss through its forward): a GAN's generator loss through the "
-    "discriminator, say. Train one model per loss (detach its input to the other model), or "
-    "use strategy='ddp' or 'fsdp' for such loops"
 )
 
 
@@ -187,7 +177,7 @@ class DeepSpeedStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         self._engines.clear()
         self._before_setup.clear()
         if self._owns_group:  # the world goes: DeepSpeed's clones of it with it
-            _forget_groups()
+            _lifecycle.forget_groups()
         self._leave_group()
         if self._set_local_rank:
             os.environ.pop("LOCAL_RANK", None)
@@ -205,7 +195,7 @@ class DeepSpeedStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
                 "DeepSpeed gives each model its own engine and optimizer"
             )
         deepspeed = require("deepspeed", feature="strategy='deepspeed'", hint=HINT)
-        _skip_inference_op_build()
+        _lifecycle.skip_inference_op_build()
         meta = _meta_init.on_meta(model)
         # a checkpoint loaded before the set-up (a resumed fit) is in torch's form, keyed by
         # the user's parameters: ZeRO re-binds the optimizer to its flat partitions (a meta
@@ -277,20 +267,26 @@ class DeepSpeedStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
     def backward(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
         engine = self._engine(optimizer)
         records = self._records()
+        mine = self._engines[id(optimizer)]
         if len(records) == 1:
             # distkit already weighted the loss by the micro-batch's share of the step
             engine.backward(loss, scale_wrt_gas=False)
+            mine.forwarded = False
             return
         reached = graph_leaves(loss)
-        for record in records:
-            if record.engine is not engine and any(id(p) in reached for p in record.params()):
-                raise UnsupportedFeatureError(CROSSING)
+        others = [record for record in records if record is not mine]
+        if any(id(p) in reached for record in others for p in record.params()):
+            raise UnsupportedFeatureError(_steps.CROSSING)
         try:
             engine.backward(loss, scale_wrt_gas=False)
         except (IndexError, AssertionError, RuntimeError) as exc:
+            if not any(record.forwarded for record in others):
+                raise  # no other engine ran a forward this loss could have gone through
             # another engine's backward hook ran inside this one (the loss went through its
             # forward with its parameters frozen): DeepSpeed's state is no longer sound
-            raise UnsupportedFeatureError(f"{CROSSING} ({type(exc).__name__}: {exc})") from exc
+            why = f"{_steps.CROSSING} ({type(exc).__name__}: {exc})"
+            raise UnsupportedFeatureError(why) from exc
+        mine.forwarded = False
 
     @override
     def optimizer_step(
@@ -305,6 +301,19 @@ class DeepSpeedStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         return contextlib.nullcontext()
 
     @override
+    def check_step_settings(
+        self, *, before_step: bool, clip: GradientClip | None, skip_nonfinite: bool
+    ) -> None:
+        why = _steps.refusal(
+            before_step=before_step,
+            clip=clip,
+            skip_nonfinite=skip_nonfinite,
+            precision=self.options.precision,
+        )
+        if why is not None:
+            raise UnsupportedFeatureError(why)
+
+    @override
     def step(
         self,
         optimizer: torch.optim.Optimizer,
@@ -314,26 +323,10 @@ class DeepSpeedStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         before_step: Callable[[], None] | None = None,
     ) -> tuple[StepOutcome, torch.Tensor | None]:
         engine = self._engine(optimizer)
-        if before_step is not None:
-            raise UnsupportedFeatureError(
-                "strategy='deepspeed' reduces, clips and applies the gradients in one call "
-                "(engine.step()), so nothing can read or change them in between: a "
-                "callback's on_before_optimizer_step and token-exact losses (distkit.Loss, "
-                "rt.backward(total, count=...)) need that. Use a mean loss and no such "
-                "callback, or strategy='fsdp' (sharded too) or 'ddp'"
-            )
-        if skip_nonfinite and not self.options.precision == "fp16":
-            raise UnsupportedFeatureError(
-                "nonfinite='skip' with strategy='deepspeed': DeepSpeed checks for overflow "
-                "only with fp16 (its loss scaler skips such steps). Use nonfinite='raise' "
-                "(the default: a non-finite loss stops training at the next check point)"
-            )
-        if clip is not None and clip.max_value is not None:
-            raise UnsupportedFeatureError(
-                "strategy='deepspeed' clips by norm only (its gradient_clipping, across the "
-                "shards): use gradient_clip_norm=... / max_norm=..., not value clipping"
-            )
-        _set_clip(engine, clip.max_norm if clip is not None else None)
+        self.check_step_settings(
+            before_step=before_step is not None, clip=clip, skip_nonfinite=skip_nonfinite
+        )
+        _steps.set_clip(engine, clip.max_norm if clip is not None else None)
         skipped = engine.skipped_steps
         engine.step()
         stepped = engine.skipped_steps == skipped  # fp16: DeepSpeed's scaler skipped it
@@ -364,31 +357,3 @@ class DeepSpeedStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
     @override
     def state_io(self) -> StateIO:
         return DeepSpeedStateIO(self)
-
-
-def _set_clip(engine: Any, max_norm: float | None) -> None:
-    """This step's clipping norm (0: none). DeepSpeed reads it from its config at set-up;
-    its ZeRO optimizer keeps it as ``clip_grad`` and reads that at each step."""
-    value = float(max_norm or 0.0)
-    engine._config.gradient_clipping = value
-    engine.optimizer.clip_grad = value
-
-
-def _forget_groups() -> None:
-    """Drop DeepSpeed's module-level references to the process groups it cloned from the
-    world distkit is about to destroy: a later strategy in this process (a second Trainer)
-    joins a new world, and DeepSpeed would reach for the dead groups."""
-    groups = sys.modules.get("deepspeed.utils.groups")
-    release = getattr(groups, "_release_process_group_references", None)
-    if callable(release):
-        release(group=None)
-
-
-def _skip_inference_op_build() -> None:
-    """DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op (``deepspeed_shm_comm``,
-    for inference) at the first ``initialize``: 90-130 s of g++ on two cores, and an error
-    without a compiler. Training never uses it: mark it incompatible so it is not built."""
-    import deepspeed.ops
-
-    with contextlib.suppress(Exception):  # a DeepSpeed without the table builds it as before
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False

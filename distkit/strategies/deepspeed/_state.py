@@ -38,6 +38,13 @@ class Engine:
         self.engine = engine
         self.groups = groups
         self.stage = stage
+        #: whether its module ran a forward since its own last backward (a loss through it
+        #: may then be another engine's: DeepSpeed runs its hooks in any backward)
+        self.forwarded = False
+        engine.module.register_forward_pre_hook(self._ran)
+
+    def _ran(self, *_: Any) -> None:
+        self.forwarded = True
 
     @property
     def zero(self) -> Any:
