@@ -64,6 +64,35 @@ def test_host_syncs_token_exact_losses_with_device_counts_add_none(run_on_ranks,
         assert any("_call_tags.py" in read for read in spans[0])  # the first step's
 
 
+#: DeepSpeed's own reads in its steady step (deepspeed 0.19.8, CPU): its check of the gradient
+#: norm (``is_invalid_grad_norm``), and at stage 3 also the ranks' agreement on the parameters
+#: it gathers (``assert_ints_same_as_other_ranks``)
+DEEPSPEED_OWN = {2: ("runtime/utils.py",), 3: ("runtime/utils.py", "runtime/zero/utils.py")}
+
+
+@needs("deepspeed")
+@pytest.mark.parametrize("stage", [2, 3])
+def test_host_syncs_deepspeed_adds_none_of_distkits_own(run_on_ranks, stage):
+    """distkit's side of a deepspeed step (its loss weighting, the clip it sets and the norm
+    it returns) reads nothing between log points; what DeepSpeed's engine reads itself is
+    listed (DEEPSPEED_OWN), so a new read on either side fails here."""
+    strategy = distkit.DeepSpeedStrategy(
+        stage=stage, config={"zero_optimization": {"stage3_param_persistence_threshold": 0}}
+    )
+    body = functools.partial(syncs_per_step, strategy, log_every_n_steps=LOG_EVERY,
+                             gradient_clip_norm=1.0)  # fmt: skip
+    for spans in run_on_ranks(body, world_size=2):
+        assert len(spans) == STEPS + 1
+        steady = [read for reads in steady_syncs(spans, LOG_EVERY).values() for read in reads]
+        assert steady  # the counter sees DeepSpeed's own
+        theirs = [r for r in steady if "/deepspeed/" in r]
+        assert theirs == steady, [r for r in steady if r not in theirs]  # none of distkit's
+        unknown = [
+            r for r in theirs if not any(f"deepspeed/{f}:" in r for f in DEEPSPEED_OWN[stage])
+        ]
+        assert not unknown, unknown
+
+
 @needs("horovod")
 def test_host_syncs_horovod_has_none_between_log_points(tmp_path):
     calls = [
