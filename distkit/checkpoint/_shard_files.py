@@ -126,7 +126,6 @@ def refuse_deepspeed(payload: dict[str, Any]) -> None:
 def load(payload: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Read the shards of ``payload`` (loaded by :func:`distkit.checkpoint.load`) into the
     model's and the optimizer's own tensors, whatever their layout now."""
-    import torch.distributed.checkpoint as dcp
 
     refuse_deepspeed(payload)
 
@@ -138,18 +137,7 @@ def load(payload: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optim
     }
     saved = payload["model"]
     model_state = {key: value for key, value in model.state_dict().items() if key in saved}
-    tensors = {
-        "model": model_state,
-        "optimizer": {
-            str(index): {k: v for k, v in entries.items() if isinstance(v, torch.Tensor)}
-            for index, entries in optim_state.items()
-        },
-    }
-    with warnings.catch_warnings():
-        # no_dist: each rank reads its own slices, so loading is no collective (torch warns
-        # that it assumes a single process: it reads only what this process holds)
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load(tensors, checkpoint_id=payload[KEY], no_dist=True)
+    _read_into(payload[KEY], model_state, optim_state)
     model.load_state_dict(model_state, strict=False)  # state_dict tensors may be copies
     if stub["param_groups"]:
         optimizer.load_state_dict({"state": optim_state, "param_groups": stub["param_groups"]})
@@ -159,7 +147,6 @@ def read_full(payload: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] |
     """The model's and the optimizer's state of ``payload`` read whole from its shards, as
     plain CPU tensors in torch's ``state_dict`` forms (for a backend that loads full state;
     every rank reads all of it)."""
-    import torch.distributed.checkpoint as dcp
 
     refuse_deepspeed(payload)
 
@@ -178,18 +165,30 @@ def read_full(payload: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] |
         if stub
         else {}
     )
+    _read_into(payload[KEY], model_state, state)
+    optimizer = {"state": state, "param_groups": stub["param_groups"]} if stub else None
+    return model_state, optimizer
+
+
+def _read_into(
+    folder: str, model_state: dict[str, Any], optim_state: dict[Any, dict[str, Any]]
+) -> None:
+    """Fill the tensors of ``model_state`` and ``optim_state`` (by parameter index) from the
+    shards in ``folder``, each as it is laid out (a DTensor: this rank's slices only)."""
+    import torch.distributed.checkpoint as dcp
+
     tensors = {
         "model": {k: v for k, v in model_state.items() if isinstance(v, torch.Tensor)},
         "optimizer": {
             str(index): {k: v for k, v in entries.items() if isinstance(v, torch.Tensor)}
-            for index, entries in state.items()
+            for index, entries in optim_state.items()
         },
     }
     with warnings.catch_warnings():
+        # no_dist: each rank reads its own slices, so loading is no collective (torch warns
+        # that it assumes a single process: it reads only what this process holds)
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load(tensors, checkpoint_id=payload[KEY], no_dist=True)
-    optimizer = {"state": state, "param_groups": stub["param_groups"]} if stub else None
-    return model_state, optimizer
+        dcp.load(tensors, checkpoint_id=folder, no_dist=True)
 
 
 def _target(stub: Any, param: torch.Tensor) -> Any:

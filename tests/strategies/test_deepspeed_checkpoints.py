@@ -26,12 +26,8 @@ TOL = 1e-5
 SMALL = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
 
 
-def _strategy(name: str, stage: int) -> Any:
-    if name == "deepspeed":
-        return distkit.DeepSpeedStrategy(stage=stage, config=SMALL)
-    if name == "fsdp-sharded":
-        return distkit.FSDPStrategy(checkpoint="sharded")
-    return name
+def deepspeed(stage: int = 3, checkpoint: str = "full") -> distkit.DeepSpeedStrategy:
+    return distkit.DeepSpeedStrategy(stage=stage, config=SMALL, checkpoint=checkpoint)
 
 
 def _net() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -40,26 +36,20 @@ def _net() -> tuple[nn.Module, torch.optim.Optimizer]:
     return net, torch.optim.Adam(net.parameters(), lr=0.01)
 
 
-def fit(name: str, batch: int, folder: str | None, *, stage: int = 3, **settings: Any) -> dict:
-    trainer = distkit.Trainer(_strategy(name, stage), batch_size=batch, max_epochs=2, seed=11,
-                              progress=False, checkpoint_dir=folder, **settings)  # fmt: skip
-    net, optimizer = _net()
-    trainer.fit(net, optimizer, make_dataset(64), loss_fn=nn.functional.cross_entropy)
-    out = {"state": trainer.full_state_dict(), "steps": trainer.global_step}
-    trainer.close()
-    return out
-
-
-def load_after_setup(path: str, stage: int) -> dict:
-    """Fit 2 steps (other weights, ZeRO's state made), load the checkpoint into the set-up
-    engine, then fit to the end."""
-    trainer = distkit.Trainer(_strategy("deepspeed", stage), batch_size=4, max_epochs=2,
-                              seed=11, progress=False, max_steps=2)  # fmt: skip
+def fit(
+    strategy: Any, batch: int, folder: str | None, *, load: str | None = None, **settings: Any
+) -> dict:
+    """2 epochs of 64 samples, Adam; ``load``: first fit 2 steps (other weights, the backend's
+    optimizer state made), load that checkpoint into the set-up objects, then fit to the end."""
+    trainer = distkit.Trainer(strategy, batch_size=batch, max_epochs=2, seed=11, progress=False,
+                              checkpoint_dir=folder, **settings)  # fmt: skip
     net, optimizer = _net()
     data = make_dataset(64)
-    trainer.fit(net, optimizer, data, loss_fn=nn.functional.cross_entropy)
-    trainer.load_checkpoint(path)
-    trainer.max_steps = None
+    if load is not None:
+        trainer.max_steps = 2
+        trainer.fit(net, optimizer, data, loss_fn=nn.functional.cross_entropy)
+        trainer.load_checkpoint(load)
+        trainer.max_steps = settings.get("max_steps")
     trainer.fit(net, optimizer, data, loss_fn=nn.functional.cross_entropy)
     out = {"state": trainer.full_state_dict(), "steps": trainer.global_step}
     trainer.close()
@@ -73,13 +63,14 @@ def test_an_fsdp_sharded_checkpoint_resumes_under_deepspeed_before_and_after_set
     stage = 3
     whole = run_on_ranks(fit, "ddp", 8, None, world_size=1)[0]
     folder = tmp_path / "ckpt"
-    run_on_ranks(partial(fit, max_steps=5, checkpoint_every=5), "fsdp-sharded", 4, str(folder),
+    sharded = distkit.FSDPStrategy(checkpoint="sharded")
+    run_on_ranks(partial(fit, max_steps=5, checkpoint_every=5), sharded, 4, str(folder),
                  world_size=2)  # fmt: skip
     saved = ckpt.CheckpointFolder(folder).latest()
     assert saved is not None and "shards" in ckpt.load(saved)
-    resumed = run_on_ranks(partial(fit, stage=stage, resume=str(saved)), "deepspeed", 4, None,
+    resumed = run_on_ranks(partial(fit, resume=str(saved)), deepspeed(stage), 4, None,
                            world_size=2)  # fmt: skip
-    loaded = run_on_ranks(load_after_setup, str(saved), stage, world_size=2)
+    loaded = run_on_ranks(partial(fit, load=str(saved)), deepspeed(stage), 4, None, world_size=2)
     for name, runs in (("resumed", resumed), ("loaded after set-up", loaded)):
         for rank in runs:
             assert rank["steps"] == whole["steps"], name
@@ -87,39 +78,9 @@ def test_an_fsdp_sharded_checkpoint_resumes_under_deepspeed_before_and_after_set
 
 
 # ------------------------------------------------- DeepSpeedStrategy(checkpoint="sharded")
-def _native(stage: int) -> distkit.DeepSpeedStrategy:
-    return distkit.DeepSpeedStrategy(stage=stage, config=SMALL, checkpoint="sharded")
-
-
-def native_fit(stage: int, folder: str | None, **settings: Any) -> dict:
-    trainer = distkit.Trainer(_native(stage), batch_size=4, max_epochs=2, seed=11,
-                              progress=False, checkpoint_dir=folder, **settings)  # fmt: skip
-    net, optimizer = _net()
-    trainer.fit(net, optimizer, make_dataset(64), loss_fn=nn.functional.cross_entropy)
-    out = {"state": trainer.full_state_dict(), "steps": trainer.global_step}
-    trainer.close()
-    return out
-
-
-def native_load_after_setup(path: str, stage: int) -> dict:
-    trainer = distkit.Trainer(_native(stage), batch_size=4, max_epochs=2, seed=11,
-                              progress=False, max_steps=2)  # fmt: skip
-    net, optimizer = _net()
-    data = make_dataset(64)
-    trainer.fit(net, optimizer, data, loss_fn=nn.functional.cross_entropy)
-    trainer.load_checkpoint(path)
-    trainer.max_steps = None
-    trainer.fit(net, optimizer, data, loss_fn=nn.functional.cross_entropy)
-    out = {"state": trainer.full_state_dict(), "steps": trainer.global_step}
-    trainer.close()
-    return out
-
-
 def _refusal(strategy: Any, path: str) -> str:
     try:
-        fit(strategy, 4, None, resume=path) if isinstance(strategy, str) else native_fit(
-            strategy, None, resume=path
-        )
+        fit(strategy, 4, None, resume=path)
     except distkit.errors.CheckpointError as exc:
         return str(exc)
     return "resumed"
@@ -134,7 +95,8 @@ def test_deepspeeds_own_sharded_checkpoint_resumes_exactly_at_its_stage_and_worl
     uninterrupted run ends; anywhere DeepSpeed cannot read it, it is refused up front."""
     whole = run_on_ranks(fit, "ddp", 8, None, world_size=1)[0]
     folder = tmp_path / "ckpt"
-    run_on_ranks(partial(native_fit, max_steps=5, checkpoint_every=5), stage, str(folder),
+    native = deepspeed(stage, checkpoint="sharded")
+    run_on_ranks(partial(fit, max_steps=5, checkpoint_every=5), native, 4, str(folder),
                  world_size=2)  # fmt: skip
     saved = ckpt.CheckpointFolder(folder).latest()
     assert saved is not None
@@ -144,14 +106,15 @@ def test_deepspeeds_own_sharded_checkpoint_resumes_exactly_at_its_stage_and_worl
     files = [p.name for p in Path(payload["shards"]).rglob("*") if p.is_file()]
     assert sum("zero_pp_rank_0_" in f for f in files) == sum("zero_pp_rank_1_" in f for f in files)
     assert any("zero_pp_rank_1_" in f for f in files)  # each rank its own partitions
-    resumed = run_on_ranks(partial(native_fit, resume=str(saved)), stage, None, world_size=2)
-    loaded = run_on_ranks(native_load_after_setup, str(saved), stage, world_size=2)
+    resumed = run_on_ranks(partial(fit, resume=str(saved)), native, 4, None, world_size=2)
+    loaded = run_on_ranks(partial(fit, load=str(saved)), native, 4, None, world_size=2)
     for name, runs in (("resumed", resumed), ("loaded after set-up", loaded)):
         for rank in runs:
             assert rank["steps"] == whole["steps"], name
             assert max_abs_diff(rank["state"], whole["state"]) <= TOL, name
     other_stage = 5 - stage  # 2 <-> 3
-    for strategy, world in (("ddp", 2), (stage, 1), (other_stage, 2)):
+    elsewhere = (("ddp", 2), (deepspeed(stage, "sharded"), 1), (deepspeed(other_stage), 2))
+    for strategy, world in elsewhere:
         messages = run_on_ranks(_refusal, strategy, str(saved), world_size=world)
         for message in messages:
             assert "DeepSpeed's own sharded state" in message, message

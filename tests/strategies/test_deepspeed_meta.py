@@ -13,9 +13,8 @@ import torch
 from torch import nn
 
 import distkit
-from distkit.errors import ConfigurationError
 from tests.support.gates import needs
-from tests.support.meta_models import Net, build
+from tests.support.meta_models import build, fit_on_meta
 from tests.support.workloads import make_dataset, max_abs_diff
 
 pytestmark = [needs("deepspeed"), pytest.mark.timeout(300)]
@@ -91,18 +90,6 @@ def test_a_meta_model_under_stage_3_resumes_from_a_checkpoint(run_on_ranks, tmp_
                             {k: a["state"][k] for k in weights}) <= 1e-5  # fmt: skip
 
 
-def _refused(stage: int) -> str:
-    with torch.device("meta"):
-        model = Net()
-    try:
-        with distkit.Trainer(_stage(stage), batch_size=4, progress=False) as trainer:
-            trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), make_dataset(8),
-                        loss_fn=nn.functional.cross_entropy)  # fmt: skip
-    except ConfigurationError as exc:
-        return str(exc)
-    return "trained"
-
-
 def test_a_meta_model_under_stages_1_and_2_is_refused_naming_stage_3(run_on_ranks):
-    (message,) = run_on_ranks(_refused, 2, world_size=1)
+    (message,) = run_on_ranks(fit_on_meta, _stage(2), world_size=1)
     assert "meta device" in message and "DeepSpeedStrategy(stage=3)" in message, message

@@ -12,8 +12,7 @@ import torch
 from torch import nn
 
 import distkit
-from distkit.errors import ConfigurationError
-from tests.support.meta_models import Net, NoReset, build
+from tests.support.meta_models import Net, NoReset, build, fit_on_meta
 from tests.support.workloads import make_dataset, max_abs_diff
 
 pytestmark = pytest.mark.timeout(300)
@@ -92,23 +91,11 @@ def test_a_meta_model_resumes_from_a_checkpoint(run_on_ranks, tmp_path, kind):
                             {k: whole["state"][k] for k in params}) <= 1e-5  # fmt: skip
 
 
-def _fit_meta(name: str, make: Any) -> str:
-    with torch.device("meta"):
-        model = make()
-    try:
-        with distkit.Trainer(name, batch_size=4, progress=False) as trainer:
-            trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), make_dataset(8),
-                        loss_fn=nn.functional.cross_entropy)  # fmt: skip
-    except ConfigurationError as exc:
-        return str(exc)
-    return "trained"
-
-
 def test_a_meta_module_without_reset_parameters_is_refused_naming_it(run_on_ranks):
-    (message,) = run_on_ranks(_fit_meta, "fsdp", NoReset, world_size=1)
+    (message,) = run_on_ranks(fit_on_meta, "fsdp", NoReset, world_size=1)
     assert "NoReset holds" in message and "reset_parameters()" in message, message
 
 
 def test_a_meta_model_under_a_backend_that_needs_it_whole_is_refused(run_on_ranks):
-    (message,) = run_on_ranks(_fit_meta, "ddp", Net, world_size=1)
+    (message,) = run_on_ranks(fit_on_meta, "ddp", Net, world_size=1)
     assert "meta device" in message and "strategy='fsdp'" in message, message

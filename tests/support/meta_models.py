@@ -3,10 +3,13 @@ BatchNorm (buffers, an integer one among them) and LayerNorm, built normally or 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 import distkit
+from distkit.errors import ConfigurationError
 from tests.support.workloads import make_dataset
 
 FEATURES = make_dataset(1).tensors[0].shape[1]
@@ -51,3 +54,16 @@ def build(meta: str, batch_norm: bool = True) -> nn.Module:
         with torch.device("meta"):
             return Net(batch_norm)
     return Net(batch_norm)
+
+
+def fit_on_meta(strategy: Any, make: Any = Net) -> str:
+    """Build ``make()`` on meta and fit it: the refusal's message, or ``"trained"``."""
+    with torch.device("meta"):
+        model = make()
+    try:
+        with distkit.Trainer(strategy, batch_size=4, progress=False) as trainer:
+            trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), make_dataset(8),
+                        loss_fn=nn.functional.cross_entropy)  # fmt: skip
+    except ConfigurationError as exc:
+        return str(exc)
+    return "trained"
