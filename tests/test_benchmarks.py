@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -50,14 +51,47 @@ def test_overhead_single_writes_a_positive_ratio(tmp_path: Path) -> None:
         assert entry["steps_timed"] > 0
 
 
-def test_memory_fsdp_halves_the_per_rank_bytes_at_2_processes(tmp_path: Path) -> None:
-    shutil.copy(BENCH / "memory.py", tmp_path / "memory.py")  # writes beside itself
-    proc = run_script(str(tmp_path / "memory.py"), "--width", "64", "--layers", "2")
-    results = json.loads((tmp_path / "results" / "memory.json").read_text())
-    assert results["ddp"]["2"]["vs_1"] == 1.0  # every rank keeps everything
-    assert results["fsdp"]["2"]["vs_1"] == pytest.approx(0.5, abs=0.01)  # step counts stay whole
-    assert results["fsdp"]["1"]["total"] == results["ddp"]["1"]["total"]
-    assert "vs 1 proc" in proc.stdout
+def memory_table(tmp_path: Path, *args: str) -> tuple[dict[str, Any], str]:
+    """benchmarks/memory.py on a tiny model (2 blocks of width 64), with ``args``."""
+    tiny = ["--width", "64", "--layers", "2", "--batch-size", "64"]
+    proc = run_script(str(BENCH / "memory.py"), *tiny, "--results", str(tmp_path), *args)
+    return json.loads((tmp_path / "memory.json").read_text()), proc.stdout
+
+
+def test_memory_fsdp_halves_the_per_rank_state_and_checkpointing_the_activations(
+    tmp_path: Path,
+) -> None:
+    results, stdout = memory_table(
+        tmp_path, "--strategies", "ddp", "fsdp", "hsdp", "--procs", "2", "--checkpointing", "both"
+    )
+    parameters = results["meta"]["parameters"]
+    ddp, fsdp = results["ddp"]["2"], results["fsdp"]["2"]
+    # fp32 Adam: every rank keeps everything (and Adam's step count per tensor)
+    assert ddp["off"]["state"] == pytest.approx(16 * parameters, rel=0.01)
+    assert fsdp["off"]["state"] == pytest.approx(ddp["off"]["state"] / 2, rel=0.01)
+    for runs in (ddp, fsdp):
+        assert runs["on"]["state"] == runs["off"]["state"]  # checkpointing keeps the same state
+        assert runs["on"]["activations"] < runs["off"]["activations"] / 3
+        for entry in runs.values():
+            assert entry["bytes_per_param"] == pytest.approx(entry["theory"]["total"], rel=0.01)
+            assert entry["rss_peak"] >= max(entry["rss_setup"], entry["rss_training"]) > 0
+    assert fsdp["off"]["activations"] == ddp["off"]["activations"]  # gathered weights left out
+    assert "4 ranks only" in results["hsdp"]["2"]["off"]["skipped"]
+    assert "| fsdp | 2 |" in stdout and "4 ranks only" in stdout
+
+
+@needs("deepspeed")
+def test_memory_zero3_shards_the_state_and_counts_its_fp32_copy(tmp_path: Path) -> None:
+    results, _ = memory_table(
+        tmp_path, "--strategies", "deepspeed3", "--procs", "2", "--checkpointing", "off"
+    )
+    parameters = results["meta"]["parameters"]
+    entry = results["deepspeed3"]["2"]["off"]
+    assert entry["theory"]["textbook"] == 8 and entry["theory"]["master"] == 2
+    # ZeRO's partitions of parameters (param.ds_tensor), their fp32 copy, gradients, Adam
+    for part, per_param in (("params", 2), ("master", 2), ("grads", 2), ("optimizer", 4)):
+        assert entry[part] == pytest.approx(per_param * parameters, rel=0.01), part
+    assert entry["state"] - entry["master"] == pytest.approx(16 * parameters / 2, rel=0.01)
 
 
 def test_peers_runs_distkit_and_the_hand_loop_on_1_and_2_processes(tmp_path: Path) -> None:
