@@ -77,6 +77,23 @@ def test_an_fsdp_sharded_checkpoint_resumes_under_deepspeed_before_and_after_set
             assert max_abs_diff(rank["state"], whole["state"]) <= TOL, name
 
 
+def test_a_deepspeed_checkpoint_resumes_under_fsdp_before_and_after_setup(run_on_ranks, tmp_path):
+    """deepspeed x2 (stage 3, the full format) -> fsdp x2, by resume= and by load_checkpoint
+    into fsdp's sharded parameters (the other way: the test above, sharded)."""
+    whole = run_on_ranks(fit, "ddp", 8, None, world_size=1)[0]
+    folder = tmp_path / "ckpt"
+    run_on_ranks(partial(fit, max_steps=5, checkpoint_every=5), deepspeed(3), 4, str(folder),
+                 world_size=2)  # fmt: skip
+    saved = ckpt.CheckpointFolder(folder).latest()
+    assert saved is not None and "shards" not in ckpt.load(saved)
+    resumed = run_on_ranks(partial(fit, resume=str(saved)), "fsdp", 4, None, world_size=2)
+    loaded = run_on_ranks(partial(fit, load=str(saved)), "fsdp", 4, None, world_size=2)
+    for name, runs in (("resumed", resumed), ("loaded after set-up", loaded)):
+        for rank in runs:
+            assert rank["steps"] == whole["steps"], name
+            assert max_abs_diff(rank["state"], whole["state"]) <= TOL, name
+
+
 # ------------------------------------------------- DeepSpeedStrategy(checkpoint="sharded")
 def _refusal(strategy: Any, path: str) -> str:
     try:

@@ -4,6 +4,7 @@ strategy imports it only when it starts; the doctor never imports it)."""
 from __future__ import annotations
 
 import importlib.metadata
+from typing import Any
 
 import pytest
 
@@ -43,6 +44,23 @@ def test_deepspeed_engine_config_keeps_the_users_keys_and_sets_distkits():
     assert config["managed_gradient_accumulation"] is False
     assert config["bf16"] == {"enabled": True} and "fp16" not in config
     assert user == {"zero_optimization": {"overlap_comm": True}, "communication_data_type": "fp32"}
+
+
+def test_deepspeed_buckets_hold_one_ranks_share_unless_the_user_says():
+    """DeepSpeed's 5e8-element default allocates a 1.9 GiB fp32 bucket per rank whatever the
+    model (measured: benchmarks/memory.py); distkit sizes it to one rank's share."""
+
+    def buckets(user: Any, parameters: int, world_size: int) -> tuple[int, int]:
+        config = engine_config(user, stage=3, precision="32", parameters=parameters,
+                               world_size=world_size)["zero_optimization"]  # fmt: skip
+        return config["reduce_bucket_size"], config["allgather_bucket_size"]
+
+    assert buckets(None, 50_400_000, 4) == (12_600_000, 12_600_000)
+    assert buckets(None, 50_400_001, 4) == (12_600_001, 12_600_001)  # rounded up
+    assert buckets(None, 50_000, 2) == (2**20, 2**20)  # small models: one bucket
+    assert buckets(None, 7 * 10**9, 2) == (500_000_000, 500_000_000)  # DeepSpeed's own
+    mine = {"zero_optimization": {"reduce_bucket_size": 123}}
+    assert buckets(mine, 50_400_000, 4) == (123, 12_600_000)
 
 
 def _machine() -> MachineFacts:

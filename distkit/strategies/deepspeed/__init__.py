@@ -203,7 +203,13 @@ class DeepSpeedStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         saved = optimizer.state_dict() if optimizer.state and not meta else None
         saved = self._before_setup.pop(id(optimizer), saved)
         groups = [list(group["params"]) for group in optimizer.param_groups]
-        config = engine_config(self.config, stage=self.stage, precision=self.options.precision)
+        config = engine_config(
+            self.config,
+            stage=self.stage,
+            precision=self.options.precision,
+            parameters=sum(p.numel() for p in model.parameters()),  # meta ones too
+            world_size=self.world_size,
+        )
         if meta:  # stage 3 (else refused before): partitioned module by module
             rng = self.broadcast(torch.get_rng_state() if self.is_main else None, src=0)
             _meta.partition(model, config, self.device, rng, main=self.is_main)

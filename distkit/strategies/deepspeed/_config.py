@@ -35,8 +35,21 @@ OWNED: Mapping[str, str] = {
 }
 
 
+#: DeepSpeed's default for its reduce and all-gather buckets (elements)
+DEEPSPEED_BUCKET = 500_000_000
+#: the smallest bucket distkit picks (elements): fewer, larger collectives for small models
+MIN_BUCKET = 2**20
+#: the ZeRO buckets distkit sizes to the model unless the user's config sets them
+BUCKETS = ("reduce_bucket_size", "allgather_bucket_size")
+
+
 def engine_config(
-    user: Mapping[str, Any] | None, *, stage: int | None, precision: str
+    user: Mapping[str, Any] | None,
+    *,
+    stage: int | None,
+    precision: str,
+    parameters: int | None = None,
+    world_size: int = 1,
 ) -> dict[str, Any]:
     """The config for one ``deepspeed.initialize``.
 
@@ -45,6 +58,12 @@ def engine_config(
         stage: ``DeepSpeedStrategy(stage=...)``; None takes the config's
             ``zero_optimization.stage``, else 2.
         precision: distkit's precision name (``"32"``, ``"bf16"``, ``"fp16"``).
+        parameters: the model's parameter count (elements), and ``world_size`` the ranks':
+            ZeRO's reduce and all-gather buckets unset in ``user`` hold one rank's share of
+            the parameters (at least :data:`MIN_BUCKET`, at most DeepSpeed's 5e8). DeepSpeed's
+            default allocates a 1.9 GiB fp32 bucket per rank whatever the model's size
+            (measured: ``benchmarks/memory.py``); a bucket of 1/N of the model costs at most
+            what the rank's gradient partition costs, and fills N times per backward.
     """
     config = copy.deepcopy(dict(user or {}))
     clashes = sorted(key for key in OWNED if key in config)
@@ -58,6 +77,10 @@ def engine_config(
     zero = dict(config.get("zero_optimization") or {})
     config["zero_optimization"] = zero
     zero["stage"] = resolve_stage(stage, zero.get("stage"))
+    if parameters is not None:
+        share = -(-parameters // max(1, world_size))  # one rank's, rounded up
+        for key in BUCKETS:
+            zero.setdefault(key, min(DEEPSPEED_BUCKET, max(MIN_BUCKET, share)))
     config.update(
         {
             # bookkeeping only: distkit feeds the micro-batches and weights their losses
