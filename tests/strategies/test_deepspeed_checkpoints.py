@@ -136,3 +136,10 @@ def test_deepspeeds_own_sharded_checkpoint_resumes_exactly_at_its_stage_and_worl
         for message in messages:
             assert "DeepSpeed's own sharded state" in message, message
             assert "zero_to_fp32.py" in message and "checkpoint='full'" in message, message
+    # a damaged partition file (rank 1's) is refused when the checkpoint loads, by name
+    victim = next(p for p in Path(payload["shards"]).rglob("*zero_pp_rank_1_*") if p.is_file())
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with pytest.raises(ckpt.CheckpointError, match=r"damaged shards.*zero_pp_rank_1_"):
+        ckpt.load(saved)
