@@ -30,27 +30,36 @@ def deepspeed(stage: int = 3, checkpoint: str = "full") -> distkit.DeepSpeedStra
     return distkit.DeepSpeedStrategy(stage=stage, config=SMALL, checkpoint=checkpoint)
 
 
-def _net() -> tuple[nn.Module, torch.optim.Optimizer]:
+def _net(optimizer: str = "adam") -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    if optimizer == "sgd":
+        return net, torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
     return net, torch.optim.Adam(net.parameters(), lr=0.01)
 
 
 def fit(
-    strategy: Any, batch: int, folder: str | None, *, load: str | None = None, **settings: Any
+    strategy: Any,
+    batch: int,
+    folder: str | None,
+    *,
+    load: str | None = None,
+    optimizer: str = "adam",
+    **settings: Any,
 ) -> dict:
-    """2 epochs of 64 samples, Adam; ``load``: first fit 2 steps (other weights, the backend's
-    optimizer state made), load that checkpoint into the set-up objects, then fit to the end."""
+    """2 epochs of 64 samples, Adam (or ``optimizer="sgd"``); ``load``: first fit 2 steps
+    (other weights, the backend's optimizer state made), load that checkpoint into the set-up
+    objects, then fit to the end."""
     trainer = distkit.Trainer(strategy, batch_size=batch, max_epochs=2, seed=11, progress=False,
                               checkpoint_dir=folder, **settings)  # fmt: skip
-    net, optimizer = _net()
+    net, opt = _net(optimizer)
     data = make_dataset(64)
     if load is not None:
         trainer.max_steps = 2
-        trainer.fit(net, optimizer, data, loss_fn=nn.functional.cross_entropy)
+        trainer.fit(net, opt, data, loss_fn=nn.functional.cross_entropy)
         trainer.load_checkpoint(load)
         trainer.max_steps = settings.get("max_steps")
-    trainer.fit(net, optimizer, data, loss_fn=nn.functional.cross_entropy)
+    trainer.fit(net, opt, data, loss_fn=nn.functional.cross_entropy)
     out = {"state": trainer.full_state_dict(), "steps": trainer.global_step}
     trainer.close()
     return out
@@ -95,9 +104,9 @@ def test_a_deepspeed_checkpoint_resumes_under_fsdp_before_and_after_setup(run_on
 
 
 # ------------------------------------------------- DeepSpeedStrategy(checkpoint="sharded")
-def _refusal(strategy: Any, path: str) -> str:
+def _refusal(strategy: Any, path: str, **settings: Any) -> str:
     try:
-        fit(strategy, 4, None, resume=path)
+        fit(strategy, 4, None, resume=path, **settings)
     except distkit.errors.CheckpointError as exc:
         return str(exc)
     return "resumed"
@@ -136,6 +145,10 @@ def test_deepspeeds_own_sharded_checkpoint_resumes_exactly_at_its_stage_and_worl
         for message in messages:
             assert "DeepSpeed's own sharded state" in message, message
             assert "zero_to_fp32.py" in message and "checkpoint='full'" in message, message
+    # another optimizer than the one the partitions hold: refused before DeepSpeed reads them
+    sgd = partial(_refusal, optimizer="sgd")
+    message = run_on_ranks(sgd, native, str(saved), world_size=2)[0]
+    assert "optimizer state of Adam" in message and "SGD" in message, message
     # a damaged partition file (rank 1's) is refused when the checkpoint loads, by name
     victim = next(p for p in Path(payload["shards"]).rglob("*zero_pp_rank_1_*") if p.is_file())
     data = bytearray(victim.read_bytes())

@@ -7,6 +7,7 @@ import importlib.metadata
 from typing import Any
 
 import pytest
+import torch
 
 import distkit
 from distkit.diagnosis import MachineFacts, StrategyReport
@@ -14,6 +15,7 @@ from distkit.errors import ConfigurationError
 from distkit.launch._env import LaunchEnv
 from distkit.strategies.deepspeed import _doctor
 from distkit.strategies.deepspeed._config import engine_config
+from tests.support.gates import needs
 
 
 def test_deepspeed_config_keys_distkit_sets_are_refused_naming_the_distkit_argument():
@@ -55,12 +57,30 @@ def test_deepspeed_buckets_hold_one_ranks_share_unless_the_user_says():
                                world_size=world_size)["zero_optimization"]  # fmt: skip
         return config["reduce_bucket_size"], config["allgather_bucket_size"]
 
-    assert buckets(None, 50_400_000, 4) == (12_600_000, 12_600_000)
-    assert buckets(None, 50_400_001, 4) == (12_600_001, 12_600_001)  # rounded up
+    assert buckets(None, 50_400_000, 4) == (12_600_064, 12_600_064)  # a multiple of 256:
+    assert buckets(None, 50_411_001, 2) == (25_205_504, 25_205_504)  # DeepSpeed asserts one
     assert buckets(None, 50_000, 2) == (2**20, 2**20)  # small models: one bucket
     assert buckets(None, 7 * 10**9, 2) == (500_000_000, 500_000_000)  # DeepSpeed's own
     mine = {"zero_optimization": {"reduce_bucket_size": 123}}
-    assert buckets(mine, 50_400_000, 4) == (123, 12_600_000)
+    assert buckets(mine, 50_400_000, 4) == (123, 12_600_064)
+
+
+def _one_step_of_a_model_larger_than_the_smallest_bucket() -> int:
+    with distkit.Runtime(distkit.DeepSpeedStrategy(stage=2), seed=0) as rt:
+        net = torch.nn.Linear(1501, 1499)  # 2,251,498 parameters: a share of 1,125,749 (odd)
+        model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        rt.backward(model(torch.randn(4, 1501)).square().mean())
+        optimizer.step()
+        bucket: int = rt.strategy.engine_of_model(net).engine.zero_reduce_bucket_size()
+        return bucket
+
+
+@needs("deepspeed")
+def test_deepspeed_accepts_the_bucket_distkit_sizes(run_on_ranks):
+    """DeepSpeed asserts its all-gather bucket is a multiple of its alignment: an odd share
+    failed at set-up (the memory table found it); distkit rounds it up to a multiple of 256."""
+    for bucket in run_on_ranks(_one_step_of_a_model_larger_than_the_smallest_bucket, world_size=2):
+        assert bucket == 1_125_888  # 4398 x 256
 
 
 def _machine() -> MachineFacts:

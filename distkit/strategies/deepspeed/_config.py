@@ -39,6 +39,9 @@ OWNED: Mapping[str, str] = {
 DEEPSPEED_BUCKET = 500_000_000
 #: the smallest bucket distkit picks (elements): fewer, larger collectives for small models
 MIN_BUCKET = 2**20
+#: what a bucket's size is a multiple of (DeepSpeed asserts its all-gather bucket is a
+#: multiple of its NCCL alignment factor, 2 in 0.19.8; 256 leaves room for larger ones)
+BUCKET_ALIGNMENT = 256
 #: the ZeRO buckets distkit sizes to the model unless the user's config sets them
 BUCKETS = ("reduce_bucket_size", "allgather_bucket_size")
 
@@ -79,6 +82,7 @@ def engine_config(
     zero["stage"] = resolve_stage(stage, zero.get("stage"))
     if parameters is not None:
         share = -(-parameters // max(1, world_size))  # one rank's, rounded up
+        share = -(-share // BUCKET_ALIGNMENT) * BUCKET_ALIGNMENT
         for key in BUCKETS:
             zero.setdefault(key, min(DEEPSPEED_BUCKET, max(MIN_BUCKET, share)))
     config.update(

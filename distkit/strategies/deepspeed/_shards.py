@@ -34,9 +34,12 @@ TAG = "distkit"
 _OPTIMIZER_FILE = re.compile(r".*zero_pp_rank_(?P<rank>\d+)_.*")
 
 
-def save(strategy: Any, engine: Any, model: nn.Module, path: Path) -> dict[str, Any]:
-    """Write this rank's partitions (a collective); returns the checkpoint's model, shards,
-    digests and :data:`MARK` entries on rank 0, ``{}`` elsewhere."""
+def save(
+    strategy: Any, engine: Any, model: nn.Module, path: Path, groups: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """Write this rank's partitions (a collective); returns the checkpoint's model, optimizer
+    (its ``groups`` only, for the resume's checks), shards, digests and :data:`MARK` entries
+    on rank 0, ``{}`` elsewhere."""
     where, token = strategy.broadcast((str(path), secrets.token_hex(6)), src=0)
     folder = _shard_files.folder_for(Path(where), token)
     if strategy.is_main:
@@ -56,7 +59,9 @@ def save(strategy: Any, engine: Any, model: nn.Module, path: Path) -> dict[str, 
             for key, value in model.state_dict(keep_vars=True).items()
             if isinstance(value, torch.Tensor)
         },
-        "optimizer": None,  # in DeepSpeed's files, as its partitions
+        # the state is in DeepSpeed's files, as its partitions; the groups let a resume check
+        # that this is the optimizer it was saved from
+        "optimizer": {"state": {}, "param_groups": groups},
         _shard_files.KEY: folder.name,
         _shard_files.DIGESTS: hashed,
         MARK: {"stage": strategy.stage, "world_size": strategy.world_size, "tag": TAG},

@@ -148,7 +148,6 @@ class DeepSpeedStateIO(StateIO):
         flats = engine.flat_partitions()
         inner = engine.inner_state()
         state: dict[int, dict[str, Any]] = {}
-        groups: list[dict[str, Any]] = []
         index = 0
         for number, params in enumerate(engine.groups):
             flat_state = _group_state(inner, flats, number, engine)
@@ -167,11 +166,9 @@ class DeepSpeedStateIO(StateIO):
                 if entry:
                     state[index] = entry
                 index += 1
-            hyper = {k: v for k, v in optimizer.param_groups[number].items() if k != "params"}
-            groups.append({**hyper, "params": list(range(index - len(params), index))})
         if rank0_only and not self.strategy.is_main:
             return {}
-        return {"state": state, "param_groups": groups}
+        return {"state": state, "param_groups": torch_groups(engine, optimizer)}
 
     @override
     def shapes(self, model: nn.Module) -> dict[str, torch.Size | None]:
@@ -195,7 +192,8 @@ class DeepSpeedStateIO(StateIO):
         record = self.strategy.engine_of_model(model)
         if self.strategy.checkpoint == "full" or record is None:
             return super().checkpoint_state(model, optimizer, path)
-        return _shards.save(self.strategy, record.engine, model, path)
+        groups = torch_groups(record, optimizer)
+        return _shards.save(self.strategy, record.engine, model, path, groups)
 
     @override
     def load_sharded(
@@ -259,6 +257,19 @@ class DeepSpeedStateIO(StateIO):
                 optimizer.load_state_dict(state)
             return
         load_into_engine(engine, state)
+
+
+def torch_groups(engine: Engine, optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """The optimizer's ``param_groups`` as torch's ``state_dict`` gives them: each group's
+    settings and the indices of the user's parameters in it (ZeRO re-pointed the groups at
+    its partitions)."""
+    groups: list[dict[str, Any]] = []
+    index = 0
+    for number, params in enumerate(engine.groups):
+        hyper = {k: v for k, v in optimizer.param_groups[number].items() if k != "params"}
+        groups.append({**hyper, "params": list(range(index, index + len(params)))})
+        index += len(params)
+    return groups
 
 
 def _group_state(
