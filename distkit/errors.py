@@ -102,6 +102,30 @@ class TrainingInterrupted(KeyboardInterrupt, SystemExit):
         self.code = code  # 130 for Ctrl-C (SIGINT), 143 for SIGTERM
 
 
+class TrainingPreempted(TrainingInterrupted):
+    """A preempting signal (``Trainer(preempt_signals=...)``: SIGTERM, SIGUSR1) stopped a
+    ``fit`` after every rank finished the same optimizer step, and the run was saved there.
+
+    Every rank raises it. ``code`` is 128 + the signal's number (143 for SIGTERM, 138 for
+    SIGUSR1), the status a script that does not catch it exits with: schedulers and the
+    Kubeflow training operator's ``ExitCode`` restart policy treat it as retryable. The next
+    start with ``resume="auto"`` continues from ``checkpoint`` exactly.
+
+    Attributes:
+        signal: the signal's number (the first one any rank received).
+        step: the optimizer step every rank stopped after.
+        checkpoint: the checkpoint written at that step.
+    """
+
+    def __init__(
+        self, message: str, *, code: int, signal: int, step: int, checkpoint: str | None
+    ) -> None:
+        super().__init__(message, code=code)
+        self.signal = signal
+        self.step = step
+        self.checkpoint = checkpoint
+
+
 class RankDisagreementError(DistkitError, RuntimeError):
     """The ranks cannot run a collective call together; every rank raises it instead of hanging.
 

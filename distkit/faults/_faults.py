@@ -38,6 +38,7 @@ from distkit.errors import DistkitError, PeerFailureError, PeerStuckError, Train
 from distkit.faults import _channel
 from distkit.faults._channel import SideChannel, ack_key, progress_key, stack_key
 from distkit.faults._last_resort import exit_now
+from distkit.faults._preempt import Preemption, listening
 from distkit.faults._progress import Position, Progress
 from distkit.faults._signals import Terminated, terminate_as_exception
 from distkit.faults._watchdog import EXIT_CODE, Watchdog
@@ -60,6 +61,7 @@ def fail_fast(
     hang_warning: float | None,
     progress: Progress,
     on_failure: Callable[[], None],
+    preempt: Preemption | None = None,
 ) -> Iterator[None]:
     """Run a ``fit``; on an exception, tell the peers, run ``on_failure``, then raise.
 
@@ -71,10 +73,42 @@ def fail_fast(
         progress: this rank's progress, written by the training loop.
         on_failure: releases what the run holds (closes the trainer); runs before the
             exception propagates, bounded by ``fault_timeout``.
+        preempt: the signals that preempt the run (noted; the loop stops at a step every
+            rank agrees on), or None.
     """
+    if preempt is not None:
+        channel = strategy.side_channel() if strategy.world_size > 1 else None
+        if strategy.world_size > 1 and channel is None:
+            if strategy.rank == 0:
+                _say(
+                    f"distkit: {type(strategy).__name__} offers no side channel, so its ranks "
+                    "cannot agree on a step to stop at: preempt_signals are ignored, and "
+                    "SIGTERM stops the job at once"
+                )
+            preempt = None
+        else:
+            preempt.start(rank=strategy.rank, world_size=strategy.world_size, channel=channel)
+    try:
+        with _guard(strategy, fault_timeout, hang_warning, progress, on_failure, preempt):
+            yield
+    finally:
+        if preempt is not None:
+            preempt.close()
+
+
+@contextlib.contextmanager
+def _guard(
+    strategy: Strategy,
+    fault_timeout: float | None,
+    hang_warning: float | None,
+    progress: Progress,
+    on_failure: Callable[[], None],
+    preempt: Preemption | None,
+) -> Iterator[None]:
     if strategy.world_size == 1:
         try:
-            yield
+            with listening(preempt):
+                yield
         except KeyboardInterrupt as exc:
             if isinstance(exc, TrainingInterrupted):
                 raise
@@ -100,13 +134,15 @@ def fail_fast(
     grace = fault_timeout or DEFAULT_TERM_GRACE_S
     on_blocked = functools.partial(_exit_blocked, strategy, progress, grace)
     try:
-        with terminate_as_exception(grace, on_blocked) as term:
+        with terminate_as_exception(grace, on_blocked, preempt) as term:
             try:
                 yield
             except BaseException as exc:
                 term.handling = True  # from now on a SIGTERM only marks it, a SIGINT is ignored
                 if watchdog is not None:
                     watchdog.stop()
+                if preempt is not None:
+                    preempt.close()  # out of the store too, before the group is released
                 # without a watchdog on this rank there is none on the peers either: no acks
                 ack_wait = 0.0 if watchdog is None else 2 * interval + 1.0
                 failure = _Failure(strategy, progress, fault_timeout, on_failure, ack_wait)
@@ -304,7 +340,8 @@ def _exit_blocked(strategy: Strategy, progress: Progress, grace: float, signum: 
     blocked outside Python (a collective, other native code). Tell the peers, as the handler
     would have, and say so in one line; the caller exits the process next."""
     rank = strategy.rank
-    what = "terminated (SIGTERM)" if signum == signal.SIGTERM else "interrupted (Ctrl-C)"
+    name = signal.Signals(signum).name
+    what = "interrupted (Ctrl-C)" if signum == signal.SIGINT else f"terminated ({name})"
     text = f"{what} in {_where(progress)}"
     message = json.dumps({"kind": INTERRUPT, "rank": rank, "text": text})
     announced: list[bool] = []

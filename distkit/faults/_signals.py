@@ -34,8 +34,10 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import FrameType
+from typing import Any
 
 from distkit.faults._last_resort import exit_now
+from distkit.faults._preempt import Preemption
 
 EXIT_CODE = 128 + signal.SIGTERM
 _UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid (Linux)
@@ -58,8 +60,11 @@ class TermState:
 
     grace: float
     on_blocked: Callable[[int], None] | None = None
+    #: signals that preempt (they are noted and the fit stops at an agreed step) or None
+    preempt: Preemption | None = None
     handling: bool = False
     interrupt_is_ours: bool = False  # a user's own SIGINT handler is left alone, timer too
+    watching: bool = False  # a _SignalWatch reports each signal as it arrives
     _arrived: set[int] = field(default_factory=set, repr=False)
     _taken: set[int] = field(default_factory=set, repr=False)  # the main thread ran a handler
     _timers: dict[int, threading.Timer] = field(default_factory=dict, repr=False)
@@ -82,11 +87,23 @@ class TermState:
         if not self.handling:
             raise Terminated(f"signal {signum}")
 
+    def on_preempt(self, signum: int, frame: FrameType | None) -> None:
+        """A preempting signal, in the main thread: noted; the fit stops at an agreed step."""
+        self._taken.add(signum)
+        if not self.watching:  # the watch notes each signal (once) as it arrives
+            self.arrived(signum)
+
+    def _preempts(self, signum: int) -> bool:
+        return self.preempt is not None and signum in self.preempt.signals
+
     def arrived(self, signum: int) -> None:
         """A signal arrived: start its grace timer, once (from any thread)."""
         if signum == signal.SIGINT and not self.interrupt_is_ours:
             return
-        if signum not in (signal.SIGTERM, signal.SIGINT):
+        preempts = self._preempts(signum)
+        if preempts and not self.handling and self.preempt is not None:
+            self.preempt.arrived(signum)
+        if signum not in (signal.SIGTERM, signal.SIGINT) and not preempts:
             return
         with self._lock:
             self._arrived.add(signum)
@@ -108,6 +125,8 @@ class TermState:
 
     def _expire(self, signum: int) -> None:
         line = None  # on_blocked says what happened itself
+        if signum in self._taken and self._preempts(signum):
+            return  # the main thread has it: the fit stops at the agreed step and saves
         if signum in self._taken:
             if signum == signal.SIGINT:
                 return  # the main thread has the KeyboardInterrupt: today's behaviour
@@ -190,15 +209,25 @@ class _SignalWatch:
 
 @contextlib.contextmanager
 def terminate_as_exception(
-    grace: float, on_blocked: Callable[[int], None] | None = None
+    grace: float,
+    on_blocked: Callable[[int], None] | None = None,
+    preempt: Preemption | None = None,
 ) -> Iterator[TermState]:
     """Install the handlers and the signal watch for the block (a no-op outside the main
-    thread)."""
-    state = TermState(grace, on_blocked)
+    thread). ``preempt``'s signals get a handler that only notes them (SIGTERM among them
+    then raises nothing); the handlers they had are kept in ``preempt.previous``."""
+    state = TermState(grace, on_blocked, preempt)
     if threading.current_thread() is not threading.main_thread():
         yield state
         return
     previous = signal.signal(signal.SIGTERM, state.on_signal)
+    preempted: dict[int, Any] = {}
+    if preempt is not None:
+        for signum in preempt.signals:
+            preempted[signum] = signal.signal(signum, state.on_preempt)
+        if signal.SIGTERM in preempted:
+            preempted[signal.SIGTERM] = previous  # the handler before distkit's
+        preempt.previous.update(preempted)
     previous_int = signal.getsignal(signal.SIGINT)
     if previous_int is signal.default_int_handler:  # a user's own handler stays
         state.interrupt_is_ours = True
@@ -207,6 +236,7 @@ def terminate_as_exception(
     try:
         watch = _SignalWatch(state.arrived)
         watch.start()
+        state.watching = True
     except (OSError, ValueError):  # no wakeup fd: the handler starts the timer, as it can
         watch = None
     try:
@@ -214,6 +244,8 @@ def terminate_as_exception(
     finally:
         signal.signal(signal.SIGTERM, previous)
         signal.signal(signal.SIGINT, previous_int)
+        for number, handler in preempted.items():
+            signal.signal(number, handler if handler is not None else signal.SIG_DFL)
         state.end()
         if watch is not None:
             watch.stop()

@@ -41,6 +41,7 @@ CALLS = {
     "items": "an optimizer step's item count (token-exact losses)",
     "predict": "predict",
     "save_weights": "save_weights",
+    "preempt": "fit's preemption stop (after the agreed step)",
 }
 _CODES = {call: float(code) for code, call in enumerate(CALLS, start=1)}
 _NAMES = {code: CALLS[call] for call, code in _CODES.items()}

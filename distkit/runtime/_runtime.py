@@ -28,6 +28,7 @@ from distkit.data._feed import eval_batches, train_feed
 from distkit.data._stream_spec import StreamSpec, is_stream
 from distkit.errors import ConfigurationError, TrainerClosedError
 from distkit.faults._faults import fail_fast
+from distkit.faults._preempt import Preemption
 from distkit.faults._progress import Progress
 from distkit.registry import make_strategy
 from distkit.runtime import _agreement, _weights
@@ -127,6 +128,7 @@ class Runtime:
         #: set-up models and optimizers, its micro-batch, its losses' backward
         self.loop = LoopState(self.strategy, self.setups, self.progress)
         self._block_guard: contextlib.AbstractContextManager[None] | None = None
+        self._preempt_rounds = 0  # guarded blocks with preemption so far (same on every rank)
 
     @property
     def options(self) -> TrainOptions:
@@ -216,15 +218,26 @@ class Runtime:
         self.close()
 
     @contextlib.contextmanager
-    def guarded(self, *, fault_timeout: float | None, hang_warning: float | None) -> Iterator[None]:
+    def guarded(
+        self,
+        *,
+        fault_timeout: float | None,
+        hang_warning: float | None,
+        preempt: Preemption | None = None,
+    ) -> Iterator[None]:
         """Run the block under the fail-fast guard: an error on this rank stops every rank
-        (see :mod:`distkit.faults._faults`); this runtime closes after a failure.
+        (see :mod:`distkit.faults._faults`); this runtime closes after a failure. With
+        ``preempt``, its signals are noted instead (see :mod:`distkit.faults._preempt`): the
+        loop asks ``preempt.due(step)`` at each step boundary.
 
         Nested (a Trainer's fit inside ``with distkit.Runtime(...)``), the inner guard
         handles a failure and the outer one lets that exception pass as it is: the peers
         were told once, and a loop that catches the fit's error goes on with them.
         """
         passed: BaseException | None = None
+        if preempt is not None:  # its keys in the side channel: this block's own
+            self._preempt_rounds += 1
+            preempt.key = str(self._preempt_rounds)
         try:
             with fail_fast(
                 self.strategy,
@@ -232,6 +245,7 @@ class Runtime:
                 hang_warning=hang_warning,
                 progress=self.progress,
                 on_failure=self.close_after_failure,
+                preempt=preempt,
             ):
                 try:
                     yield

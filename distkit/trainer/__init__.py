@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from distkit import checkpoint as ckpt
 from distkit.callbacks import Callback
 from distkit.callbacks._list import CallbackList
 from distkit.errors import ConfigurationError, TrainerClosedError
+from distkit.faults._preempt import Preemption, finish
 from distkit.loggers import Logger
 from distkit.runtime import _agreement, _compile, _resume, _saving, _weights
 from distkit.runtime._checkpointing import ActivationCheckpointing
@@ -138,6 +140,17 @@ class Trainer:
             (``strategy``, ``precision``, ``grad_accum_steps``, ``sync_batchnorm``,
             ``find_unused_parameters``, ``collective_timeout`` and
             ``activation_checkpointing`` may be left out, or must match it).
+        preempt_signals: the signals that preempt a fit: every rank finishes its optimizer
+            step, the ranks agree on the step they all stop after (the signal may reach some
+            of them only, at different steps), the run is saved in ``checkpoint_dir`` there,
+            the signal's previous handler (yours) runs, and ``fit`` raises
+            :class:`~distkit.errors.TrainingPreempted`, which exits with status 128 + the
+            signal's number (143 for SIGTERM, 138 for SIGUSR1). None (default): SIGTERM and
+            SIGUSR1 whenever ``checkpoint_dir`` is set; ``()``: off (SIGTERM stops the job at
+            once, as without a ``checkpoint_dir``). Signals need a ``checkpoint_dir``.
+        requeue: after a preemption's checkpoint, rank 0 asks SLURM to requeue the job
+            (``scontrol requeue $SLURM_JOB_ID``; submit it with ``sbatch --requeue``); the next
+            start resumes with ``resume="auto"``. Outside SLURM it says so and does nothing.
 
     ``trainer.config`` holds every setting but the strategy, the callbacks and the loggers as
     one frozen, validated value; ``trainer.max_epochs = 5`` (and the like) replaces it,
@@ -164,6 +177,8 @@ class Trainer:
     hang_warning: Setting[float | None] = Setting()
     log_every_n_steps: Setting[int] = Setting()
     val_every_n_steps: Setting[int | None] = Setting()
+    preempt_signals: Setting[Any] = Setting()
+    requeue: Setting[bool] = Setting()
 
     def __init__(
         self,
@@ -201,6 +216,8 @@ class Trainer:
         cudnn_benchmark: bool = False,
         activation_checkpointing: ActivationCheckpointing = None,
         runtime: Runtime | None = None,
+        preempt_signals: Any = None,
+        requeue: bool = False,
     ) -> None:
         #: every setting above but strategy, callbacks and loggers: one frozen, validated
         #: value (assigning ``trainer.max_epochs`` etc. replaces it, validated again)
@@ -434,7 +451,12 @@ class Trainer:
             _resume.load_weights(strategy, payload, call.model, call.optimizer)
         # The wrapped model lives only in frames below this one: on a failure they are
         # cleared, so the process group's connections close at once (see distkit.faults._faults).
-        with runtime.guarded(fault_timeout=config.fault_timeout, hang_warning=config.hang_warning):
+        preempt = Preemption(config.preempt, requeue=config.requeue) if config.preempt else None
+        with runtime.guarded(
+            fault_timeout=config.fault_timeout,
+            hang_warning=config.hang_warning,
+            preempt=preempt,
+        ):
             assert self._sink is not None  # fit() opened it
             run = train(
                 config,
@@ -448,7 +470,12 @@ class Trainer:
                 stop=self._stop,
                 owner=self,
                 keep=self._keep,
+                preempt=preempt,
             )
+            if run.preempted is not None:  # saved: the timeline, handlers, requeue, raise
+                assert preempt is not None and self.checkpoints is not None
+                run.preempted.checkpoint = str(self.checkpoints.path_for(run.preempted.step))
+                finish(preempt, run.preempted, rank=self.rank, say=_say)
             result = FitResult(
                 history=[dict(record) for record in run.state.history],
                 validations=[dict(v) for v in run.validations],
@@ -641,3 +668,7 @@ def _checked_runtime(runtime: object, strategy: object, config: TrainerConfig) -
                 f"{name}={held!r}; pass {name} to distkit.Runtime(...), or leave it out here"
             )
     return runtime
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)

@@ -13,11 +13,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import signal
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar, overload
 
 import torch
 
+from distkit._validate import check_flags
+from distkit.errors import ConfigurationError
+from distkit.faults import _preempt
 from distkit.runtime._arguments import check_trainer_arguments
 from distkit.runtime._checkpointing import ActivationCheckpointing, checkpoint_policy
 from distkit.runtime._compile import check_compile
@@ -59,6 +63,8 @@ class TrainerConfig:
     input_device: str | int | torch.device | None = None
     cudnn_benchmark: bool = False
     activation_checkpointing: ActivationCheckpointing = None
+    preempt_signals: Any = None
+    requeue: bool = False
 
     # derived from the fields above, once, in __post_init__ (validated there)
     #: ``compile``'s ``torch.compile`` arguments (None: off)
@@ -67,6 +73,8 @@ class TrainerConfig:
     input_device_override: torch.device | None = field(init=False, repr=False, compare=False)
     #: the clipping ``gradient_clip_norm`` / ``gradient_clip_value`` ask for (None: none)
     clip: GradientClip | None = field(init=False, repr=False, compare=False)
+    #: the signals that preempt a fit (``preempt_signals`` resolved: () when off)
+    preempt: tuple[signal.Signals, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         fields = dataclasses.fields(self)
@@ -77,6 +85,14 @@ class TrainerConfig:
         clip = GradientClip.from_settings(self.gradient_clip_norm, self.gradient_clip_value)
         derive("clip", clip)
         checkpoint_policy(self.activation_checkpointing)  # refuses what it cannot take
+        derive("preempt", _preempt.preempt_signals(self.preempt_signals, self.checkpoint_dir))
+        check_flags(requeue=self.requeue)
+        if self.requeue and not self.preempt:
+            raise ConfigurationError(
+                "requeue=True asks SLURM to requeue the job after a preemption checkpoint, but "
+                "this trainer saves none: pass checkpoint_dir=... (preemption on SIGTERM and "
+                "SIGUSR1 is then on by default), and do not pass preempt_signals=()"
+            )
 
     def replace(self, **changes: Any) -> TrainerConfig:
         """A copy with ``changes``, validated as ``Trainer(...)`` validates its arguments

@@ -9,6 +9,7 @@ stop decision, log points) meets its peers.
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from distkit.callbacks._list import CallbackList
+from distkit.errors import RankDisagreementError
+from distkit.faults._preempt import Preemption, Stop
 from distkit.runtime._call_tags import tagged_sum
 from distkit.runtime._fit_state import FitState
 from distkit.runtime._runtime import Runtime
@@ -60,6 +63,10 @@ class EpochLoop:
     validate: Callable[[], dict[str, float]] | None
     #: writes the run into ``checkpoint_dir`` (None: no ``checkpoint_dir``)
     save: Callable[[], None] | None
+    #: the fit's preempting signals and the ranks' agreement on where to stop (None: off)
+    preempt: Preemption | None = None
+    #: where a preemption stopped the run, once it did (None: it was not preempted)
+    preempted: Stop | None = None
     stopped_early: bool = False
     _validated_at: int | None = None  # the global step of the latest validation
     _last_validation: dict[str, float] = field(default_factory=dict)
@@ -118,9 +125,30 @@ class EpochLoop:
         if every != "epoch" and step % int(every) == 0:
             self._save_point()
         self.sink.flush()
+        if self.preempt is not None and self.preempt.due(step):
+            self._stop_for_preemption(step)
+            return True
         if stop:
             self.stopped_early = True
         return stop or self._steps_done()
+
+    def _stop_for_preemption(self, step: int) -> None:
+        """Every rank is at the agreed step: check that they are, and save the run there."""
+        assert self.preempt is not None
+        stop = self.preempt.stop(step)
+        strategy = self.runtime.strategy
+        (total,) = tagged_sum(strategy, "preempt", [float(step)])
+        if total != step * strategy.world_size:
+            raise RankDisagreementError(
+                f"preemption: the ranks stopped after different optimizer steps (this rank "
+                f"after {step}, their steps sum to {total:g} over {strategy.world_size} "
+                f"ranks): {strategy.name} trains without a collective in every step, which "
+                "the agreement relies on; pass preempt_signals=() to stop at once instead"
+            )
+        if self._saved_at != step:
+            self._save()
+        stop.saved_at = time.time()
+        self.preempted = stop
 
     def _step_logs(self, state: FitState, result: StepResult) -> StepLogs:
         values: dict[str, Any] = {

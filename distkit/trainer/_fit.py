@@ -16,6 +16,7 @@ from typing import Any
 from distkit import checkpoint as ckpt
 from distkit.callbacks._list import CallbackList
 from distkit.data._feed import train_feed
+from distkit.faults._preempt import Preemption
 from distkit.runtime import _resume, _saving
 from distkit.runtime._fit_state import FitState
 from distkit.runtime._loader import RuntimeLoader
@@ -46,6 +47,7 @@ def train(
     stop: StopRequest,
     owner: object,
     keep: Callable[[LatestFit], None],
+    preempt: Preemption | None = None,
 ) -> EpochLoop:
     """Train ``call``'s model as ``prepared`` says; returns the last (elastic: latest)
     epoch loop, which holds the fit's state and how it ended.
@@ -54,6 +56,7 @@ def train(
         payload: the checkpoint to resume from (its weights already loaded), or None.
         keep: receives the fit's :class:`LatestFit` before the first step (the Trainer
             keeps it for ``save_checkpoint``, ``global_step`` and the like).
+        preempt: the fit's preemption (the loop stops where it says and saves), or None.
     """
     strategy = runtime.strategy
     model, optimizer, scheduler = call.model, call.optimizer, call.scheduler
@@ -155,6 +158,7 @@ def train(
             window=LogWindow(strategy, config.log_every_n_steps),
             validate=None if val_data is None else validate,
             save=save,
+            preempt=preempt,
         )
         runs.append(run)
         run.run()

@@ -1,0 +1,246 @@
+"""Preemption: a scheduler's signal stops every rank after the same step, with the run saved.
+
+Each job (``tests/support/job_scripts/preempt_job.py``) is stopped by a signal (to one rank,
+or to every rank at a different step, from inside at a step chosen by a seeded RNG, or from
+outside at a random time), exits with 128 + the signal's number, and is started again with
+``resume="auto"``; it must end with the weights of the same job run without interruption.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import distkit
+from distkit.errors import ConfigurationError
+from distkit.faults._preempt import DEFAULT_SIGNALS
+from distkit.launch._requeue import slurm_job_id
+from tests.support.gates import needs
+from tests.support.horovod_runner import horovodrun_path
+from tests.support.jobs import run_job
+from tests.support.paths import ROOT
+from tests.support.workloads import max_abs_diff
+
+pytestmark = pytest.mark.timeout(300)
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+PYTHON = [sys.executable]
+SCRIPT = ["-m", "tests.support.job_scripts.preempt_job"]
+#: steps of an uninterrupted job: 96 samples, 2 epochs, batch 4 per rank (x2 ranks)
+STEPS_X2 = 24
+TIMELINE = "distkit: preempted: "
+
+
+def _horovodrun() -> list[str]:
+    return [str(horovodrun_path()), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **extra}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_JOB_ID"):
+        if key not in extra:
+            env.pop(key, None)
+    return env
+
+
+def _run(launcher: list[str], strategy: str, out: Path, *args: str, env=None):
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [*launcher, *SCRIPT, strategy, str(out), *args]
+    return run_job(cmd, env=env or _env(), timeout=180, cwd=ROOT)
+
+
+def _reference(tmp_path_factory, launcher: list[str], strategy: str, *args: str) -> dict:
+    """The job's final weights, uninterrupted (once per launcher and strategy per worker)."""
+    key = "-".join([Path(launcher[0]).name, strategy, *args]).replace("/", "_")
+    out = tmp_path_factory.getbasetemp() / f"preempt-ref-{key}"
+    if not (out / "final.pt").exists():
+        proc = _run(launcher, strategy, out, *args)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return torch.load(out / "final.pt")
+
+
+def _preempted(out: Path, ranks: int) -> list[dict]:
+    return [json.loads((out / f"preempted-{r}.json").read_text()) for r in range(ranks)]
+
+
+def _check_preempted(proc, out: Path, ranks: int, signum: int) -> int:
+    """The job stopped for ``signum``: every rank after the same step, saved there; returns
+    the step."""
+    output = proc.stdout + proc.stderr
+    said = _preempted(out, ranks)
+    assert len({s["step"] for s in said}) == 1, said
+    step = said[0]["step"]
+    assert all(s["code"] == 128 + signum and s["signal"] == signum for s in said), said
+    checkpoint = Path(said[0]["ckpt"])
+    assert checkpoint.exists() and checkpoint.name == f"step-{step:09d}.pt", said
+    assert output.count(TIMELINE) == 1, output[-4000:]  # rank 0 says it, once
+    assert f"stopped after step {step}" in output
+    return step
+
+
+def _resume_matches(launcher, strategy, out, reference, *args) -> None:
+    proc = _run(launcher, strategy, out, *args)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert max_abs_diff(torch.load(out / "final.pt"), reference) <= 1e-6
+
+
+# ---------------------------------------------------------------------------- arguments
+def test_preempt_signals_default_to_sigterm_and_sigusr1_with_a_checkpoint_dir(tmp_path):
+    assert distkit.Trainer(checkpoint_dir=tmp_path).config.preempt == DEFAULT_SIGNALS
+    assert distkit.Trainer().config.preempt == ()  # nothing to save into: off
+    off = distkit.Trainer(checkpoint_dir=tmp_path, preempt_signals=())
+    assert off.config.preempt == ()
+    named = distkit.Trainer(checkpoint_dir=tmp_path, preempt_signals=("USR2", 15, signal.SIGTERM))
+    assert named.config.preempt == (signal.SIGUSR2, signal.SIGTERM)
+    one = distkit.Trainer(checkpoint_dir=tmp_path, preempt_signals=signal.SIGUSR1)
+    assert one.config.preempt == (signal.SIGUSR1,)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "says"),
+    [
+        ({"preempt_signals": (signal.SIGTERM,)}, "needs checkpoint_dir"),
+        ({"requeue": True}, "requeue=True asks SLURM"),
+        ({"checkpoint_dir": "x", "preempt_signals": (), "requeue": True}, "requeue=True"),
+        ({"checkpoint_dir": "x", "requeue": "yes"}, "requeue"),
+        ({"checkpoint_dir": "x", "preempt_signals": (signal.SIGKILL,)}, "cannot be caught"),
+        ({"checkpoint_dir": "x", "preempt_signals": ("SIGFOO",)}, "is not a signal"),
+        ({"checkpoint_dir": "x", "preempt_signals": (2.5,)}, "is not a signal"),
+        ({"checkpoint_dir": "x", "preempt_signals": 2.5}, "got float"),
+        ({"checkpoint_dir": "x", "preempt_signals": ("INT",)}, "Ctrl-C"),
+    ],
+)
+def test_preempt_arguments_that_cannot_work_are_refused_at_construction(kwargs, says):
+    with pytest.raises(ConfigurationError, match=says):
+        distkit.Trainer(**kwargs)
+
+
+def test_slurm_job_id_names_the_array_task():
+    assert slurm_job_id({"SLURM_JOB_ID": "7"}) == "7"
+    array = {"SLURM_ARRAY_JOB_ID": "8", "SLURM_ARRAY_TASK_ID": "3"}
+    assert slurm_job_id({"SLURM_JOB_ID": "9", **array}) == "8_3"
+    assert slurm_job_id({}) is None
+
+
+# ---------------------------------------------------------------------------- one process
+def _stand_in_scontrol(folder: Path) -> tuple[dict[str, str], Path]:
+    """An ``scontrol`` on PATH that appends its arguments to a file: (env, that file)."""
+    record = folder / "scontrol-calls"
+    bin_dir = folder / "bin"
+    bin_dir.mkdir(parents=True)
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {record}\n')
+    scontrol.chmod(0o755)
+    env = _env(SLURM_JOB_ID="4242", PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    return env, record
+
+
+def test_preempt_one_process_saves_runs_the_users_handler_requeues_and_resumes_exactly(
+    tmp_path, tmp_path_factory
+):
+    reference = _reference(tmp_path_factory, PYTHON, "auto")
+    out = tmp_path / "job"
+    env, record = _stand_in_scontrol(tmp_path)
+    args = ["--signal-at", "0:29", "--user-handler", "--second-signal", "--requeue"]
+    proc = _run(PYTHON, "auto", out, *args, env=env)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 143, output[-4000:]
+    assert _check_preempted(proc, out, 1, signal.SIGTERM) == 29
+    # the signal that came during the save changed nothing; the user's handler ran after it
+    assert "1 more signal(s) during the stop were ignored" in output
+    assert (out / "user-handler-0").read_text() == str(int(signal.SIGTERM))
+    assert record.read_text().split() == ["requeue", "4242"]
+    assert "requeued SLURM job 4242" in output
+    assert "Traceback" not in output
+    _resume_matches(PYTHON, "auto", out, reference)
+
+
+# ---------------------------------------------------------------------------- two ranks
+def _steps(seed: int, ranks: list[int]) -> list[str]:
+    """``--signal-at`` for each rank, at a step the seeded RNG picks, and steps of 50 ms or
+    more: a rank that got no signal learns of it within POLL_S (0.2 s) seconds, so it must
+    not reach the end of training first (it would then end as trained, not preempted)."""
+    rng = random.Random(seed)
+    points = [arg for r in ranks for arg in ("--signal-at", f"{r}:{rng.randint(2, 10)}")]
+    return [*points, "--step-sleep", "0.05"]
+
+
+CASES = [pytest.param([1], 11, id="one-rank"), pytest.param([0, 1], 12, id="every-rank")]
+
+
+@pytest.mark.parametrize(("ranks", "seed"), CASES)
+def test_preempt_torchrun_ddp_stops_every_rank_at_one_step_and_resumes_exactly(
+    tmp_path, tmp_path_factory, ranks, seed
+):
+    reference = _reference(tmp_path_factory, TORCHRUN, "ddp")
+    out = tmp_path / "job"
+    env, record = _stand_in_scontrol(tmp_path)
+    proc = _run(TORCHRUN, "ddp", out, *_steps(seed, ranks), "--requeue", env=env)
+    assert proc.returncode != 0
+    step = _check_preempted(proc, out, 2, signal.SIGTERM)
+    first = min(int(a.split(":")[1]) for a in _steps(seed, ranks) if ":" in a)
+    assert first <= step < STEPS_X2
+    assert record.read_text().splitlines() == ["requeue 4242"]  # rank 0 only, once
+    _resume_matches(TORCHRUN, "ddp", out, reference)
+
+
+@needs("horovod")
+@pytest.mark.parametrize(("ranks", "seed"), CASES)
+def test_preempt_horovodrun_stops_every_rank_at_one_step_and_resumes_exactly(
+    tmp_path, tmp_path_factory, ranks, seed
+):
+    reference = _reference(tmp_path_factory, _horovodrun(), "horovod")
+    out = tmp_path / "job"
+    proc = _run(_horovodrun(), "horovod", out, *_steps(seed, ranks))
+    assert proc.returncode != 0
+    _check_preempted(proc, out, 2, signal.SIGTERM)
+    _resume_matches(_horovodrun(), "horovod", out, reference)
+
+
+def test_preempt_fsdp_sharded_checkpoint_on_sigusr1_resumes_exactly(tmp_path, tmp_path_factory):
+    reference = _reference(tmp_path_factory, TORCHRUN, "fsdp", "--sharded")
+    out = tmp_path / "job"
+    proc = _run(TORCHRUN, "fsdp", out, "--sharded", "--send", "USR1", *_steps(5, [0, 1]))
+    step = _check_preempted(proc, out, 2, signal.SIGUSR1)
+    assert list((out / "ckpt").glob(f"step-{step:09d}.pt.*.shards"))  # DCP shards, per rank
+    _resume_matches(TORCHRUN, "fsdp", out, reference, "--sharded")
+
+
+def test_preempt_signal_sent_from_outside_at_a_random_time_to_every_rank(
+    tmp_path, tmp_path_factory
+):
+    """As a scheduler does it: SIGTERM to every rank's process, at a moment of its own."""
+    reference = _reference(tmp_path_factory, TORCHRUN, "ddp")
+    out = tmp_path / "job"
+    out.mkdir()
+    cmd = [*TORCHRUN, *SCRIPT, "ddp", str(out), "--step-sleep", "0.05"]
+    job = subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        pids = _wait_for_pids(out, 2, job)
+        time.sleep(random.Random(3).uniform(0.1, 0.4))  # into training (24 steps of 50 ms+)
+        for pid in pids:
+            os.kill(pid, signal.SIGTERM)
+        job.communicate(timeout=120)
+    finally:
+        job.kill()
+    said = _preempted(out, 2)
+    assert said[0]["step"] == said[1]["step"] < STEPS_X2, said
+    _resume_matches(TORCHRUN, "ddp", out, reference)
+
+
+def _wait_for_pids(out: Path, ranks: int, job: subprocess.Popen) -> list[int]:
+    files = [out / f"started-{r}" for r in range(ranks)]
+    deadline = time.monotonic() + 60
+    while not all(f.exists() for f in files):
+        assert job.poll() is None and time.monotonic() < deadline, "the job did not start"
+        time.sleep(0.05)
+    return [int(f.read_text()) for f in files]
