@@ -61,6 +61,8 @@ FORBIDDEN_MODULES = [
     "safetensors",
     "deepspeed",
     "transformers",
+    "wandb",  # the loggers import their trackers on first use
+    "mlflow",
     "torch.distributed.launch",
     "torch.distributed.run",
     "torch.distributed.elastic",

@@ -1,14 +1,17 @@
 """Loggers: where the trainer sends hyperparameters and metrics (on rank 0 only).
 
-``CSVLogger`` needs nothing; ``TensorBoardLogger`` needs the optional extra
-``pip install 'distkit[tensorboard]'`` (checked when the logger is created; importing this module
-never imports tensorboard). Anything else (MLflow, W&B, ...) is one short subclass of ``Logger``.
+``CSVLogger`` needs nothing. ``TensorBoardLogger``, ``WandbLogger`` and ``MLflowLogger`` need an
+optional extra each: ``pip install 'distkit[tensorboard]'``, ``'distkit[wandb]'``,
+``'distkit[mlflow]'`` (checked when the logger is created; importing this module imports none of
+them). Any other tracker is one short subclass of ``Logger``.
 """
 
 from __future__ import annotations
 
 from distkit.loggers._base import Logger
 from distkit.loggers._csv import CSVLogger
+from distkit.loggers._mlflow import MLflowLogger
 from distkit.loggers._tensorboard import TensorBoardLogger
+from distkit.loggers._wandb import WandbLogger
 
-__all__ = ["CSVLogger", "Logger", "TensorBoardLogger"]
+__all__ = ["CSVLogger", "Logger", "MLflowLogger", "TensorBoardLogger", "WandbLogger"]

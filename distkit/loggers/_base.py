@@ -91,6 +91,18 @@ def check_save_dir(logger: str, save_dir: object) -> Path:
     )
 
 
+def check_text(call: str, argument: str, value: object, *, optional: bool = False) -> str | None:
+    """``value`` as a non-empty str (or None, when ``optional``), else a ConfigurationError."""
+    if value is None and optional:
+        return None
+    if isinstance(value, str) and value.strip():
+        return value
+    allowed = "a non-empty str" + (" or None" if optional else "")
+    raise ConfigurationError(
+        f"{call}({argument}=...) must be {allowed}, got {type(value).__name__}: {value!r}"
+    )
+
+
 def check_no_file_in_the_way(call: str, folder: Path, arguments: str) -> None:
     """Refuse a ``folder`` that can never be created because a part of it is a file.
 

@@ -360,7 +360,7 @@ def test_loggers_import_leaves_tensorboard_unimported():
 # --- Logger, the base ----------------------------------------------------------------------
 
 
-class MLflowLogger(Logger):
+class HandWrittenMLflow(Logger):
     """What a user writes to send the trainer's records to MLflow (the module is passed in)."""
 
     _STATUS = {"success": "FINISHED", "failed": "FAILED", "interrupted": "KILLED"}
@@ -380,7 +380,7 @@ class MLflowLogger(Logger):
 
 def test_logger_subclass_adapts_another_tracker_in_a_few_lines():
     mlflow = mock.Mock()
-    logger = MLflowLogger(mlflow)
+    logger = HandWrittenMLflow(mlflow)
 
     logger.log_hyperparams({"lr": 0.1})
     logger.log_metrics({"train_loss": 0.5}, step=1)
@@ -472,4 +472,6 @@ def test_logger_strict_that_is_not_a_bool_is_refused(tmp_path, strict):
 
 
 def test_loggers_public_names_are_pinned():
-    assert distkit.loggers.__all__ == ["CSVLogger", "Logger", "TensorBoardLogger"]
+    assert distkit.loggers.__all__ == [
+        "CSVLogger", "Logger", "MLflowLogger", "TensorBoardLogger", "WandbLogger",
+    ]  # fmt: skip
