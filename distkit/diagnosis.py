@@ -17,7 +17,12 @@ from distkit.launch._env import LaunchEnv
 
 @dataclass(frozen=True)
 class MachineFacts:
-    """torch, CUDA and the launcher as this process sees them."""
+    """torch, CUDA and the launcher as this process sees them.
+
+    ``launcher_problem`` is why the launcher's variables cannot start a run (a Kubeflow pod
+    set up for torchrun running plain ``python``, a rank outside the world); ``launcher`` is
+    then a plain process.
+    """
 
     python: str
     torch_version: str
@@ -26,6 +31,7 @@ class MachineFacts:
     nccl: bool
     gloo: bool
     launcher: LaunchEnv
+    launcher_problem: str | None = None
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,10 @@ def collect_machine() -> MachineFacts:
     import torch.distributed as dist
 
     distributed = dist.is_available()
+    try:
+        launcher, problem = LaunchEnv.detect(), None
+    except ValueError as exc:  # ConfigurationError too: the doctor reports it, and goes on
+        launcher, problem = LaunchEnv(), str(exc)
     return MachineFacts(
         python=sys.executable,
         torch_version=str(torch.__version__),
@@ -64,5 +74,6 @@ def collect_machine() -> MachineFacts:
         distributed=distributed,
         nccl=distributed and dist.is_nccl_available(),
         gloo=distributed and dist.is_gloo_available(),
-        launcher=LaunchEnv.detect(),
+        launcher=launcher,
+        launcher_problem=problem,
     )

@@ -16,6 +16,7 @@ from typing import Any
 
 from distkit.diagnosis import MachineFacts, StrategyReport, collect_machine
 from distkit.errors import DistkitError
+from distkit.launch._env import LaunchEnv
 from distkit.launch.families import SingleProcess
 from distkit.registry import DEFAULT_REGISTRY, StrategyRegistry
 
@@ -71,6 +72,8 @@ def examine(
         auto = registry.auto_name(machine.launcher)
     except DistkitError as exc:
         auto = f"nothing ({exc})"
+    if machine.launcher_problem:
+        auto = f"nothing ({machine.launcher_problem})"
     single = [n for n, cls in classes.items() if isinstance(cls.launcher, SingleProcess)]
     return Checkup(machine, reports, registry.problems(), auto, single)
 
@@ -85,6 +88,16 @@ def to_json(checkup: Checkup) -> dict[str, Any]:
     return data
 
 
+def _launcher_words(env: LaunchEnv) -> str:
+    """The launcher, and the pod it runs in (``"torchrun in a Kubeflow job's pod"``)."""
+    if env.pod is None or env.launcher == "kubeflow":
+        return env.launcher
+    return f"{env.launcher} in a {_POD_WORDS[env.pod]}"
+
+
+_POD_WORDS = {"kubeflow": "Kubeflow job's pod", "kubernetes": "Kubernetes pod"}
+
+
 def render_text(checkup: Checkup) -> str:
     """The report as aligned lines."""
     machine, env = checkup.machine, checkup.machine.launcher
@@ -94,7 +107,7 @@ def render_text(checkup: Checkup) -> str:
         f"python    {machine.python}",
         f"torch     {machine.torch_version}  {cuda}  NCCL: {yes[machine.nccl]}  "
         f"Gloo: {yes[machine.gloo]}",
-        f"launcher  {env.launcher} (rank {env.rank} of {env.world_size})  ->  "
+        f"launcher  {_launcher_words(env)} (rank {env.rank} of {env.world_size})  ->  "
         f"strategy='auto' picks {checkup.auto}",
         "",
     ]

@@ -92,8 +92,9 @@ class LauncherFamily(ABC):
 
 
 class TorchLaunchers(LauncherFamily):
-    """torchrun or ``torch.distributed.launch``, a SLURM step (``srun``), or mpirun when no
-    Horovod claims it; plain ``python`` is a world of one.
+    """torchrun or ``torch.distributed.launch``, a SLURM step (``srun``), a Kubeflow
+    PyTorchJob's replicas (one ``python`` per pod), or mpirun when no Horovod claims it; plain
+    ``python`` is a world of one.
 
     ``distkit run`` starts ``python -m torch.distributed.run`` (torchrun, with this
     interpreter): ``--standalone`` on one node; on several, the same command runs on every node
@@ -105,7 +106,7 @@ class TorchLaunchers(LauncherFamily):
 
     @override
     def recognises(self, env: LaunchEnv) -> bool:
-        return env.is_torch_launcher or env.launcher == "srun" or own_process_group()
+        return env.is_torch_launcher or env.launcher in ("srun", "kubeflow") or own_process_group()
 
     @override
     def accepts(self, env: LaunchEnv) -> bool:

@@ -215,7 +215,8 @@ class StrategyRegistry:
 
         The first ``auto_select`` class whose launcher family recognises ``env`` (built-ins
         first, then registered ones, then plugins). With distkit's own: torchrun /
-        ``torch.distributed.launch``, a SLURM step or a process group the user made -> the
+        ``torch.distributed.launch``, a SLURM step, a Kubeflow PyTorchJob's replicas (one
+        process per pod) or a process group the user made -> the
         torch launchers' strategy; horovodrun -> Horovod's; mpirun -> Horovod's where Horovod
         is installed, else the torch launchers'; a plain process -> the single-process one.
         """

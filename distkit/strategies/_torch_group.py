@@ -1,7 +1,8 @@
 """Forming and leaving torch.distributed's default process group, for ddp, fsdp and apex.
 
 Under torchrun the launcher's rendezvous (``env://`` variables, a TCP store); under a
-cluster launcher (SLURM, mpirun) a store of distkit's own at rank 0's address, with a hint
+cluster launcher (SLURM, mpirun, a Kubeflow PyTorchJob's pods) a store of distkit's own at
+rank 0's address, with a hint
 while ranks wait for each other; under plain ``python`` a world of one on an in-process
 store. The collective timeout is resolved here (the strategy's own, else the Trainer's, else
 torch's 30 minutes).
@@ -44,7 +45,8 @@ def init_process_group(
     use_cuda = torch.cuda.is_available()
     if dist.is_initialized():
         rank, world_size = dist.get_rank(), dist.get_world_size()
-        local_rank = env.local_rank if env.is_torch_launcher else rank
+        own_local_rank = env.is_torch_launcher or env.launcher == "kubeflow"  # 0: one per pod
+        local_rank = env.local_rank if own_local_rank else rank
         return _topology(rank, local_rank, world_size, use_cuda, strategy), False
     chosen = backend or ("nccl" if use_cuda else "gloo")
     if chosen not in dist.Backend.backend_list and chosen not in ("nccl", "gloo", "mpi"):
@@ -134,13 +136,22 @@ def _cluster_store(env: LaunchEnv, timeout: timedelta) -> dist.Store:
     try:
         store = _job_store(env.master_addr, env.master_port, env.world_size, env.rank, timeout)
     except (RuntimeError, OSError) as exc:
+        if env.launcher == "kubeflow":
+            check = (
+                "that the master pod is running (`kubectl get pods`), that MASTER_ADDR (the "
+                "master's service) resolves in this pod and that MASTER_PORT is the port the "
+                "master container declares"
+            )
+        else:
+            check = (
+                "that every task was started by the same step (a `python` run straight from an "
+                "sbatch script starts one task, not SLURM_NTASKS: use srun), that MASTER_ADDR "
+                "names the first task's host and resolves on every node, and that MASTER_PORT "
+                "is free (set it by hand if two jobs share a node)"
+            )
         raise LauncherMismatchError(
             f"rank {env.rank} of a {env.launcher} job could not meet the others at "
-            f"{env.master_addr}:{env.master_port} ({type(exc).__name__}: {exc}). Check that "
-            "every task was started by the same step (a `python` run straight from an sbatch "
-            "script starts one task, not SLURM_NTASKS: use srun), that MASTER_ADDR names the "
-            "first task's host and resolves on every node, and that MASTER_PORT is free "
-            "(set it by hand if two jobs share a node)"
+            f"{env.master_addr}:{env.master_port} ({type(exc).__name__}: {exc}). Check {check}"
         ) from exc
     return _next_group_scope(store, "distkit", env.rank)
 
@@ -203,6 +214,8 @@ def _hint_while_waiting(env: LaunchEnv, timeout: timedelta) -> Iterator[None]:
 def _print_wait_hint(env: LaunchEnv, waited: float, timeout: timedelta) -> None:
     if env.launcher == "srun":
         check = "`sacct -j $SLURM_JOB_ID`, the step's output"
+    elif env.launcher == "kubeflow":
+        check = "`kubectl get pods` and the master pod's log"
     else:
         check = "mpirun's -np and its output"
     print(
@@ -233,7 +246,8 @@ def _wait_for_tasks(store: dist.Store, world_size: int, timeout: timedelta) -> N
                 f"distkit: rank 0 has waited {waited:.0f}s for {world_size - joined} of "
                 f"{world_size} tasks. Under SLURM, start the tasks with srun (`srun python "
                 "train.py`): a `python train.py` in an sbatch script is one process that SLURM "
-                "still calls rank 0 of SLURM_NTASKS. Under mpirun, check -np.",
+                "still calls rank 0 of SLURM_NTASKS. Under mpirun, check -np. Under Kubeflow, "
+                "check that every worker pod was scheduled (`kubectl get pods`).",
                 file=sys.stderr,
                 flush=True,
             )
