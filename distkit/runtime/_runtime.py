@@ -15,7 +15,7 @@ import os
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
@@ -27,6 +27,7 @@ from distkit.data._batch_plan import batch_plan
 from distkit.data._feed import eval_batches, train_feed
 from distkit.data._stream_spec import StreamSpec, is_stream
 from distkit.errors import ConfigurationError, TrainerClosedError
+from distkit.faults import _preempt
 from distkit.faults._faults import fail_fast
 from distkit.faults._preempt import Preemption
 from distkit.faults._progress import Progress
@@ -40,6 +41,7 @@ from distkit.runtime._evaluation import EvalStepFn, LossFn, Metrics, as_score, e
 from distkit.runtime._loader import RuntimeLoader
 from distkit.runtime._loop import LoopState
 from distkit.runtime._predict import PredictFn, PredictPlan, prepare_predict, run_predict
+from distkit.runtime._preemption import LoopPreemption
 from distkit.runtime._preparation import checked_placement, prepare_evaluate
 from distkit.runtime._set_up import SetUpModel, SetUpOptimizer
 from distkit.runtime._setups import SetupCache
@@ -74,6 +76,11 @@ class Runtime:
         activation_checkpointing: module classes (``[Block]``) or a predicate
             ``fn(module) -> bool``: each matching module of a model set up here keeps no
             activations and recomputes them in backward (non-reentrant; None: off).
+        preempt_signals: signals that preempt the ``with rt:`` block (None or ``()``: off, as
+            the Runtime has no folder of its own to save in): they are noted, not raised;
+            your loop calls :meth:`preempted` after each optimizer step and, once it is True
+            (on every rank at the same step), saves and calls :meth:`finish_preemption`.
+        requeue: :meth:`finish_preemption` asks SLURM to requeue the job (rank 0).
 
     The arguments mean what :class:`~distkit.Trainer`'s arguments of the same names mean.
     """
@@ -91,8 +98,21 @@ class Runtime:
         hang_warning: float | None = 300.0,
         collective_timeout: float | None = None,
         activation_checkpointing: ActivationCheckpointing = None,
+        preempt_signals: Any = None,
+        requeue: bool = False,
     ) -> None:
         checkpointing = checkpoint_policy(activation_checkpointing)
+        #: the signals that preempt a ``with rt:`` block (off unless given: see preempted())
+        self.preempt_signals = _preempt.preempt_signals(preempt_signals or (), "runtime")
+        check_flags(requeue=requeue)
+        if requeue and not self.preempt_signals:
+            raise ConfigurationError(
+                "Runtime(requeue=True) requeues the job after a preemption, but no "
+                "preempt_signals were given: pass preempt_signals=(signal.SIGTERM, "
+                "signal.SIGUSR1) too, and call rt.preempted() after each optimizer step"
+            )
+        self.requeue = requeue
+        self._preemption: LoopPreemption | None = None
         check_runtime_arguments(
             grad_accum_steps=grad_accum_steps,
             seed=seed,
@@ -140,7 +160,13 @@ class Runtime:
         rank stops every rank within ``fault_timeout`` seconds, Ctrl-C and SIGTERM stop the
         whole job, and a collective stuck longer than ``hang_warning`` names the rank that
         holds it up. The Runtime closes at the block's end."""
-        guard = self.guarded(fault_timeout=self.fault_timeout, hang_warning=self.hang_warning)
+        preempt = None
+        if self.preempt_signals:
+            preempt = Preemption(self.preempt_signals, requeue=self.requeue)
+            self._preemption = LoopPreemption(preempt)
+        guard = self.guarded(
+            fault_timeout=self.fault_timeout, hang_warning=self.hang_warning, preempt=preempt
+        )
         guard.__enter__()
         self._block_guard = guard
         return self
@@ -149,11 +175,40 @@ class Runtime:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any
     ) -> None:
         guard, self._block_guard = self._block_guard, None
+        self._preemption = None
         try:
             if guard is not None:
                 guard.__exit__(exc_type, exc, tb)  # raises what replaces ``exc``, if anything
         finally:
             self.close()
+
+    def preempted(self) -> bool:
+        """Whether a preempting signal stops the loop here: call it after each optimizer step,
+        on every rank, inside ``with rt:``. False (one attribute read) until a signal reaches
+        any rank; then True on every rank at the same call, the ranks having agreed on it
+        (see ``Runtime(preempt_signals=...)``). Save then, and call :meth:`finish_preemption`.
+        Always False without ``preempt_signals``."""
+        if not self.preempt_signals:
+            return False
+        if self._preemption is None:
+            raise ConfigurationError(
+                "rt.preempted() outside `with rt:`: the preempt_signals are listened to only "
+                "inside the runtime's with-block; run your loop in `with distkit.Runtime(...) "
+                "as rt:`"
+            )
+        return self._preemption.preempted(self.strategy)
+
+    def finish_preemption(self, checkpoint: str | os.PathLike[str] | None = None) -> NoReturn:
+        """After :meth:`preempted` said True and the loop saved (``checkpoint``: where): print
+        the timeline (rank 0), run the signal's previous handler, requeue (``requeue=True``,
+        rank 0) and raise :class:`~distkit.errors.TrainingPreempted` (exit status 128 + the
+        signal's number). Call it on every rank."""
+        if self._preemption is None:
+            raise ConfigurationError(
+                "rt.finish_preemption() without a preemption: it ends a `with rt:` block whose "
+                "rt.preempted() returned True"
+            )
+        self._preemption.finish(self.rank, checkpoint)
 
     @override
     def __repr__(self) -> str:

@@ -1,0 +1,62 @@
+"""Preemption in a user's own loop: ``Runtime(preempt_signals=...)``, ``rt.preempted()``.
+
+Inside ``with rt:`` the runtime's signals are noted, not raised (see
+:mod:`distkit.faults._preempt`). The loop asks ``rt.preempted()`` once per optimizer step,
+after ``optimizer.step()``, on every rank; it returns True on every rank at the same call,
+the step the ranks agreed on. The loop then saves (``rt.save``) and calls
+``rt.finish_preemption(path)``, which prints the timeline, runs the signal's previous handler,
+requeues (``requeue=True``, rank 0) and raises :class:`~distkit.errors.TrainingPreempted`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import NoReturn
+
+from distkit.errors import ConfigurationError, RankDisagreementError
+from distkit.faults._preempt import Preemption, Stop, finish
+from distkit.runtime._call_tags import tagged_sum
+from distkit.strategies.base import Strategy
+
+
+class LoopPreemption:
+    """One ``with rt:`` block's preemption: the calls to ``rt.preempted()`` are its steps."""
+
+    def __init__(self, preempt: Preemption) -> None:
+        self.preempt = preempt
+        self.steps = 0
+        self.stop: Stop | None = None
+
+    def preempted(self, strategy: Strategy) -> bool:
+        """One step boundary: True on every rank at the agreed one (and at every call after)."""
+        if self.stop is not None:
+            return True
+        self.steps += 1
+        if not self.preempt.due(self.steps):
+            return False
+        step = self.steps
+        (total,) = tagged_sum(strategy, "preempt", [float(step)])
+        if total != step * strategy.world_size:
+            raise RankDisagreementError(
+                f"rt.preempted(): the ranks stopped at different calls (this rank at call "
+                f"{step}, their calls sum to {total:g} over {strategy.world_size} ranks); call "
+                "it exactly once per optimizer step on every rank"
+            )
+        self.stop = self.preempt.stop(step)
+        return True
+
+    def finish(self, rank: int, checkpoint: str | os.PathLike[str] | None) -> NoReturn:
+        if self.stop is None:
+            raise ConfigurationError(
+                "rt.finish_preemption() before rt.preempted() returned True: call it once "
+                "the ranks agreed to stop and the run is saved"
+            )
+        self.stop.saved_at = time.time()
+        self.stop.checkpoint = None if checkpoint is None else os.fspath(checkpoint)
+        finish(self.preempt, self.stop, rank=rank, say=_say)
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
