@@ -30,6 +30,7 @@ from distkit.registry import BUILTIN_STRATEGIES as _BUILTINS
 from distkit.registry import available_strategies, register_strategy
 from distkit.runtime._empty import init_empty
 from distkit.runtime._prediction_files import read_predictions
+from distkit.runtime._profiler import Profiler
 from distkit.runtime._runtime import Runtime
 from distkit.strategies.base import Strategy, Topology, TrainOptions
 from distkit.strategies.syncbn import GlobalBatchNorm
@@ -63,6 +64,7 @@ __all__ = [
     "MissingDependencyError",
     "PeerFailureError",
     "PeerStuckError",
+    "Profiler",
     "Runtime",
     "ShardedStream",
     "Strategy",

@@ -32,6 +32,7 @@ PUBLIC_NAMES = [
     "MissingDependencyError",
     "PeerFailureError",
     "PeerStuckError",
+    "Profiler",
     "Runtime",
     "ShardedStream",
     "Strategy",

@@ -43,6 +43,7 @@ from distkit.runtime._loop import LoopState
 from distkit.runtime._predict import PredictFn, PredictPlan, prepare_predict, run_predict
 from distkit.runtime._preemption import LoopPreemption
 from distkit.runtime._preparation import checked_placement, prepare_evaluate
+from distkit.runtime._profiler import Profiler, ProfileRun, user_profile
 from distkit.runtime._set_up import SetUpModel, SetUpOptimizer
 from distkit.runtime._setups import SetupCache
 from distkit.runtime._user_checkpoint import load_state, save_state
@@ -548,6 +549,27 @@ class Runtime:
         self.require_open("main_process_first")
         with self.strategy.main_process_first():
             yield
+
+    @contextlib.contextmanager
+    def profile(self, settings: Profiler | None = None, /, **options: Any) -> Iterator[ProfileRun]:
+        """Run ``torch.profiler`` over a window of your loop's steps; call ``.step()`` on
+        what it yields after each optimizer step.
+
+        ``options`` are :class:`~distkit.Profiler`'s fields (``dir``, ``wait``, ``warmup``,
+        ``active``, ``repeat``, ``skip_first``, ``ranks``, ``record_shapes``,
+        ``profile_memory``, ``with_stack``), or pass a ``Profiler`` (``options`` then
+        replace its fields). Each chosen rank writes ``<dir>/rank<r>/rank<r>.<step>.pt.trace.json``
+        per cycle (Chrome trace format, read by TensorBoard's profiler plugin too); the
+        others run no profiler and their ``.step()`` does nothing. The profiler stops when
+        the block ends, on an error too (a cycle cut short is still written whole).
+        Not a collective.
+        """
+        self.require_open("profile")
+        run = user_profile(
+            settings, options, rank=self.rank, world_size=self.world_size, device=self.device
+        )
+        with run:
+            yield run
 
     def print(self, *values: object, **kwargs: Any) -> None:
         """``print`` on rank 0 only (flushed, so it shows at once under a launcher)."""

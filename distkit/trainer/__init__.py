@@ -22,6 +22,7 @@ from distkit.runtime import _agreement, _compile, _resume, _saving, _weights
 from distkit.runtime._checkpointing import ActivationCheckpointing
 from distkit.runtime._evaluation import LossFn, Metrics
 from distkit.runtime._predict import PredictFn
+from distkit.runtime._profiler import Profiler
 from distkit.runtime._resume import LatestFit
 from distkit.runtime._runtime import Runtime
 from distkit.strategies._placement import check_claims
@@ -151,6 +152,13 @@ class Trainer:
         requeue: after a preemption's checkpoint, rank 0 asks SLURM to requeue the job
             (``scontrol requeue $SLURM_JOB_ID``; submit it with ``sbatch --requeue``); the next
             start resumes with ``resume="auto"``. Outside SLURM it says so and does nothing.
+        profiler: ``torch.profiler`` over a window of optimizer steps, with ``distkit/data``,
+            ``distkit/forward``, ``distkit/backward``, ``distkit/optimizer`` and
+            ``distkit/allreduce_probe`` ranges: True (or ``"pytorch"``) for the defaults, or
+            a :class:`~distkit.Profiler` (folder, window, ranks, shapes, memory, stacks).
+            Each chosen rank writes a Chrome trace per cycle,
+            ``<dir>/rank<r>/rank<r>.<step>.pt.trace.json`` (TensorBoard's profiler plugin reads
+            them too). None (default): off, at no cost.
 
     ``trainer.config`` holds every setting but the strategy, the callbacks and the loggers as
     one frozen, validated value; ``trainer.max_epochs = 5`` (and the like) replaces it,
@@ -218,6 +226,7 @@ class Trainer:
         runtime: Runtime | None = None,
         preempt_signals: Any = None,
         requeue: bool = False,
+        profiler: bool | str | Profiler | None = None,
     ) -> None:
         #: every setting above but strategy, callbacks and loggers: one frozen, validated
         #: value (assigning ``trainer.max_epochs`` etc. replaces it, validated again)
@@ -258,6 +267,12 @@ class Trainer:
         self._pending: _resume.LoadedCheckpoint | None = (
             None  # a loaded checkpoint for the next fit
         )
+        if self.config.profiling is not None:  # a rank out of range fails here, not in fit
+            try:
+                self.config.profiling.check_world(self.world_size)
+            except ConfigurationError:
+                self.close()
+                raise
         if cudnn_benchmark and self.strategy.device.type == "cuda":
             torch.backends.cudnn.benchmark = True
 

@@ -25,6 +25,7 @@ from distkit.faults import _preempt
 from distkit.runtime._arguments import check_trainer_arguments
 from distkit.runtime._checkpointing import ActivationCheckpointing, checkpoint_policy
 from distkit.runtime._compile import check_compile
+from distkit.runtime._profiler import Profiler, profiler_settings
 from distkit.strategies._placement import input_device_override
 from distkit.strategies._steps import GradientClip
 
@@ -65,6 +66,7 @@ class TrainerConfig:
     activation_checkpointing: ActivationCheckpointing = None
     preempt_signals: Any = None
     requeue: bool = False
+    profiler: bool | str | Profiler | None = None
 
     # derived from the fields above, once, in __post_init__ (validated there)
     #: ``compile``'s ``torch.compile`` arguments (None: off)
@@ -75,6 +77,8 @@ class TrainerConfig:
     clip: GradientClip | None = field(init=False, repr=False, compare=False)
     #: the signals that preempt a fit (``preempt_signals`` resolved: () when off)
     preempt: tuple[signal.Signals, ...] = field(init=False, repr=False, compare=False)
+    #: ``profiler`` as settings (None: off)
+    profiling: Profiler | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         fields = dataclasses.fields(self)
@@ -87,6 +91,7 @@ class TrainerConfig:
         checkpoint_policy(self.activation_checkpointing)  # refuses what it cannot take
         derive("preempt", _preempt.preempt_signals(self.preempt_signals, self.checkpoint_dir))
         check_flags(requeue=self.requeue)
+        derive("profiling", profiler_settings(self.profiler))
         if self.requeue and not self.preempt:
             raise ConfigurationError(
                 "requeue=True asks SLURM to requeue the job after a preemption checkpoint, but "

@@ -9,6 +9,7 @@ never the Trainer (``owner`` is only handed to the callbacks).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +22,7 @@ from distkit.runtime import _resume, _saving
 from distkit.runtime._fit_state import FitState
 from distkit.runtime._loader import RuntimeLoader
 from distkit.runtime._preparation import samples_of
+from distkit.runtime._profiler import open_profile
 from distkit.runtime._resume import LatestFit
 from distkit.runtime._runtime import Runtime
 from distkit.runtime._snapshot import RunSnapshot
@@ -145,6 +147,7 @@ def train(
             losses=LossLedger(strategy.device, watch=config.nonfinite == "raise"),
             watch=NonFiniteWatch(config.nonfinite == "raise", config.log_every_n_steps),
             before_step=before_step,
+            profile=profile,
         )
         run = EpochLoop(
             config=config,
@@ -164,11 +167,14 @@ def train(
         run.run()
 
     elastic = strategy.elastic
+    # None when off (or on a rank the settings leave out): the loop then checks only that
+    profile = open_profile(config.profiling, strategy.rank, strategy.device, strategy.world_size)
     try:
-        if elastic is None:
-            body()
-        else:  # run again, from the last commit, whenever the group changed
-            elastic.run(body, RunSnapshot(model, optimizer, scheduler, state, callbacks))
+        with contextlib.nullcontext() if profile is None else profile:
+            if elastic is None:
+                body()
+            else:  # run again, from the last commit, whenever the group changed
+                elastic.run(body, RunSnapshot(model, optimizer, scheduler, state, callbacks))
     finally:
         runtime.loop.end_fit()
     return runs[-1]

@@ -17,6 +17,7 @@ from distkit.errors import NonFiniteLossError as NonFiniteLossError  # its old h
 from distkit.faults._progress import Progress
 from distkit.runtime._fit_state import FitState as FitState  # its old home
 from distkit.runtime._loader import RuntimeLoader
+from distkit.runtime._profiler import ProfileRun
 from distkit.runtime._runtime import Runtime
 from distkit.runtime._set_up import SetUpModel, SetUpOptimizer
 from distkit.runtime._step_result import training_loss
@@ -88,6 +89,8 @@ class StepLoop:
     #: the callbacks' ``on_before_optimizer_step``, run by the strategy's step on the final
     #: gradients; None when no callback overrides it: the step then finalizes nothing early
     before_step: Callable[[], None] | None = None
+    #: the fit's profiler on this rank (None: off, and no range is opened)
+    profile: ProfileRun | None = None
 
     @property
     def strategy(self) -> Strategy:
@@ -143,11 +146,17 @@ class StepLoop:
         timer = self.timer = StepTimer(strategy.device)
         start_position = state.position
         timer.start()
+        profile = self.profile
+        ranges = None if profile is None else profile.ranges
+        if ranges is not None:
+            ranges.begin("data")
         with bar, contextlib.closing(iter(loader)) as batches:
             for batch in batches:
                 micro = loop.micro  # the batch's micro-batch: its weight, its window's end
                 assert micro is not None
                 timer.mark("data")
+                if ranges is not None:
+                    ranges.begin("forward")
                 if fresh_step:
                     # freed here, before forward, as a hand-written loop does: freed right
                     # after the step instead, with the step's activations, the allocator
@@ -165,11 +174,15 @@ class StepLoop:
                     with model.local_context(), strategy.autocast():
                         loss, items = training_loss(self._loss(batch), source)
                     timer.mark("forward")
+                    if ranges is not None:
+                        ranges.begin("backward")
                     progress.phase = "backward"
                     # weighted by the micro-batch's share; returned unweighted, one value (a
                     # token-exact total: scaled, its items noted; returned as its mean)
                     loss = loop.propagate(loss, inner, count=items, owners=owners)
                 timer.mark("backward")
+                if ranges is not None:
+                    ranges.end()
                 counted = micro.count
                 # "skip" reads the loss here (its step reads the gradients anyway); "raise"
                 # reads the noted losses at the next check point: no host sync
@@ -187,22 +200,32 @@ class StepLoop:
                 bar.update()
                 if micro.last_in_step:
                     progress.phase = "optimizer"
+                    if ranges is not None:
+                        ranges.begin("optimizer")
                     losses.add_step(step_losses, step_counts, state.epoch, state.global_step)
                     outcome, norm = self._step(state)
                     state.samples = state.samples + step_items
                     timer.mark("optimizer")
+                    if ranges is not None:
+                        ranges.end()
                     timer.steps += 1
                     progress.step = state.global_step
                     result = StepResult(
                         step_losses, step_counts, step_samples, step_items, outcome, norm
                     )
                     stopped = after_step(state, result)
+                    if profile is not None:
+                        profile.step()  # the step's callbacks and logs count in its window
                     step_losses, step_counts, step_samples, step_items = [], [], 0, 0
                     fresh_step = True
                     timer.mark("other")  # checkpoints: not part of a step
                     if stopped:
                         break
                 progress.phase = "data"
+                if ranges is not None:
+                    ranges.begin("data")
+        if ranges is not None:
+            ranges.end()
         timer.samples = state.position - start_position
         optimizer.clear()  # no gradients held through validation and checkpoints
         return stopped
@@ -215,7 +238,8 @@ class StepLoop:
         # a collective on every rank, here at the same point; a separate buffer (no training
         # state), so the epoch trained exactly as it would without it
         numel, dtype = _comm_probe.gradient_size(self.model)
-        comm_ms = _comm_probe.allreduce_ms(self.strategy, numel, dtype)
+        with _NOTHING if self.profile is None else self.profile.ranges.around("allreduce_probe"):
+            comm_ms = _comm_probe.allreduce_ms(self.strategy, numel, dtype)
         mine = torch.tensor(
             [state.settled_loss_sum(), float(state.samples), float(state.skipped_steps), comm_ms],
             dtype=torch.float64,
