@@ -216,6 +216,7 @@ TRAINER_ARGUMENTS: list[tuple[str, object, str]] = [
     ("shuffle", "no", "shuffle must be True or False, got 'no'"),
     ("sync_batchnorm", 1, "sync_batchnorm must be True or False, got 1"),
     ("cudnn_benchmark", "yes", "cudnn_benchmark must be True or False, got 'yes'"),
+    ("deterministic", "on", "deterministic must be False, True or 'warn', got 'on'"),
     ("resume", True, "resume must be 'auto', a checkpoint path, or None, got True"),
     ("resume", 123, "resume must be 'auto', a checkpoint path, or None, got 123"),
     ("resume", "auto", "resume='auto' needs checkpoint_dir"),

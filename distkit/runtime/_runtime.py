@@ -36,6 +36,7 @@ from distkit.runtime import _agreement, _weights
 from distkit.runtime._arguments import check_runtime_arguments, check_setup_args
 from distkit.runtime._call_tags import tagged_sum
 from distkit.runtime._checkpointing import ActivationCheckpointing, checkpoint_policy
+from distkit.runtime._determinism import Determinism, apply_determinism, check_deterministic
 from distkit.runtime._empty import init_empty
 from distkit.runtime._evaluation import EvalStepFn, LossFn, Metrics, as_score, evaluate_shard
 from distkit.runtime._loader import RuntimeLoader
@@ -51,6 +52,16 @@ from distkit.strategies._placement import Placement
 from distkit.strategies._steps import GradientClip
 from distkit.strategies.base import Strategy, Topology, TrainOptions
 from distkit.strategies.precision import normalize_precision
+
+
+def _shutdown(setups: SetupCache, settings: Determinism | None) -> None:
+    """A Runtime's close: the strategy torn down, then the global settings it changed."""
+    try:
+        setups.shutdown()
+    finally:
+        if settings is not None:
+            settings.restore()
+
 
 #: set on an exception a fail-fast guard handled (the peers know): outer guards let it pass
 _HANDLED = "_distkit_failure_handled"
@@ -82,6 +93,9 @@ class Runtime:
             your loop calls :meth:`preempted` after each optimizer step and, once it is True
             (on every rank at the same step), saves and calls :meth:`finish_preemption`.
         requeue: :meth:`finish_preemption` asks SLURM to requeue the job (rank 0).
+        deterministic: True or ``"warn"``: torch's deterministic algorithms, cuDNN and
+            cuBLAS settings while this Runtime is open, put back as they were at
+            :meth:`close`; False (default) leaves them as they are.
 
     The arguments mean what :class:`~distkit.Trainer`'s arguments of the same names mean.
     """
@@ -101,8 +115,10 @@ class Runtime:
         activation_checkpointing: ActivationCheckpointing = None,
         preempt_signals: Any = None,
         requeue: bool = False,
+        deterministic: bool | str = False,
     ) -> None:
         checkpointing = checkpoint_policy(activation_checkpointing)
+        check_deterministic(deterministic)
         #: the signals that preempt a ``with rt:`` block (off unless given: see preempted())
         self.preempt_signals = _preempt.preempt_signals(preempt_signals or (), "runtime")
         check_flags(requeue=requeue)
@@ -133,8 +149,16 @@ class Runtime:
         self.seed = seed
         self.fault_timeout = fault_timeout
         self.hang_warning = hang_warning
-        self.strategy = make_strategy(strategy)
-        self.strategy.start(options)
+        #: the ``deterministic`` argument, as given
+        self.deterministic = deterministic
+        before = apply_determinism(deterministic)  # before the strategy's first CUDA work
+        try:
+            self.strategy = make_strategy(strategy)
+            self.strategy.start(options)
+        except BaseException:
+            if before is not None:
+                before.restore()
+            raise
         #: this rank's place; kept past close() (handlers after a failure still ask "am I
         #: rank 0?"), and renewed when an elastic strategy re-forms its group
         self.topology: Topology = self.strategy.topology
@@ -144,7 +168,7 @@ class Runtime:
         #: where this rank is (step, phase), for the watchdog's hang reports
         self.progress = Progress()
         self._failure_channel: Any = None
-        self._finalizer = weakref.finalize(self, self.setups.shutdown)
+        self._finalizer = weakref.finalize(self, _shutdown, self.setups, before)
         #: what the loop over this runtime holds (a user's loop, or the Trainer's fit): its
         #: set-up models and optimizers, its micro-batch, its losses' backward
         self.loop = LoopState(self.strategy, self.setups, self.progress)

@@ -44,7 +44,9 @@ class FitResult:
 
     Attributes:
         history: one dict per epoch, ``{"epoch", "train_loss", "skipped_steps", "val_loss",
-            "val_<metric>"...}``, identical on every rank.
+            "val_<metric>"...}`` with the timing (``time_*``, ``samples_per_s``) and peak
+            memory (``peak_mem_mib``, ``peak_mem_rank``, ``peak_mem_min_mib``; on CUDA
+            ``peak_reserved_mib``) entries of the Performance page, identical on every rank.
         validations: one dict per validation, ``{"step", "epoch", "val_loss",
             "val_<metric>"...}`` (every ``val_every_n_steps`` steps and at each epoch's end).
         stopped_early: ``should_stop`` (e.g. :class:`~distkit.callbacks.EarlyStopping`)
@@ -131,6 +133,12 @@ class Trainer:
             its convolution algorithms for each new input shape and keeps the fastest: faster
             for fixed shapes, slower while shapes vary, and not bitwise reproducible). False
             (the default) leaves ``torch.backends.cudnn`` as you set it.
+        deterministic: True: ``torch.use_deterministic_algorithms(True)`` (an operation
+            without a deterministic implementation raises), ``cudnn.deterministic = True``,
+            ``cudnn.benchmark = False`` and ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` where unset,
+            from the Runtime's start (before any CUDA work) until it closes, then put back
+            as they were; ``"warn"``: the same, but such an operation warns. Refuses
+            ``cudnn_benchmark=True``. See the Determinism section of the docs.
         activation_checkpointing: module classes (``[Block]``) or a predicate
             ``fn(module) -> bool``: each matching module keeps no activations for backward
             and recomputes them there (torch's non-reentrant checkpointing, applied before
@@ -139,8 +147,9 @@ class Trainer:
             set-up models), kept open when this Trainer closes: a sweep of fits in one
             process joins the group once. Its strategy and options are the Trainer's
             (``strategy``, ``precision``, ``grad_accum_steps``, ``sync_batchnorm``,
-            ``find_unused_parameters``, ``collective_timeout`` and
-            ``activation_checkpointing`` may be left out, or must match it).
+            ``find_unused_parameters``, ``collective_timeout``,
+            ``activation_checkpointing`` and ``deterministic`` may be left out, or must match
+            it).
         preempt_signals: the signals that preempt a fit: every rank finishes its optimizer
             step, the ranks agree on the step they all stop after (the signal may reach some
             of them only, at different steps), the run is saved in ``checkpoint_dir`` there,
@@ -222,6 +231,7 @@ class Trainer:
         compile: bool | dict[str, Any] = False,
         input_device: str | int | torch.device | None = None,
         cudnn_benchmark: bool = False,
+        deterministic: bool | str = False,
         activation_checkpointing: ActivationCheckpointing = None,
         runtime: Runtime | None = None,
         preempt_signals: Any = None,
@@ -253,13 +263,15 @@ class Trainer:
                 hang_warning=hang_warning,
                 collective_timeout=collective_timeout,
                 activation_checkpointing=activation_checkpointing,
+                deterministic=deterministic,
             )
         else:
             self.runtime = _checked_runtime(runtime, strategy, self.config)
             # the strategy's options are the runtime's: the config says them as they are
             options = runtime.options
             self.config = self.config.replace(
-                **{name: getattr(options, name) for name in _RUNTIME_OPTIONS}
+                **{name: getattr(options, name) for name in _RUNTIME_OPTIONS},
+                deterministic=runtime.deterministic,
             )
         self._closed = False
         self.strategy = self.runtime.strategy
@@ -659,6 +671,12 @@ def _checked_runtime(runtime: object, strategy: object, config: TrainerConfig) -
             f"Trainer(strategy={strategy!r}, runtime=...): the runtime already runs "
             f"{runtime.strategy.name!r}; leave strategy='auto' (the runtime's) or create the "
             "Trainer without a runtime"
+        )
+    if config.deterministic is not False and config.deterministic != runtime.deterministic:
+        raise ConfigurationError(
+            f"Trainer(deterministic={config.deterministic!r}, runtime=...): the runtime was "
+            f"created with deterministic={runtime.deterministic!r}; pass it to "
+            "distkit.Runtime(...), or leave it out here"
         )
     checkpointing = config.activation_checkpointing
     if checkpointing is not None and checkpointing is not runtime.activation_checkpointing:

@@ -25,6 +25,7 @@ from distkit.faults import _preempt
 from distkit.runtime._arguments import check_trainer_arguments
 from distkit.runtime._checkpointing import ActivationCheckpointing, checkpoint_policy
 from distkit.runtime._compile import check_compile
+from distkit.runtime._determinism import check_deterministic
 from distkit.runtime._profiler import Profiler, profiler_settings
 from distkit.strategies._placement import input_device_override
 from distkit.strategies._steps import GradientClip
@@ -63,6 +64,7 @@ class TrainerConfig:
     compile: bool | dict[str, Any] = False
     input_device: str | int | torch.device | None = None
     cudnn_benchmark: bool = False
+    deterministic: bool | str = False
     activation_checkpointing: ActivationCheckpointing = None
     preempt_signals: Any = None
     requeue: bool = False
@@ -92,6 +94,13 @@ class TrainerConfig:
         derive("preempt", _preempt.preempt_signals(self.preempt_signals, self.checkpoint_dir))
         check_flags(requeue=self.requeue)
         derive("profiling", profiler_settings(self.profiler))
+        check_deterministic(self.deterministic)
+        if self.cudnn_benchmark and self.deterministic is not False:
+            raise ConfigurationError(
+                f"cudnn_benchmark=True with deterministic={self.deterministic!r} (given here, "
+                "or by the Runtime passed as runtime=): cuDNN's benchmark picks convolution "
+                "algorithms by timing them, which is not reproducible; drop one of the two"
+            )
         if self.requeue and not self.preempt:
             raise ConfigurationError(
                 "requeue=True asks SLURM to requeue the job after a preemption checkpoint, but "

@@ -27,6 +27,7 @@ from distkit.runtime._runtime import Runtime
 from distkit.trainer._config import TrainerConfig
 from distkit.trainer._logging import LogSink, LogWindow, StepLogs
 from distkit.trainer._losses import step_mean
+from distkit.trainer._memory import MEMORY_KEYS, memory_text
 from distkit.trainer._step_loop import StepLoop, StepResult, mark_stepped
 
 #: the epoch record's per-phase timings stay out of the loggers (they are in the report)
@@ -231,7 +232,7 @@ class EpochLoop:
         loop = self.loop
         if not (self.config.progress and self.runtime.is_main):
             return
-        hidden = ("epoch", "skipped_steps", "samples_per_s")
+        hidden = ("epoch", "skipped_steps", "samples_per_s", *MEMORY_KEYS)  # one part of its own
         parts = [f"epoch {int(record['epoch']) + 1}/{self.config.max_epochs}"]
         parts += [
             f"{k}={v:.4f}"
@@ -240,6 +241,9 @@ class EpochLoop:
         ]
         if record.get("skipped_steps"):
             parts.append(f"skipped_steps={int(record['skipped_steps'])} (non-finite gradients)")
+        memory = memory_text(record)
+        if memory:
+            parts.append(memory)
         tqdm.write(" ".join(parts))
         if loop.timing is not None:
             tqdm.write(loop.timing.table(self.runtime.strategy.comm_phase, loop.loader.num_workers))

@@ -25,7 +25,7 @@ from distkit.strategies._legacy_hooks import takes_before_step
 from distkit.strategies._placement import Placement, follow_output
 from distkit.strategies._steps import GradientClip, StepOutcome
 from distkit.strategies.base import Strategy
-from distkit.trainer import _comm_probe
+from distkit.trainer import _comm_probe, _memory
 from distkit.trainer._fit_call import StepFn
 from distkit.trainer._losses import LossLedger
 from distkit.trainer._nonfinite import NonFiniteWatch
@@ -144,6 +144,7 @@ class StepLoop:
         stopped, fresh_step = False, True  # fresh: the next micro-batch starts a step
         skip_nonfinite = self.settings.nonfinite == "skip"
         timer = self.timer = StepTimer(strategy.device)
+        _memory.reset_peak(strategy.device)  # the epoch's peak, read by epoch_record
         start_position = state.position
         timer.start()
         profile = self.profile
@@ -235,20 +236,27 @@ class StepLoop:
         timer = self.timer
         assert timer is not None, "epoch_record follows run_epoch"
         phases = timer.summary()  # before the probe: its time is no part of the epoch's
+        memory = _memory.peak_mib(self.strategy.device)  # the probe's buffer neither
         # a collective on every rank, here at the same point; a separate buffer (no training
         # state), so the epoch trained exactly as it would without it
         numel, dtype = _comm_probe.gradient_size(self.model)
         with _NOTHING if self.profile is None else self.profile.ranges.around("allreduce_probe"):
             comm_ms = _comm_probe.allreduce_ms(self.strategy, numel, dtype)
         mine = torch.tensor(
-            [state.settled_loss_sum(), float(state.samples), float(state.skipped_steps), comm_ms],
+            [
+                state.settled_loss_sum(),
+                float(state.samples),
+                float(state.skipped_steps),
+                comm_ms,
+                *memory,
+            ],
             dtype=torch.float64,
         )
-        # one collective for the loss sums, the probe and every rank's timing
+        # one collective for the loss sums, the probe, every rank's memory and timing
         per_rank = self.strategy.all_gather(torch.cat([mine, phases]))
         totals = per_rank[:, :3].sum(dim=0)
         self.timing = EpochTiming.from_ranks(
-            per_rank[:, 4:],
+            per_rank[:, 6:],
             timer.samples,
             comm_ms=float(per_rank[:, 3].mean()),  # like the phases: the mean over ranks
             comm_mb=numel * dtype.itemsize / 1e6,
@@ -258,6 +266,7 @@ class StepLoop:
             "train_loss": (totals[0] / totals[1]).item(),
             # every rank skips the same steps
             "skipped_steps": int(totals[2].item()) // self.strategy.world_size,
+            **_memory.memory_record(per_rank[:, 4:6], self.strategy.device),
             **self.timing.as_record(),
         }
 
