@@ -39,6 +39,7 @@ from torch.utils.data import (
 from typing_extensions import override
 
 from distkit.errors import ConfigurationError
+from distkit.faults._preempt import active_signals, shield_worker
 
 
 @dataclass(frozen=True)
@@ -320,12 +321,15 @@ def reseed_workers(loader: DataLoader[Any], seed: int) -> None:
 
 
 class _WorkerSeeder:
-    """Seeds numpy in each DataLoader worker (torch and ``random`` are seeded by torch)."""
+    """Seeds numpy in each DataLoader worker (torch and ``random`` are seeded by torch), and
+    has it ignore the signals that preempt the fit it was made in (its rank saves first)."""
 
     def __init__(self, user_fn: Callable[[int], None] | None) -> None:
         self.user_fn = user_fn
+        self.shield = active_signals()  # taken along to a spawned worker, too
 
     def __call__(self, worker_id: int) -> None:
+        shield_worker(self.shield)
         seed = torch.initial_seed() % 2**32
         np.random.seed(seed)
         random.seed(seed)

@@ -38,7 +38,7 @@ from distkit.errors import DistkitError, PeerFailureError, PeerStuckError, Train
 from distkit.faults import _channel
 from distkit.faults._channel import SideChannel, ack_key, progress_key, stack_key
 from distkit.faults._last_resort import exit_now
-from distkit.faults._preempt import Preemption, listening
+from distkit.faults._preempt import Preemption, active, listening
 from distkit.faults._progress import Position, Progress
 from distkit.faults._signals import Terminated, terminate_as_exception
 from distkit.faults._watchdog import EXIT_CODE, Watchdog
@@ -89,7 +89,10 @@ def fail_fast(
         else:
             preempt.start(rank=strategy.rank, world_size=strategy.world_size, channel=channel)
     try:
-        with _guard(strategy, fault_timeout, hang_warning, progress, on_failure, preempt):
+        with (
+            active(preempt),
+            _guard(strategy, fault_timeout, hang_warning, progress, on_failure, preempt),
+        ):
             yield
     finally:
         if preempt is not None:

@@ -50,6 +50,9 @@ DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 POLL_S = 0.2
 _UNCATCHABLE = (signal.SIGKILL, signal.SIGSTOP)
 _PREFIX = "distkit/preempt"
+#: the signals that preempt the fit running in this process now (() outside one): DataLoader
+#: workers started during it ignore them (see shield_worker)
+_active: tuple[int, ...] = ()
 
 Handler = Callable[[int, FrameType | None], Any] | int | None
 
@@ -291,6 +294,37 @@ class Preemption:
                         self._request = request
             except Exception:  # the channel's host went away: the failure path takes over
                 return
+
+
+def active_signals() -> tuple[int, ...]:
+    """The signals that preempt the fit running in this process (() when none does)."""
+    return _active
+
+
+@contextlib.contextmanager
+def active(preempt: Preemption | None) -> Iterator[None]:
+    """Mark ``preempt``'s signals as this process's preempting ones for the block."""
+    global _active
+    before = _active
+    if preempt is not None:
+        _active = tuple(int(s) for s in preempt.signals)
+    try:
+        yield
+    finally:
+        _active = before
+
+
+def shield_worker(signals: tuple[int, ...]) -> None:
+    """In a DataLoader worker: ignore the preempting ``signals``.
+
+    Schedulers and launchers signal a rank's whole process group (torchrun ``killpg``s each
+    worker's session; ``kill -TERM -<pgid>``), which holds its DataLoader workers. PyTorch's
+    workers die on SIGTERM (and on SIGUSR1, by default), and the rank then fails with "DataLoader
+    worker exited unexpectedly" before it reaches the agreed step. The rank's own process
+    stops the workers once the run is saved, as at any fit's end.
+    """
+    for signum in signals:
+        signal.signal(signum, signal.SIG_IGN)
 
 
 @contextlib.contextmanager

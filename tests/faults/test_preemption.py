@@ -175,6 +175,9 @@ def _steps(seed: int, ranks: list[int]) -> list[str]:
 
 
 CASES = [pytest.param([1], 11, id="one-rank"), pytest.param([0, 1], 12, id="every-rank")]
+#: DataLoader workers, and the signal to the rank's whole process group (as torchrun and
+#: schedulers send it): the workers must outlive it until the run is saved
+WORKERS = ["--num-workers", "2", "--group"]
 
 
 @pytest.mark.parametrize(("ranks", "seed"), CASES)
@@ -184,7 +187,8 @@ def test_preempt_torchrun_ddp_stops_every_rank_at_one_step_and_resumes_exactly(
     reference = _reference(tmp_path_factory, TORCHRUN, "ddp")
     out = tmp_path / "job"
     env, record = _stand_in_scontrol(tmp_path)
-    proc = _run(TORCHRUN, "ddp", out, *_steps(seed, ranks), "--requeue", env=env)
+    workers = WORKERS if len(ranks) == 1 else []
+    proc = _run(TORCHRUN, "ddp", out, *_steps(seed, ranks), *workers, "--requeue", env=env)
     assert proc.returncode != 0
     step = _check_preempted(proc, out, 2, signal.SIGTERM)
     first = min(int(a.split(":")[1]) for a in _steps(seed, ranks) if ":" in a)
@@ -209,7 +213,7 @@ def test_preempt_horovodrun_stops_every_rank_at_one_step_and_resumes_exactly(
 def test_preempt_fsdp_sharded_checkpoint_on_sigusr1_resumes_exactly(tmp_path, tmp_path_factory):
     reference = _reference(tmp_path_factory, TORCHRUN, "fsdp", "--sharded")
     out = tmp_path / "job"
-    proc = _run(TORCHRUN, "fsdp", out, "--sharded", "--send", "USR1", *_steps(5, [0, 1]))
+    proc = _run(TORCHRUN, "fsdp", out, "--sharded", "--send", "USR1", *_steps(5, [0, 1]), *WORKERS)
     step = _check_preempted(proc, out, 2, signal.SIGUSR1)
     assert list((out / "ckpt").glob(f"step-{step:09d}.pt.*.shards"))  # DCP shards, per rank
     _resume_matches(TORCHRUN, "fsdp", out, reference, "--sharded")

@@ -44,6 +44,7 @@ class SignalAt(distkit.Callback):
         self.out, self.signum, self.points, self.second = out, signum, points, second
         self.sleep = sleep
         self.sent = False
+        self.group = False  # signal the process group (its DataLoader workers too)
 
     def on_train_step_end(self, trainer: Any, logs: Any) -> None:
         started = self.out / f"started-{trainer.rank}"
@@ -56,7 +57,10 @@ class SignalAt(distkit.Callback):
         if step is not None and logs["step"] == step and not marker.exists():
             marker.write_text(str(step))
             self.sent = True
-            os.kill(os.getpid(), self.signum)
+            if self.group:
+                os.killpg(os.getpgid(0), self.signum)
+            else:
+                os.kill(os.getpid(), self.signum)
 
     def state_dict(self) -> dict[str, Any]:
         if self.second and self.sent:  # the preemption's save is running: signal again
@@ -78,6 +82,8 @@ def main() -> None:
     parser.add_argument("--requeue", action="store_true")
     parser.add_argument("--max-epochs", type=int, default=2)
     parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--num-workers", type=int, default=0)
+    parser.add_argument("--group", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
     signum = getattr(signal, f"SIG{args.send}")
@@ -86,10 +92,11 @@ def main() -> None:
     if args.sharded:
         strategy = distkit.FSDPStrategy(checkpoint="sharded")
     callback = SignalAt(args.out, signum, points, args.second_signal, args.step_sleep)
+    callback.group = args.group
     trainer = distkit.Trainer(
         strategy, batch_size=4, max_epochs=args.max_epochs, seed=7, progress=False,
         checkpoint_dir=args.out / "ckpt", resume="auto", callbacks=[callback],
-        requeue=args.requeue, log_every_n_steps=5,
+        requeue=args.requeue, log_every_n_steps=5, num_workers=args.num_workers,
     )  # fmt: skip
     rank = trainer.rank
     (args.out / f"pid-{rank}").write_text(str(os.getpid()))
