@@ -91,6 +91,24 @@ def check_save_dir(logger: str, save_dir: object) -> Path:
     )
 
 
+def check_mapping(
+    call: str, argument: str, value: object, *, meaning: str, str_values: bool = False
+) -> dict[str, Any]:
+    """``value`` as a dict with str keys (and str values, when ``str_values``); None gives {}.
+    Anything else is a ConfigurationError saying ``meaning`` (what it must be)."""
+    if value is None:
+        return {}
+    if isinstance(value, Mapping) and all(
+        isinstance(key, str) and (not str_values or isinstance(item, str))
+        for key, item in value.items()
+    ):
+        return dict(value)
+    raise ConfigurationError(
+        f"{call}({argument}=...) must be {meaning} or None, got {type(value).__name__}: "
+        f"{value!r:.80}"
+    )
+
+
 def check_text(call: str, argument: str, value: object, *, optional: bool = False) -> str | None:
     """``value`` as a non-empty str (or None, when ``optional``), else a ConfigurationError."""
     if value is None and optional:

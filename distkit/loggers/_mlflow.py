@@ -20,6 +20,7 @@ from distkit.errors import ConfigurationError, MissingDependencyError
 from distkit.loggers._base import (
     Logger,
     as_numbers,
+    check_mapping,
     check_no_file_in_the_way,
     check_step,
     check_text,
@@ -89,15 +90,9 @@ class MLflowLogger(Logger):
         self.tracking_uri = check_text("MLflowLogger", "tracking_uri", tracking_uri, optional=True)
         self.run_name = check_text("MLflowLogger", "run_name", run_name, optional=True)
         self.run_id: str | None = check_text("MLflowLogger", "run_id", run_id, optional=True)
-        if tags is not None and not (
-            isinstance(tags, Mapping)
-            and all(isinstance(k, str) and isinstance(v, str) for k, v in tags.items())
-        ):
-            raise ConfigurationError(
-                f"MLflowLogger(tags=...) must be a mapping of str to str or None, got "
-                f"{type(tags).__name__}: {tags!r:.80}"
-            )
-        self.tags = dict(tags or {})
+        self.tags = check_mapping(
+            "MLflowLogger", "tags", tags, meaning="a mapping of str to str", str_values=True
+        )
         if find_spec("mlflow") is None:
             raise MissingDependencyError(
                 f"MLflowLogger needs the 'mlflow' package (mlflow-skinny is enough), which is not "

@@ -19,6 +19,7 @@ from distkit.errors import ConfigurationError, MissingDependencyError
 from distkit.loggers._base import (
     Logger,
     as_numbers,
+    check_mapping,
     check_no_file_in_the_way,
     check_save_dir,
     check_step,
@@ -103,14 +104,12 @@ class WandbLogger(Logger):
         self.run_id = check_text("WandbLogger", "run_id", run_id, optional=True)
         self.entity = check_text("WandbLogger", "entity", entity, optional=True)
         self.tags = _check_tags(tags)
-        if settings is not None and not (
-            isinstance(settings, Mapping) and all(isinstance(key, str) for key in settings)
-        ):
-            raise ConfigurationError(
-                f"WandbLogger(settings=...) must be a mapping of wandb.Settings field names to "
-                f"values or None, got {type(settings).__name__}: {settings!r:.80}"
-            )
-        self.settings = dict(settings or {})
+        self.settings = check_mapping(
+            "WandbLogger",
+            "settings",
+            settings,
+            meaning="a mapping of wandb.Settings field names to values",
+        )
         if find_spec("wandb") is None:
             raise MissingDependencyError(
                 f"WandbLogger needs the 'wandb' package, which is not installed. {INSTALL_HINT} "

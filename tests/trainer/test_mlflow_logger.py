@@ -12,14 +12,12 @@ from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
-import torch
-from torch import nn
 
 import distkit
 import distkit.loggers
 from distkit.errors import ConfigurationError, MissingDependencyError, TrainingInterrupted
 from distkit.loggers import MLflowLogger
-from tests.support.workloads import make_dataset, make_mlp
+from tests.support.logger_runs import fit_with_logger
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -63,25 +61,11 @@ def _history(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
     return [(m.step, m.value) for m in _client(uri).get_metric_history(run_id, key)]
 
 
-def _fit(logger: MLflowLogger, *, strategy: str = "dp", fail_at: BaseException | None = None):
-    class Fail(distkit.Callback):
-        def on_train_step_end(self, trainer, logs):
-            if logs["step"] == 3 and fail_at is not None:
-                raise fail_at
-
-    trainer = distkit.Trainer(strategy, batch_size=4, max_epochs=1, progress=False,
-                              log_every_n_steps=2, loggers=[logger],
-                              callbacks=[Fail()])  # fmt: skip
-    model = make_mlp()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    return trainer.fit(model, optimizer, make_dataset(24), loss_fn=nn.functional.cross_entropy)
-
-
 def test_mlflow_logger_fit_reads_back_metrics_params_and_finished(tracking_uri):
     logger = MLflowLogger(experiment="fit", tracking_uri=tracking_uri, run_name="first")
     assert logger.run_id is None
 
-    result = _fit(logger)  # 6 steps: log points 2, 4, 6, then the epoch's row at 6
+    result = fit_with_logger(logger)  # 6 steps: log points 2, 4, 6, then the epoch's row at 6
 
     run = _client(tracking_uri).get_run(logger.run_id)
     assert run.info.status == "FINISHED" and run.info.run_name == "first"
@@ -111,7 +95,7 @@ def test_mlflow_logger_a_fit_that_raises_ends_the_run_with_its_status(tracking_u
     logger = MLflowLogger(experiment="statuses", tracking_uri=tracking_uri)
 
     with pytest.raises(type(error)):
-        _fit(logger, fail_at=error)
+        fit_with_logger(logger, fail_at=error)
 
     assert _client(tracking_uri).get_run(logger.run_id).info.status == status
     assert [step for step, _ in _history(tracking_uri, logger.run_id, "train_loss")] == [2]
@@ -192,7 +176,7 @@ def test_mlflow_logger_a_call_after_finalize_starts_another_run(tracking_uri):
 
 def _rank_logs(uri: str) -> tuple[str | None, bool]:
     logger = MLflowLogger(experiment="ranks", tracking_uri=uri)
-    _fit(logger, strategy="ddp")
+    fit_with_logger(logger, strategy="ddp")
     return logger.run_id, "mlflow" in sys.modules
 
 

@@ -11,35 +11,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 import distkit
 import distkit.loggers
 from distkit.errors import ConfigurationError, MissingDependencyError, TrainingInterrupted
 from distkit.loggers import WandbLogger
+from tests.support.logger_runs import fit_with_logger
 from tests.support.paths import ROOT
 from tests.support.wandb_runs import offline_runs, read_run
-from tests.support.workloads import make_dataset, make_mlp
 
 pytestmark = [
     pytest.mark.timeout(120),
     # find_spec, not importorskip: the ranks import this module, and must not import wandb
     pytest.mark.skipif(find_spec("wandb") is None, reason="needs wandb (the test extra)"),
 ]
-
-
-def _fit(logger: WandbLogger, *, strategy: str = "dp", fail_at: BaseException | None = None):
-    class Fail(distkit.Callback):
-        def on_train_step_end(self, trainer, logs):
-            if logs["step"] == 3 and fail_at is not None:
-                raise fail_at
-
-    trainer = distkit.Trainer(strategy, batch_size=4, max_epochs=1, progress=False,
-                              log_every_n_steps=2, loggers=[logger],
-                              callbacks=[Fail()])  # fmt: skip
-    model = make_mlp()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    return trainer.fit(model, optimizer, make_dataset(24), loss_fn=nn.functional.cross_entropy)
 
 
 def _wandb_children() -> list[str]:
@@ -63,7 +48,7 @@ def test_wandb_logger_offline_fit_reads_back_metrics_config_and_exit_code(tmp_pa
     logger = WandbLogger(project="distkit-tests", save_dir=tmp_path / "wb", offline=True)
     assert not (tmp_path / "wb").exists()  # nothing before the first call
 
-    result = _fit(logger)  # 6 steps: log points 2, 4, 6
+    result = fit_with_logger(logger)  # 6 steps: log points 2, 4, 6
 
     (folder,) = offline_runs(tmp_path / "wb")
     run = read_run(folder)
@@ -95,7 +80,7 @@ def test_wandb_logger_a_fit_that_raises_ends_the_run_with_its_status(tmp_path, e
     logger = WandbLogger(project="distkit-tests", save_dir=tmp_path, offline=True)
 
     with pytest.raises(type(error)):
-        _fit(logger, fail_at=error)
+        fit_with_logger(logger, fail_at=error)
 
     run = read_run(*offline_runs(tmp_path))
     assert run.exit_code == exit_code
@@ -129,7 +114,7 @@ def test_wandb_logger_direct_calls_then_a_second_run_after_finalize(tmp_path):
 
 def _rank_logs(root: str) -> tuple[list[str], bool]:
     save_dir = Path(root)
-    _fit(WandbLogger(project="p", save_dir=save_dir, offline=True), strategy="ddp")
+    fit_with_logger(WandbLogger(project="p", save_dir=save_dir, offline=True), strategy="ddp")
     return sorted(p.name for p in save_dir.glob("*")), "wandb" in sys.modules
 
 
