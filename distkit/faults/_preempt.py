@@ -343,6 +343,14 @@ def listening(preempt: Preemption | None) -> Iterator[None]:
             signal.signal(number, previous if previous is not None else signal.SIG_DFL)
 
 
+def _users_own(handler: Handler) -> bool:
+    """Whether ``handler`` is a handler of the user's (not a default, and not distkit's own:
+    an outer guard's, whose SIGTERM handler would raise its termination over the save)."""
+    if not callable(handler) or handler is signal.default_int_handler:
+        return False
+    return not str(getattr(handler, "__module__", "") or "").startswith("distkit.")
+
+
 def finish(preempt: Preemption, stop: Stop, *, rank: int, say: Callable[[str], None]) -> NoReturn:
     """After the preemption checkpoint: the timeline (rank 0), the signal's previous handler
     (a user's own, on every rank), the requeue (rank 0), then
@@ -361,10 +369,12 @@ def finish(preempt: Preemption, stop: Stop, *, rank: int, say: Callable[[str], N
     if rank == 0:
         say(timeline)
     handler = preempt.previous.get(request.signum)
-    if callable(handler) and handler is not signal.default_int_handler:
-        handler(request.signum, None)  # the user's own: it may raise or exit itself
-    if preempt.requeue and rank == 0:
-        say(f"distkit: {requeue()}")
+    try:
+        if callable(handler) and _users_own(handler):
+            handler(request.signum, None)  # it may raise or exit itself
+    finally:  # the requeue happens whatever that handler did
+        if preempt.requeue and rank == 0:
+            say(f"distkit: {requeue()}")
     raise TrainingPreempted(
         f"training preempted by {request.name} (rank {request.rank}): every rank stopped after "
         f"step {stop.step} and the run was saved{where}; start the job again with "

@@ -15,20 +15,21 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 
 import distkit
-from distkit.errors import ConfigurationError
+from distkit.errors import ConfigurationError, TrainingPreempted
 from distkit.faults._preempt import DEFAULT_SIGNALS
 from distkit.launch._requeue import slurm_job_id
 from tests.support.gates import needs
 from tests.support.horovod_runner import horovodrun_path
 from tests.support.jobs import run_job
 from tests.support.paths import ROOT
-from tests.support.workloads import max_abs_diff
+from tests.support.workloads import make_dataset, make_mlp, max_abs_diff
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -248,3 +249,64 @@ def _wait_for_pids(out: Path, ranks: int, job: subprocess.Popen) -> list[int]:
         assert job.poll() is None and time.monotonic() < deadline, "the job did not start"
         time.sleep(0.05)
     return [int(f.read_text()) for f in files]
+
+
+# ---------------------------------------------------------------------------- in-process
+class _SignalAt3(distkit.Callback):
+    """Rank 0 sends itself SIGTERM after step 3 (then waits: a peer learns of it in 0.2 s)."""
+
+    def on_train_step_end(self, trainer, logs):
+        if logs["step"] == 3 and trainer.rank == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.3)
+
+
+def _fit_to_the_signal(trainer: distkit.Trainer) -> dict:
+    model = make_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        trainer.fit(model, optimizer, make_dataset(64), torch.nn.functional.cross_entropy)
+    except TrainingPreempted as exc:
+        return {"raised": "TrainingPreempted", "step": exc.step, "code": exc.code}
+    except BaseException as exc:
+        return {"raised": type(exc).__name__, "text": str(exc)[:300]}
+    return {"raised": None}
+
+
+def fit_inside_a_runtime_block(out: str) -> dict:
+    """A Trainer's fit inside ``with Runtime(...)`` (no preemption of its own): the outer
+    guard's SIGTERM handler is distkit's, not the user's, and must not run after the save."""
+    with distkit.Runtime("ddp") as rt:
+        trainer = distkit.Trainer(runtime=rt, batch_size=4, progress=False,
+                                  checkpoint_dir=out, callbacks=[_SignalAt3()])  # fmt: skip
+        return _fit_to_the_signal(trainer)
+
+
+def fit_with_a_raising_handler(out: str) -> dict:
+    """The user's own SIGTERM handler raises: the requeue happens all the same."""
+
+    def handler(signum, frame):
+        raise RuntimeError("the user's handler failed")
+
+    signal.signal(signal.SIGTERM, handler)
+    trainer = distkit.Trainer("dp", batch_size=4, progress=False, checkpoint_dir=out,
+                              requeue=True, callbacks=[_SignalAt3()])  # fmt: skip
+    return _fit_to_the_signal(trainer)
+
+
+def test_preempt_inside_a_runtime_block_raises_training_preempted_on_every_rank(
+    run_on_ranks, tmp_path
+):
+    said = run_on_ranks(partial(fit_inside_a_runtime_block, str(tmp_path)), world_size=2)
+    assert [s["raised"] for s in said] == ["TrainingPreempted"] * 2, said
+    assert said[0]["step"] == said[1]["step"] and said[0]["code"] == 143
+    assert (tmp_path / f"step-{said[0]['step']:09d}.pt").exists()
+
+
+def test_preempt_requeues_even_when_the_users_handler_raises(run_on_ranks, tmp_path):
+    env, record = _stand_in_scontrol(tmp_path)
+    run = partial(run_on_ranks, world_size=1, env=env)
+    said = run(partial(fit_with_a_raising_handler, str(tmp_path / "ckpt")))[0]
+    assert said == {"raised": "RuntimeError", "text": "the user's handler failed"}
+    assert record.read_text().split() == ["requeue", "4242"]
+    assert (tmp_path / "ckpt" / "step-000000003.pt").exists()  # saved before the handler ran
