@@ -6,6 +6,7 @@ logger is created, and it is imported on first use, never when ``distkit.loggers
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping
 from importlib.util import find_spec
@@ -31,6 +32,8 @@ INSTALL_HINT = (
 )
 
 STATUSES = {"success": "FINISHED", "failed": "FAILED", "interrupted": "KILLED"}
+#: MLflow 3's opt-out of its refusal of the file store (``file:`` URIs, ``./mlruns``)
+ALLOW_FILE_STORE = "MLFLOW_ALLOW_FILE_STORE"
 
 # MLflow's limits (mlflow.utils.validation): a batch holds at most 100 params and 1000 metrics
 PARAMS_PER_BATCH = 100
@@ -54,9 +57,11 @@ class MLflowLogger(Logger):
         experiment: the experiment's name.
         tracking_uri: where the runs go: ``"sqlite:///runs/mlflow.db"`` (a local database, no
             server; its folder is created at the first call), ``"http://host:5000"`` (a
-            tracking server), ... None: MLflow's default (``MLFLOW_TRACKING_URI``, else
-            ``sqlite:///mlflow.db`` in the working directory). MLflow 3 refuses the old
-            ``./mlruns`` file store unless ``MLFLOW_ALLOW_FILE_STORE=true``.
+            tracking server), ``"file:///runs/mlruns"`` or a folder path (MLflow's file store,
+            which MLflow 3 keeps in maintenance mode and refuses unless
+            ``MLFLOW_ALLOW_FILE_STORE=true``: named here, distkit sets that variable for the
+            process unless you set it yourself), ... None: MLflow's default
+            (``MLFLOW_TRACKING_URI``, else ``sqlite:///mlflow.db`` in the working directory).
         run_name: the run's name (MLflow picks one when None).
         run_id: continue this run (e.g. the run a resumed fit started); its status is set
             back to ``RUNNING`` at the first call.
@@ -111,6 +116,9 @@ class MLflowLogger(Logger):
                 self._database.parent,
                 "tracking_uri",
             )
+        if _file_store(self.tracking_uri):
+            # named explicitly: MLflow 3 keeps this backend behind an opt-out of its refusal
+            os.environ.setdefault(ALLOW_FILE_STORE, "true")
         self._resume = self.run_id  # the user's run: every fit continues it
         self._client: Any = None
         self._open = False  # a run is started and not yet ended
@@ -200,6 +208,14 @@ def _param_value(value: object) -> str:
     text = str(value)  # None -> "None", 0.1 -> "0.1", True -> "True"
     limit = 6000  # mlflow.utils.validation.MAX_PARAM_VAL_LENGTH
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _file_store(uri: str | None) -> bool:
+    """Whether ``uri`` names MLflow's file store: a ``file:`` URI or a folder path."""
+    if uri is None:
+        return False
+    scheme = urlparse(uri).scheme
+    return scheme == "file" or scheme == "" or (len(scheme) == 1 and os.name == "nt")
 
 
 def _sqlite_file(uri: str | None) -> Path | None:

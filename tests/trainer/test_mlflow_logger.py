@@ -82,6 +82,21 @@ def test_mlflow_logger_fit_reads_back_metrics_params_and_finished(tracking_uri):
     logger.finalize("success")  # again: nothing to do
 
 
+@pytest.mark.parametrize("form", ["file-uri", "folder"])
+def test_mlflow_logger_writes_a_file_store_it_is_given_and_it_reads_back(
+    tmp_path, monkeypatch, form
+):
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)  # MLflow 3 refuses it then
+    folder = tmp_path / "mlruns"
+    uri = folder.as_uri() if form == "file-uri" else str(folder)
+    logger = MLflowLogger(experiment="files", tracking_uri=uri)
+    fit_with_logger(logger)
+    run = _client(uri).get_run(logger.run_id)
+    assert run.info.status == "FINISHED" and run.data.params["strategy"] == "dp"
+    assert [step for step, _ in _history(uri, logger.run_id, "lr")] == [2, 4, 6]
+    assert folder.is_dir() and any(folder.rglob("meta.yaml"))  # MLflow's own file layout
+
+
 @pytest.mark.parametrize(
     ("error", "status"),
     [
