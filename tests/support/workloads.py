@@ -31,9 +31,10 @@ def make_bn_model(features: int = 6, classes: int = 3, seed: int = 0) -> nn.Modu
 
 
 def without_timing(history: list[dict]) -> list[dict]:
-    """History records without the (run-dependent) timing entries."""
+    """History records without the run-dependent measurements: timing and peak memory."""
+    measured = ("time_", "peak_")
     return [
-        {k: v for k, v in record.items() if not k.startswith("time_") and k != "samples_per_s"}
+        {k: v for k, v in record.items() if not k.startswith(measured) and k != "samples_per_s"}
         for record in history
     ]
 
