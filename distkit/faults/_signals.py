@@ -21,6 +21,11 @@ thread does, and a small thread reading it (:class:`_SignalWatch`) starts the ti
 main thread has still not run the handler when the grace is over, the timer exits the process
 with 143 (SIGTERM) or 130 (SIGINT) after ``on_blocked`` (which tells the peers). A SIGINT the
 main thread did take is left to the exception, as before: no exit.
+
+Signals that preempt (``preempt_signals``, see :mod:`distkit.faults._preempt`) get a handler
+that only notes them, and no timer: the ranks stop at an agreed step and save, however long
+a collective keeps a main thread (a peer's long save, a slow step); the scheduler's SIGKILL
+ends a job that truly hangs. While a failure is being handled they are timed like SIGTERM.
 """
 
 from __future__ import annotations
@@ -102,7 +107,13 @@ class TermState:
             return
         preempts = self._preempts(signum)
         if preempts and not self.handling and self.preempt is not None:
+            # no exit timer: the ranks stop at the agreed step and save, however long a
+            # collective or a peer's save keeps this main thread; a hang is the scheduler's
+            # to end (its SIGKILL follows the signal by its grace period)
             self.preempt.arrived(signum)
+            with self._lock:
+                self._arrived.add(signum)
+            return
         if signum not in (signal.SIGTERM, signal.SIGINT) and not preempts:
             return
         with self._lock:
@@ -125,14 +136,12 @@ class TermState:
 
     def _expire(self, signum: int) -> None:
         line = None  # on_blocked says what happened itself
-        if signum in self._taken and self._preempts(signum):
-            return  # the main thread has it: the fit stops at the agreed step and saves
+        name = signal.Signals(signum).name
         if signum in self._taken:
             if signum == signal.SIGINT:
                 return  # the main thread has the KeyboardInterrupt: today's behaviour
-            line = f"distkit: SIGTERM received {self.grace:g}s ago; exiting"
+            line = f"distkit: {name} received {self.grace:g}s ago; exiting"
         elif self._ended or self.on_blocked is None:
-            name = signal.Signals(signum).name
             line = f"distkit: {name} received {self.grace:g}s ago; exiting"
         else:
             with contextlib.suppress(Exception):

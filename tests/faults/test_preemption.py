@@ -310,3 +310,39 @@ def test_preempt_requeues_even_when_the_users_handler_raises(run_on_ranks, tmp_p
     assert said == {"raised": "RuntimeError", "text": "the user's handler failed"}
     assert record.read_text().split() == ["requeue", "4242"]
     assert (tmp_path / "ckpt" / "step-000000003.pt").exists()  # saved before the handler ran
+
+
+def fit_signalled_while_blocked(out: str) -> dict:
+    """Rank 1 gets SIGTERM while its main thread waits in an all-reduce for rank 0, which
+    spends 4 s in its forward: longer than the 2 s grace after which a plain SIGTERM ends a
+    blocked rank. A preempting one must wait, and the job stop and save as usual."""
+    import threading
+
+    class Slow(distkit.Callback):
+        def on_train_step_end(self, trainer, logs):
+            if logs["step"] == 2 and trainer.rank == 1:  # delivered once blocked in step 3
+                threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+
+    def step_fn(model, batch):
+        if trainer.rank == 0 and trainer.global_step == 2:
+            time.sleep(4.0)
+        x, y = batch
+        return torch.nn.functional.cross_entropy(model(x), y)
+
+    trainer = distkit.Trainer("ddp", batch_size=4, progress=False, checkpoint_dir=out,
+                              fault_timeout=2.0, callbacks=[Slow()])  # fmt: skip
+    model = make_mlp()
+    try:
+        trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), make_dataset(64),
+                    step_fn=step_fn)  # fmt: skip
+    except TrainingPreempted as exc:
+        return {"raised": "TrainingPreempted", "step": exc.step}
+    except BaseException as exc:
+        return {"raised": type(exc).__name__, "text": str(exc)[:300]}
+    return {"raised": None}
+
+
+def test_preempt_waits_for_a_rank_blocked_in_a_collective_past_the_grace(run_on_ranks, tmp_path):
+    said = run_on_ranks(partial(fit_signalled_while_blocked, str(tmp_path)), world_size=2)
+    assert [s["raised"] for s in said] == ["TrainingPreempted"] * 2, said
+    assert said[0]["step"] == said[1]["step"] >= 3
