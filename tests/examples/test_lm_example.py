@@ -75,7 +75,9 @@ def _without_key_biases(weights: dict[str, torch.Tensor]) -> dict[str, torch.Ten
 
 
 def _epochs(output: str) -> list[str]:
-    return re.findall(r"^epoch \d+/\d+ .*$", output, flags=re.M)
+    """The epoch lines without their peak memory (a measurement of the run, like time)."""
+    lines = re.findall(r"^epoch \d+/\d+ .*$", output, flags=re.M)
+    return [re.sub(r" ?peak_mem=[^)]*\)", "", line) for line in lines]
 
 
 def _same_as_one_process(output: str, weights: dict, one_process) -> None:
