@@ -33,8 +33,18 @@ class WandbRun:
 
 
 def offline_runs(save_dir: Path) -> list[Path]:
-    """The offline run folders under ``save_dir``, oldest first."""
-    return sorted((Path(save_dir) / "wandb").glob("offline-run-*"))
+    """The offline run folders under ``save_dir``, oldest first.
+
+    A folder's name holds its start to the second, then a random id, so two runs of one
+    second would sort by their id: they are ordered by their ``.wandb`` file's last write
+    instead (the tests' runs follow one another, never overlap)."""
+
+    def started(folder: Path) -> tuple[str, int]:
+        stamp = folder.name.split("-")[2]  # offline-run-<date_time>-<id>
+        files = sorted(folder.glob("run-*.wandb"))
+        return stamp, min((f.stat().st_mtime_ns for f in files), default=0)
+
+    return sorted((Path(save_dir) / "wandb").glob("offline-run-*"), key=started)
 
 
 def read_run(folder: Path) -> WandbRun:

@@ -106,7 +106,8 @@ def test_wandb_logger_direct_calls_then_a_second_run_after_finalize(tmp_path):
     logger.log_metrics({"loss": 0.25}, step=1)  # a later call opens another run
     logger.finalize("interrupted")
 
-    first, second = (read_run(folder) for folder in offline_runs(tmp_path))
+    # told apart by their exit codes: two runs started within one second share a timestamp
+    first, second = sorted(map(read_run, offline_runs(tmp_path)), key=lambda r: r.exit_code)
     assert first.config == {"lr": 0.1, "note": None} and first.exit_code == 0
     assert first.history == {"loss": [(1, 0.5)], "epoch": [(1, 0)]}
     assert second.history == {"loss": [(1, 0.25)]} and second.exit_code == 255
