@@ -61,6 +61,9 @@ class SignalAt(distkit.Callback):
                 os.killpg(os.getpgid(0), self.signum)
             else:
                 os.kill(os.getpid(), self.signum)
+            # a peer learns of it from the side channel: posted within one poll (0.2 s), read
+            # within the next; give it that before the steps left could run out
+            time.sleep(0.5)
 
     def state_dict(self) -> dict[str, Any]:
         if self.second and self.sent:  # the preemption's save is running: signal again
