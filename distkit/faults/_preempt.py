@@ -176,7 +176,7 @@ class Preemption:
     _local: Request | None = None  # the signal this rank received
     _request: Request | None = None  # the job's (this rank's, or another rank's it read)
     _posted: bool = False
-    _written: int | None = None  # the step this rank wrote to seen/<rank>
+    _written: bool = False  # this rank wrote its step to seen/<rank>
     _stop_step: int | None = None
     _agreed_at: float = 0.0
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
@@ -200,11 +200,6 @@ class Preemption:
             self._poller.join(timeout=5.0)
             self._poller = None
 
-    @property
-    def agrees(self) -> bool:
-        """Whether the ranks can agree on a stop step (one rank, or a side channel)."""
-        return self._world_size == 1 or self._channel is not None
-
     # ------------------------------------------------------------------ signals
     def arrived(self, signum: int) -> None:
         """A preempting signal reached this process (from any thread, any number of times)."""
@@ -219,11 +214,6 @@ class Preemption:
     def handler(self, signum: int, frame: FrameType | None) -> None:
         """The Python-level handler (main thread): note the signal, nothing more."""
         self.arrived(signum)
-
-    @property
-    def requested(self) -> bool:
-        """Whether this rank knows of a preemption request (its own signal or a peer's)."""
-        return self._request is not None
 
     # ------------------------------------------------------------------ agreement
     def due(self, step: int) -> bool:
@@ -240,10 +230,10 @@ class Preemption:
         if self._world_size == 1 or channel is None:
             self._stop_step, self._agreed_at = step, time.time()
             return
-        if self._written is None:
+        if not self._written:
             self._post(channel)  # before seen/<rank>: whoever reads every seen reads a request
             channel.set(f"{self._prefix}/seen/{self._rank}", str(step))
-            self._written = step
+            self._written = True
         seen = channel.get_many([f"{self._prefix}/seen/{r}" for r in range(self._world_size)])
         if all(value is not None for value in seen):
             self._stop_step = max(int(value or 0) for value in seen) + 1
@@ -278,8 +268,8 @@ class Preemption:
             self._request = first
 
     def _poll(self) -> None:
-        """Every POLL_S: post this rank's signal, or read the job's request; until both are
-        settled (or the fit ends)."""
+        """Every POLL_S until the fit ends: post this rank's signal, or read the job's
+        request while none is known."""
         channel = self._channel
         assert channel is not None
         key = f"{self._prefix}/request"

@@ -21,6 +21,20 @@ from distkit.runtime._call_tags import tagged_sum
 from distkit.strategies.base import Strategy
 
 
+def agreed_stop(preempt: Preemption, strategy: Strategy, step: int, *, why: str) -> Stop:
+    """Every rank says the agreed step is here: check that it is the same step on every rank
+    (one host-side sum), and return what they stopped for. ``why``: the likely cause of a
+    mismatch, for the error every rank then raises."""
+    (total,) = tagged_sum(strategy, "preempt", [float(step)])
+    if total != step * strategy.world_size:
+        raise RankDisagreementError(
+            f"preemption: the ranks stopped after different steps (this rank after {step}, "
+            f"their steps sum to {total:g} over {strategy.world_size} ranks): {why}; pass "
+            "preempt_signals=() to have these signals stop the job at once instead"
+        )
+    return preempt.stop(step)
+
+
 class LoopPreemption:
     """One ``with rt:`` block's preemption: the calls to ``rt.preempted()`` are its steps."""
 
@@ -36,15 +50,12 @@ class LoopPreemption:
         self.steps += 1
         if not self.preempt.due(self.steps):
             return False
-        step = self.steps
-        (total,) = tagged_sum(strategy, "preempt", [float(step)])
-        if total != step * strategy.world_size:
-            raise RankDisagreementError(
-                f"rt.preempted(): the ranks stopped at different calls (this rank at call "
-                f"{step}, their calls sum to {total:g} over {strategy.world_size} ranks); call "
-                "it exactly once per optimizer step on every rank"
-            )
-        self.stop = self.preempt.stop(step)
+        self.stop = agreed_stop(
+            self.preempt,
+            strategy,
+            self.steps,
+            why="rt.preempted() was not called exactly once per optimizer step on every rank",
+        )
         return True
 
     def finish(self, rank: int, checkpoint: str | os.PathLike[str] | None) -> NoReturn:

@@ -19,10 +19,10 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from distkit.callbacks._list import CallbackList
-from distkit.errors import RankDisagreementError
 from distkit.faults._preempt import Preemption, Stop
 from distkit.runtime._call_tags import tagged_sum
 from distkit.runtime._fit_state import FitState
+from distkit.runtime._preemption import agreed_stop
 from distkit.runtime._runtime import Runtime
 from distkit.trainer._config import TrainerConfig
 from distkit.trainer._logging import LogSink, LogWindow, StepLogs
@@ -136,16 +136,14 @@ class EpochLoop:
     def _stop_for_preemption(self, step: int) -> None:
         """Every rank is at the agreed step: check that they are, and save the run there."""
         assert self.preempt is not None
-        stop = self.preempt.stop(step)
         strategy = self.runtime.strategy
-        (total,) = tagged_sum(strategy, "preempt", [float(step)])
-        if total != step * strategy.world_size:
-            raise RankDisagreementError(
-                f"preemption: the ranks stopped after different optimizer steps (this rank "
-                f"after {step}, their steps sum to {total:g} over {strategy.world_size} "
-                f"ranks): {strategy.name} trains without a collective in every step, which "
-                "the agreement relies on; pass preempt_signals=() to stop at once instead"
-            )
+        stop = agreed_stop(
+            self.preempt,
+            strategy,
+            step,
+            why=f"{strategy.name} trains without a collective in every step, which the "
+            "agreement relies on",
+        )
         if self._saved_at != step:
             self._save()
         stop.saved_at = time.time()
