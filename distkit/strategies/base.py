@@ -248,7 +248,13 @@ class Strategy(Collectives, ABC):
             self.options = options
         if self._topology is None:
             self._topology = self._setup_environment()
-            self._precision = self._make_precision(self._topology.device)
+            try:
+                self._precision = self._make_precision(self._topology.device)
+            except BaseException:
+                # a refused precision: release the group (and what else the backend took)
+                # now, or it outlives the error and a retry in this process finds it
+                self.teardown()
+                raise
 
     def _make_precision(self, device: torch.device) -> Precision:
         """The autocast, loss scaler and scaler state the default hooks use (default: the

@@ -4,6 +4,7 @@ strategy imports it only when it starts; the doctor never imports it)."""
 from __future__ import annotations
 
 import importlib.metadata
+import os
 from typing import Any
 
 import pytest
@@ -122,3 +123,16 @@ def test_strategies_with_options_pickle_for_spawned_processes():
     ):
         copy = pickle.loads(pickle.dumps(strategy))
         assert type(copy) is type(strategy) and copy.agreed_options() == strategy.agreed_options()
+
+
+@needs("deepspeed")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a CPU machine")
+def test_deepspeed_fp16_on_the_cpu_is_refused_leaving_no_group_or_local_rank_behind():
+    """DeepSpeed's CPU accelerator has no fp16: refused once the strategy has joined its group
+    and set LOCAL_RANK for DeepSpeed, and both are released with the error."""
+    from distkit.errors import UnsupportedFeatureError
+
+    with pytest.raises(UnsupportedFeatureError, match="needs CUDA"):
+        distkit.Trainer(distkit.DeepSpeedStrategy(stage=2), precision="fp16")
+    assert not torch.distributed.is_initialized()
+    assert "LOCAL_RANK" not in os.environ
