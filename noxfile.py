@@ -15,7 +15,7 @@ import nox
 
 TORCH = "torch==2.13.0"
 PYTHON = "3.11"
-SOURCES = ["distkit", "tests", "examples", "benchmarks", "noxfile.py"]
+SOURCES = ["distkit", "tests", "examples", "benchmarks", "scripts", "noxfile.py"]
 
 nox.options.sessions = ["lint", "typecheck", "docs", "tests"]
 nox.options.reuse_existing_virtualenvs = True

@@ -8,10 +8,15 @@
 # project borrows have none). Optional inputs, as files in the checkout:
 #   .gpu/apex-25.04.tar.gz, .gpu/apex-25.09.tar.gz  NVIDIA apex sources (../shared/vendor/):
 #       each is built Python-only into its own folder and tested on its own;
-#   .data/  the MNIST cache (DISTKIT_DATA_DIR) for examples/mnist.py, which cannot fetch there.
+#   .data/  the MNIST cache (DISTKIT_DATA_DIR) for examples/mnist.py, which cannot fetch there;
+#   .gpu/deepspeed/  DeepSpeed's wheel and its requirements' (`python3 scripts/gpu_wheels.py
+#       fetch`, run where there is an index; GPU_CHECK_DEEPSPEED names another folder):
+#       installed first, each absent or older one into /tmp/deepspeed, which every later step
+#       then has on its PYTHONPATH.
 #
 # What it does, each step with its own time limit, every log under OUT_DIR:
 #   smoke.log            nvidia-smi, Python/torch/CUDA, the GPU, `distkit doctor`, versions;
+#   deepspeed.log        DeepSpeed installed from .gpu/deepspeed/ (when that folder is there);
 #   suite.log/.xml       the test suite on CUDA (pytest-xdist when installed), with the skip
 #                        reasons; cut off with SIGINT (so pytest still prints its summary) when
 #                        its share of the budget runs out;
@@ -20,8 +25,11 @@
 #                        test, the paths added since the last GPU run);
 #   focus.log/.xml       the in-process CUDA paths first, whatever the suite reaches:
 #                        tests/strategies/test_cuda_paths.py (token-exact, the user loop, a GAN,
-#                        weights and predictions on the GPU), the host-sync test, the
-#                        checkpoint tests (resume onto the GPU), torch.compile;
+#                        weights and predictions on the GPU), test_cuda_large_models.py
+#                        (DeepSpeed, FSDP's mixed precision and CPU offload, activation
+#                        checkpointing and its memory peak, meta-device models), the host-sync
+#                        test, the memory, profiler and determinism tests, the checkpoint
+#                        tests (resume onto the GPU), torch.compile;
 #   examples.log         seg.py under torchrun (apex fp16, ddp bf16), mnist.py with dp, gan.py
 #                        (the Runtime loop, bf16) and lm.py (token-exact, fp16) under torchrun;
 #   bench.log, gpu.json  benchmarks/gpu.py (peers: distkit, the hand loop, Fabric, the Lightning
@@ -123,7 +131,9 @@ focus() {
     # shellcheck disable=SC2046  # the words of workers' output are pytest's arguments
     "$py" -m pytest -q -rfEs -p no:cacheprovider --timeout 150 --junitxml "$out/focus.xml" \
         $(workers "${FOCUS_WORKERS:-3}") ${FOCUS_TESTS:-tests/strategies/test_cuda_paths.py \
-        tests/strategies/test_host_syncs.py tests/checkpoint tests/strategies/test_compile.py}
+        tests/strategies/test_cuda_large_models.py tests/strategies/test_host_syncs.py \
+        tests/trainer/test_memory.py tests/trainer/test_profiler.py \
+        tests/runtime/test_determinism.py tests/checkpoint tests/strategies/test_compile.py}
 }
 
 suite() {
@@ -132,12 +142,22 @@ suite() {
         --junitxml "$out/suite.xml" $(workers "${SUITE_WORKERS:-10}") ${SUITE_TESTS:-tests}
 }
 
-export py out root
-export -f smoke build_apex test_apex examples workers suite focus
+install_deepspeed() {  # DeepSpeed from .gpu/deepspeed/ into /tmp/deepspeed (no index on the machine)
+    "$py" scripts/gpu_wheels.py install "$deepspeed_wheels" /tmp/deepspeed
+}
+
+deepspeed_wheels=${GPU_CHECK_DEEPSPEED:-.gpu/deepspeed}
+export py out root deepspeed_wheels
+export -f install_deepspeed smoke build_apex test_apex examples workers suite focus
 skipped() {  # NAME: listed in $GPU_CHECK_SKIP (space-separated)?
     case " ${GPU_CHECK_SKIP:-} " in *" $1 "*) echo "$1 skipped (GPU_CHECK_SKIP)" >>"$out/summary.txt" ;; *) return 1 ;; esac
 }
 skipped smoke || step smoke 60 smoke
+if [ ! -d "$deepspeed_wheels" ]; then
+    echo "deepspeed skipped: no $deepspeed_wheels/ (scripts/gpu_wheels.py fetch)" >>"$out/summary.txt"
+elif ! skipped deepspeed && step deepspeed 120 install_deepspeed; then
+    export PYTHONPATH=/tmp/deepspeed:$PYTHONPATH
+fi
 # three lanes side by side: the suite; each apex generation built and tested in turn; the
 # examples (the apex one waits for the 25.04 build)
 phase=$((budget * ${GPU_CHECK_SUITE_SHARE:-60} / 100))

@@ -19,7 +19,13 @@ def _run(out: Path, budget: int, **env: str) -> subprocess.CompletedProcess[str]
     return subprocess.run(
         ["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(out), str(budget)],
         cwd=ROOT,
-        env={**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", **env},
+        env={
+            **os.environ,
+            "PYTHON": sys.executable,
+            "OMP_NUM_THREADS": "1",
+            "GPU_CHECK_DEEPSPEED": str(out / "no-deepspeed"),
+            **env,
+        },
         capture_output=True,
         text=True,
         timeout=240,
@@ -78,3 +84,47 @@ def test_gpu_check_focus_step_runs_its_tests_beside_the_suite(tmp_path):
     assert len(focus) == 1 and focus[0].startswith("focus rc=0 "), summary
     assert " passed" in (tmp_path / "logs" / "focus.log").read_text()
     assert (tmp_path / "logs" / "focus.xml").is_file()
+
+
+def _gpu_wheels():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_wheels", ROOT / "scripts" / "gpu_wheels.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_wheels_installs_only_what_the_machine_lacks_or_has_older():
+    """The GPU machine has no index: DeepSpeed's requirements come as wheels, and one the
+    machine has at the same or a newer version stays the machine's (its numpy, its torch's
+    typing-extensions), so nothing it was built against is replaced."""
+    wheels = [
+        "deepspeed-0.19.8-py3-none-any.whl",
+        "typing_extensions-4.16.0-py3-none-any.whl",
+        "pydantic_core-2.50.5-cp312-cp312-manylinux2014_x86_64.manylinux_2_17_x86_64.whl",
+        "py_cpuinfo-9.0.0-py3-none-any.whl",
+        "tqdm-4.70.1-py3-none-any.whl",
+        "README.txt",
+    ]
+    installed = {"typing-extensions": "4.16.0", "py-cpuinfo": "8.0.0", "tqdm": "4.71.0rc1",
+                 "torch": "2.11.0+cu130"}  # fmt: skip
+    take, leave = _gpu_wheels().wanted(wheels, installed)
+    assert take == [wheels[0], wheels[2], wheels[3]]
+    assert leave == [
+        "typing-extensions: the machine's 4.16.0 (brought 4.16.0)",
+        "tqdm: the machine's 4.71.0rc1 (brought 4.70.1)",
+    ]
+
+
+def test_gpu_check_says_when_it_has_no_deepspeed_to_install(tmp_path):
+    proc = _run(
+        tmp_path / "logs",
+        60,
+        GPU_CHECK_SKIP="smoke apex examples focus suite bench",
+        GPU_CHECK_DEEPSPEED=str(tmp_path / "none"),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = (tmp_path / "logs" / "summary.txt").read_text()
+    assert f"deepspeed skipped: no {tmp_path / 'none'}/" in summary, summary
