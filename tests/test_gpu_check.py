@@ -128,3 +128,11 @@ def test_gpu_check_says_when_it_has_no_deepspeed_to_install(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = (tmp_path / "logs" / "summary.txt").read_text()
     assert f"deepspeed skipped: no {tmp_path / 'none'}/" in summary, summary
+
+
+def test_gpu_scripts_parse():
+    """gpu_prep.sh needs the package index (not here in the tests): its syntax, at least."""
+    for script in ("gpu_check.sh", "gpu_prep.sh"):
+        proc = subprocess.run(["bash", "-n", str(ROOT / "scripts" / script)],
+                              capture_output=True, text=True)  # fmt: skip
+        assert proc.returncode == 0, (script, proc.stderr)
