@@ -27,7 +27,6 @@ import functools
 import json
 import re
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -40,6 +39,7 @@ from distkit.faults._channel import SideChannel, ack_key, progress_key, stack_ke
 from distkit.faults._last_resort import exit_now
 from distkit.faults._preempt import Preemption, active, listening
 from distkit.faults._progress import Position, Progress
+from distkit.faults._say import say
 from distkit.faults._signals import Terminated, terminate_as_exception
 from distkit.faults._watchdog import EXIT_CODE, Watchdog
 
@@ -80,7 +80,7 @@ def fail_fast(
         channel = strategy.side_channel() if strategy.world_size > 1 else None
         if strategy.world_size > 1 and channel is None:
             if strategy.rank == 0:
-                _say(
+                say(
                     f"distkit: {type(strategy).__name__} offers no side channel, so its ranks "
                     "cannot agree on a step to stop at: preempt_signals are ignored, and "
                     "SIGTERM stops the job at once"
@@ -116,7 +116,7 @@ def _guard(
             if isinstance(exc, TrainingInterrupted):
                 raise
             where = _where(progress)
-            _say(f"distkit: rank 0 interrupted (Ctrl-C) in {where}; stopping every rank")
+            say(f"distkit: rank 0 interrupted (Ctrl-C) in {where}; stopping every rank")
             raise TrainingInterrupted(f"training interrupted (Ctrl-C) in {where}") from None
         return
     periods = [t / 4 for t in (fault_timeout, hang_warning) if t is not None]
@@ -191,7 +191,7 @@ class _Failure:
             where = _where(self.progress)
             first = reachable and self._announce(INTERRUPT, f"terminated (SIGTERM) in {where}")
             if first:
-                _say(f"distkit: rank {rank} terminated (SIGTERM) in {where}; stopping every rank")
+                say(f"distkit: rank {rank} terminated (SIGTERM) in {where}; stopping every rank")
             self._release(first)
             return TrainingInterrupted(f"training terminated (SIGTERM) in {where}", code=143)
         if isinstance(exc, KeyboardInterrupt):
@@ -199,7 +199,7 @@ class _Failure:
             text = f"interrupted (Ctrl-C) in {where}"
             first = self._announce(INTERRUPT, text) if reachable else rank == 0 and not notice
             if first:
-                _say(f"distkit: rank {rank} {text}; stopping every rank")
+                say(f"distkit: rank {rank} {text}; stopping every rank")
             self._release(first)
             return TrainingInterrupted(f"training {text}")
         if peer is not None and peer.get("kind") == INTERRUPT:
@@ -334,10 +334,6 @@ def _where(progress: Progress) -> str:
     return f"epoch {progress.epoch + 1}, step {progress.step + 1}"
 
 
-def _say(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
 def _exit_blocked(strategy: Strategy, progress: Progress, grace: float, signum: int) -> None:
     """A signal came ``grace`` seconds ago and the main thread never ran its handler: it is
     blocked outside Python (a collective, other native code). Tell the peers, as the handler
@@ -364,9 +360,9 @@ def _exit_blocked(strategy: Strategy, progress: Progress, grace: float, signum: 
         "handlers"
     )
     if announced and announced[0]:
-        _say(f"distkit: rank {rank} {text}; stopping every rank; {why}")
+        say(f"distkit: rank {rank} {text}; stopping every rank; {why}")
     else:
-        _say(f"distkit: rank {rank} got {signal.Signals(signum).name}, but {why}")
+        say(f"distkit: rank {rank} got {signal.Signals(signum).name}, but {why}")
 
 
 def _timed_out(exc: BaseException) -> bool:

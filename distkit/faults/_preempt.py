@@ -42,6 +42,7 @@ from typing import Any, NoReturn
 
 from distkit.errors import ConfigurationError, TrainingPreempted
 from distkit.faults._channel import SideChannel
+from distkit.faults._say import say
 from distkit.launch._requeue import requeue
 
 #: the signals a fit with a ``checkpoint_dir`` treats as preemption unless told otherwise
@@ -341,7 +342,7 @@ def _users_own(handler: Handler) -> bool:
     return not str(getattr(handler, "__module__", "") or "").startswith("distkit.")
 
 
-def finish(preempt: Preemption, stop: Stop, *, rank: int, say: Callable[[str], None]) -> NoReturn:
+def finish(preempt: Preemption, stop: Stop, *, rank: int) -> NoReturn:
     """After the preemption checkpoint: the timeline (rank 0), the signal's previous handler
     (a user's own, on every rank), the requeue (rank 0), then
     :class:`~distkit.errors.TrainingPreempted` with status 128 + the signal's number."""

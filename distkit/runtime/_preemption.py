@@ -11,7 +11,6 @@ requeues (``requeue=True``, rank 0) and raises :class:`~distkit.errors.TrainingP
 from __future__ import annotations
 
 import os
-import sys
 import time
 from typing import NoReturn
 
@@ -66,8 +65,4 @@ class LoopPreemption:
             )
         self.stop.saved_at = time.time()
         self.stop.checkpoint = None if checkpoint is None else os.fspath(checkpoint)
-        finish(self.preempt, self.stop, rank=rank, say=_say)
-
-
-def _say(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+        finish(self.preempt, self.stop, rank=rank)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -502,7 +501,7 @@ class Trainer:
             if run.preempted is not None:  # saved: the timeline, handlers, requeue, raise
                 assert preempt is not None and self.checkpoints is not None
                 run.preempted.checkpoint = str(self.checkpoints.path_for(run.preempted.step))
-                finish(preempt, run.preempted, rank=self.rank, say=_say)
+                finish(preempt, run.preempted, rank=self.rank)
             result = FitResult(
                 history=[dict(record) for record in run.state.history],
                 validations=[dict(v) for v in run.validations],
@@ -701,7 +700,3 @@ def _checked_runtime(runtime: object, strategy: object, config: TrainerConfig) -
                 f"{name}={held!r}; pass {name} to distkit.Runtime(...), or leave it out here"
             )
     return runtime
-
-
-def _say(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
