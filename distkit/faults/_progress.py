@@ -89,6 +89,8 @@ class HangDetector:
     threshold: float
     _seen: dict[int, tuple[str, float]] = field(default_factory=dict)
     _reported: dict[int, str] = field(default_factory=dict)
+    #: since when each rank has been seen behind another at the progress it still shows
+    _behind: dict[int, tuple[str, float]] = field(default_factory=dict)
 
     def observe(self, now: float, published: list[str | None]) -> list[Stall]:
         """Record every rank's published progress at time ``now``; returns new stalls."""
@@ -109,9 +111,18 @@ class HangDetector:
         stalls = []
         for rank, position in positions.items():
             text, since = self._seen[rank]
+            if position.key >= furthest.key:
+                self._behind.pop(rank, None)
+                continue
+            if self._behind.get(rank, ("",))[0] != text:
+                self._behind[rank] = (text, now)
+            # behind for a while, not just now: a rank that waited in a collective for a
+            # stalled peer shows its old place for a moment after the peer has moved on
+            # past it (its main thread not yet scheduled), and is not the one stuck
+            behind_for = now - self._behind[rank][1]
             if (
                 now - since >= self.threshold
-                and position.key < furthest.key
+                and behind_for >= self.threshold / 2
                 and self._reported.get(rank) != text
             ):
                 self._reported[rank] = text  # once per stall

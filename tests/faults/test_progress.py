@@ -56,6 +56,30 @@ def test_progress_detector_names_the_rank_behind_once_per_stall():
     assert again.rank == 1 and again.position.step == 4
 
 
+def test_progress_detector_does_not_name_the_rank_that_waited_once_the_stuck_one_moves_on():
+    """Rank 1 sleeps in step 4's forward while rank 0 waits in its backward's all-reduce;
+    rank 1 is named. When it wakes, both finish step 4 and rank 1 reaches step 5 before rank
+    0's main thread has published its own progress (a busy machine, seen in CI): for a
+    moment rank 0 shows its old place, unchanged for as long as it waited and behind rank 1.
+    It is not stuck, and is not named."""
+    detector = HangDetector(threshold=2)
+    waiting, stuck = "0:4:backward", "0:4:forward"
+    for t in (0.0, 0.5, 1.0, 1.5):
+        assert detector.observe(t, [waiting, stuck]) == []
+    (stall,) = detector.observe(2.0, [waiting, stuck])
+    assert stall.rank == 1
+    for t in (2.5, 5.0, 7.5):
+        assert detector.observe(t, [waiting, stuck]) == []  # said once
+    assert detector.observe(8.0, [waiting, "0:5:backward"]) == []  # rank 0 not yet published
+    assert detector.observe(8.25, ["0:5:backward", "0:5:backward"]) == []
+    # and a rank that then really stalls behind is named again, once it has not moved for
+    # the threshold (since 8.0) and been behind for half of it
+    for t in (8.5, 9.0, 9.5):
+        assert detector.observe(t, ["0:6:data", "0:5:backward"]) == []
+    (again,) = detector.observe(10.0, ["0:6:data", "0:5:backward"])
+    assert (again.rank, again.seconds) == (1, 2.0)
+
+
 def test_progress_detector_is_quiet_when_every_rank_waits_at_the_same_place():
     detector = HangDetector(threshold=1)
     same = ["1:3:validation", "1:3:validation", "1:3:validation"]
