@@ -56,6 +56,12 @@ def on_rank(strategy: str, *args, **kwargs) -> dict:
     return train_run(strategy, *args, **kwargs)
 
 
+def resume_each(strategy: str, batch: int, paths: list[str]) -> list[dict]:
+    """:func:`on_rank` resumed from each of ``paths`` in turn, in this one process (a
+    Trainer after another: one start of the ranks for all of them)."""
+    return [on_rank(strategy, batch, None, resume=path, model="plain") for path in paths]
+
+
 def make_source_checkpoint(strategy: str, world: int, batch: int, folder: Path, run) -> Path:
     run(partial(on_rank, max_steps=5, every=5, model="plain"), strategy, batch, str(folder),
         world_size=world)  # fmt: skip
