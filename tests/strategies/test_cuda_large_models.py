@@ -99,12 +99,16 @@ def test_cuda_deepspeed_fit_equals_ddp_on_the_gpu(stage):
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_cuda_deepspeed_half_precision_stays_with_fp32(precision):
     """bf16: DeepSpeed's bf16 optimizer; fp16: its dynamic loss scaler (CUDA only). A step the
-    scaler skips is counted in the epoch's ``skipped_steps`` and not in ``global_step``."""
+    scaler skips still counts in ``global_step`` (as a GradScaler's does) and is reported in
+    the epoch's ``skipped_steps``; then the weights may differ by one step's update, and the
+    validation loss must still agree."""
     full = _fit("ddp")
     got = _fit(_deepspeed(2), precision=precision)
     assert _finite(got["history"]), got["history"]
+    assert got["steps"] == full["steps"]
     skipped = sum(int(row.get("skipped_steps", 0)) for row in got["history"])
-    assert got["steps"] + skipped == full["steps"], (got["steps"], skipped, full["steps"])
+    if precision == "bf16":
+        assert skipped == 0  # no loss scaler: nothing to skip
     if skipped == 0:
         assert max_abs_diff(got["state"], full["state"]) <= LOOSE
     else:  # each skipped step of SGD with momentum moves these weights by about 0.1
