@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 
 import pytest
@@ -42,17 +41,14 @@ def _lone_gpu_hidden_from_children():
 
 def _preload_heavy_backends() -> None:
     """The fork server that run_on_ranks starts ranks from imports DeepSpeed and transformers'
-    GPT-2 once (where installed), so no rank imports them again: about 0.8 s and 2.3 s of
-    every rank's start, over some 60 DeepSpeed runs and a dozen transformers ones. Only
-    without CUDA: DeepSpeed picks its accelerator when it is imported, and on a GPU machine
-    the ranks run with the GPU hidden (above) while the fork server would see it."""
+    GPT-2 once (tests/support/fork_preload.py), so no rank imports them again: about 0.8 s
+    and 2.3 s of every rank's start, over some 60 DeepSpeed runs and a dozen transformers
+    ones. Only without CUDA: DeepSpeed picks its accelerator when it is imported, and on a
+    GPU machine the ranks run with the GPU hidden (above) while the fork server would see it."""
     from distkit.testing import _processes
 
-    if torch.cuda.is_available():
-        return
-    for module in ("deepspeed", "transformers.models.gpt2.modeling_gpt2"):
-        if importlib.util.find_spec(module.partition(".")[0]) is not None:
-            _processes.PRELOAD.append(module)
+    if not torch.cuda.is_available():
+        _processes.PRELOAD.append("tests.support.fork_preload")
 
 
 _preload_heavy_backends()
