@@ -64,7 +64,8 @@ def tests(session: nox.Session) -> None:
     mpich = os.path.join(session.virtualenv.location, "mpich")
     session.run("python", "-m", "pip", "install", "--quiet", "--target", mpich, "mpich")
     env = {**_single_threaded_env(), "DISTKIT_TEST_MPICH": os.path.join(mpich, "bin")}
-    session.run("python", "-m", "pytest", *session.posargs, env=env)
+    # the slowest tests in every CI log: the suite must stay under 30 minutes on 2 cores
+    session.run("python", "-m", "pytest", "--durations=40", *session.posargs, env=env)
 
 
 @nox.session(python=PYTHON)
