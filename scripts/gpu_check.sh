@@ -26,8 +26,8 @@
 #   focus.log/.xml       the in-process CUDA paths first, whatever the suite reaches:
 #                        tests/strategies/test_cuda_paths.py (token-exact, the user loop, a GAN,
 #                        weights and predictions on the GPU), test_cuda_large_models.py
-#                        (DeepSpeed, FSDP's mixed precision and CPU offload, activation
-#                        checkpointing and its memory peak, meta-device models), the host-sync
+#                        (DeepSpeed, FSDP's CPU offload and a world of one's policy,
+#                        activation checkpointing and its memory peak, meta models), the host-sync
 #                        test, the memory, profiler and determinism tests, the checkpoint
 #                        tests (resume onto the GPU), torch.compile;
 #   examples.log         seg.py under torchrun (apex fp16, ddp bf16), mnist.py with dp, gan.py

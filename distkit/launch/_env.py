@@ -45,8 +45,13 @@ Launcher = Literal[
 Pod = Literal["kubeflow", "kubernetes"]
 #: the first port of the range distkit derives a rendezvous port from (srun, mpirun)
 DERIVED_PORT_BASE = 20000
-#: how many ports that range has
-DERIVED_PORT_SPAN = 20000
+#: how many ports that range has: it ends below Linux's default ephemeral range (32768-60999),
+#: where the kernel picks the local port of every outgoing connection and of every listener
+#: bound to port 0 (gloo's among them): a derived port in there can be taken by any of those
+#: on the first node, and rank 0's store then fails with EADDRINUSE
+DERIVED_PORT_SPAN = 12768
+#: the first port of Linux's default ephemeral range (net.ipv4.ip_local_port_range)
+LINUX_EPHEMERAL_START = 32768
 
 _LOCAL_RANK_ARG = re.compile(r"^--local[_-]rank(?:=(\d+))?$")
 #: what the Kubeflow training operator sets in a training job's pods, for torchrun (v1.7+, v2)

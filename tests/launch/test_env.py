@@ -284,3 +284,20 @@ def test_launch_env_detect_refuses_a_rank_outside_the_world(environ, words):
 def test_launch_env_detect_accepts_the_last_rank():
     env = LaunchEnv.detect(environ={**SRUN_ENV, "SLURM_PROCID": "7"}, argv=["train.py"])
     assert (env.launcher, env.rank, env.world_size) == ("srun", 7, 8)
+
+
+def test_derived_ports_stay_below_the_kernels_ephemeral_range():
+    """A derived port in Linux's ephemeral range (32768-60999) could be held by any outgoing
+    connection or port-0 listener on the first node (gloo's among them): rank 0's store then
+    failed with EADDRINUSE (seen once in CI, port 33940 for a random SLURM job id)."""
+    from distkit.launch._env import LINUX_EPHEMERAL_START
+
+    assert DERIVED_PORT_BASE + DERIVED_PORT_SPAN <= LINUX_EPHEMERAL_START
+    ports = set()
+    for job in range(0, 200_000, 7):
+        slurm = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_ID": str(job)}
+        ports.add(LaunchEnv.detect(environ=slurm, argv=[]).master_port)
+        mpi = {**MPIRUN_ENV, "PMIX_NAMESPACE": f"prterun-node-{job}@1"}
+        ports.add(LaunchEnv.detect(environ=mpi, argv=[]).master_port)
+    assert min(ports) >= DERIVED_PORT_BASE and max(ports) < LINUX_EPHEMERAL_START
+    assert len(ports) > DERIVED_PORT_SPAN // 2  # spread over the range, not a few ports
