@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests.support.multiprocess import run_on_ranks as _run_on_ranks
+from tests.support.signals import dispositions
 
 # One thread per process: the machines have 2 cores, multi-rank tests run 2 processes, and a
 # parent without an OpenMP pool forks safely.
@@ -90,3 +91,22 @@ def _no_leaks():
         torch.distributed.destroy_process_group()
     assert after == before, f"test leaked launcher environment variables: {after}"
     assert not leaked_group, "test left a torch.distributed process group alive"
+
+
+@pytest.fixture(autouse=True)
+def _signals_put_back():
+    """Fail a test that leaves a signal handler (or the wakeup fd) other than it found it,
+    and put them back: a disposition left behind changes what every later test's children
+    inherit (tests/support/signals.py), and fails a test far from the one to blame."""
+    import signal
+
+    before = dispositions()
+    yield
+    after = dispositions()
+    changed = {name: (before[name], after[name]) for name in before if after[name] != before[name]}
+    for name, (was, _) in changed.items():
+        if name == "wakeup_fd":
+            signal.set_wakeup_fd(was)
+        elif was is not None:  # None: a handler installed outside Python, not restorable
+            signal.signal(getattr(signal, name), was)
+    assert not changed, f"test left signal dispositions changed (before, after): {changed}"

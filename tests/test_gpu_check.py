@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from tests.support.paths import ROOT
+from tests.support.signals import ctrl_c_delivered
 
 
 def _run(out: Path, budget: int, **env: str) -> subprocess.CompletedProcess[str]:
@@ -29,6 +30,7 @@ def _run(out: Path, budget: int, **env: str) -> subprocess.CompletedProcess[str]
         capture_output=True,
         text=True,
         timeout=240,
+        **ctrl_c_delivered(),  # the script cuts a step off with SIGINT: it must reach pytest
     )
 
 

@@ -3,7 +3,8 @@
 Ranks are forked from a multiprocessing fork server that has already imported torch and distkit:
 a 2-rank run starts in well under a second, and no rank inherits threads or locks from the
 calling process (a plain fork of a busy parent, such as a test runner, can deadlock). Each rank
-gets the variables torchrun would set, so strategies see a real launcher. Per-rank functions
+gets the variables torchrun would set, so strategies see a real launcher, and the SIGINT
+handler a torchrun worker starts with (Python's ``KeyboardInterrupt``). Per-rank functions
 must be importable, module-level functions (or partials of them); arguments and results are
 pickled.
 """
@@ -14,6 +15,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
 import socket
 import traceback
 from collections.abc import Callable, Mapping
@@ -64,6 +66,11 @@ def _child(
 ) -> None:
     os.environ.update(env)
     torch.set_num_threads(1)
+    # the SIGINT a worker of torchrun starts with: its agent handles SIGINT itself, so its
+    # workers start at the default (KeyboardInterrupt) even when torchrun was started with
+    # SIGINT ignored. The fork server's children would otherwise take whatever the process
+    # that first started the fork server had then (SIG_IGN under `nohup` or `cmd &`).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         # plain pickle: torch's queue reducer would share tensors through file descriptors
         # that die with this process before the parent reads them

@@ -22,6 +22,7 @@ from tests.support.gates import needs
 from tests.support.horovod_runner import horovodrun_path
 from tests.support.multiprocess import free_port, torchrun_env
 from tests.support.paths import ROOT
+from tests.support.signals import assert_takes_ctrl_c, ctrl_c_delivered
 from tests.support.workloads import make_dataset
 
 pytestmark = pytest.mark.timeout(300)
@@ -156,9 +157,11 @@ def test_fault_handlers_ctrl_c_under_torchrun_prints_one_line_and_runs_handlers(
     proc = subprocess.Popen(
         [*TORCHRUN, JOB, "ddp", str(tmp_path), "wait"], stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, env=_env(), start_new_session=True,
+        **ctrl_c_delivered(),
     )  # fmt: skip
     try:
         _wait_for([tmp_path / "started_0", tmp_path / "started_1"], 90)
+        assert_takes_ctrl_c(proc.pid)
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does to the job
         output, _ = proc.communicate(timeout=60)
     finally:
@@ -190,12 +193,14 @@ def test_fault_handlers_ctrl_c_workers_exit_130_without_a_traceback(tmp_path):
             text=True,
             env={**env, **torchrun_env(rank, 2, port)},
             start_new_session=True,
+            **ctrl_c_delivered(),
         )
         for rank in (0, 1)
     ]
     try:
         _wait_for([tmp_path / "started_0", tmp_path / "started_1"], 90)
         for p in procs:
+            assert_takes_ctrl_c(p.pid)
             p.send_signal(signal.SIGINT)
         outputs = [p.communicate(timeout=60)[0] for p in procs]
     finally:
@@ -214,6 +219,7 @@ def test_fault_handlers_ctrl_c_in_one_process_exits_130_in_one_line(tmp_path):
         "import os, signal, torch, distkit\n"
         "from torch import nn\n"
         "from tests.support.workloads import make_dataset\n"
+        "assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Ctrl-C on\n"
         "t = distkit.Trainer('ddp', batch_size=4, max_epochs=3, progress=False)\n"
         "m = nn.Linear(6, 3)\n"
         "def step(model, batch):\n"
@@ -226,12 +232,41 @@ def test_fault_handlers_ctrl_c_in_one_process_exits_130_in_one_line(tmp_path):
         "    print('finally ran', flush=True)\n"
     )
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          env=_env(), timeout=120)  # fmt: skip
+                          env=_env(), timeout=120, **ctrl_c_delivered())  # fmt: skip
     assert proc.returncode == 130, proc.stderr[-3000:]
     assert "finally ran" in proc.stdout
     assert proc.stderr.strip().splitlines() == [
         "distkit: rank 0 interrupted (Ctrl-C) in epoch 1, step 1; stopping every rank"
     ], proc.stderr
+
+
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def test_fault_handlers_a_job_started_with_sigint_ignored_trains_through_ctrl_c(tmp_path):
+    """SIGINT ignored when the job starts (`nohup`, `cmd &` in a script): the user turned
+    Ctrl-C off, and distkit keeps it off (docs/faults.md); the fit ends as trained."""
+    script = tmp_path / "one.py"
+    script.write_text(
+        "import os, signal, torch, distkit\n"
+        "from torch import nn\n"
+        "from tests.support.workloads import make_dataset\n"
+        "assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN\n"
+        "t = distkit.Trainer('ddp', batch_size=4, max_epochs=2, progress=False)\n"
+        "m = nn.Linear(6, 3)\n"
+        "def step(model, batch):\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    x, y = batch\n"
+        "    return nn.functional.cross_entropy(model(x), y)\n"
+        "t.fit(m, torch.optim.SGD(m.parameters(), lr=0.1), make_dataset(16), step_fn=step)\n"
+        "print('trained', t.global_step, signal.getsignal(signal.SIGINT) is signal.SIG_IGN)\n"
+    )
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          env=_env(), timeout=120, preexec_fn=_ignore_sigint)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["trained", "8", "True"], proc.stdout
+    assert "interrupted" not in proc.stderr, proc.stderr
 
 
 def _collective_timeout_on_rank(

@@ -23,6 +23,7 @@ from torch import nn
 import distkit
 from tests.support.multiprocess import free_port, torchrun_env
 from tests.support.paths import ROOT
+from tests.support.signals import assert_takes_ctrl_c, ctrl_c_delivered
 from tests.support.workloads import make_dataset
 
 pytestmark = pytest.mark.timeout(240)
@@ -54,6 +55,7 @@ def _start(command: list[str], launcher_env: dict[str, str]) -> subprocess.Popen
         text=True,
         env={**_env(), **launcher_env},
         start_new_session=True,  # a signal reaches this process only
+        **ctrl_c_delivered(),  # as from a terminal, whatever this run was started with
     )
 
 
@@ -71,6 +73,8 @@ def _signal_blocked_rank(
         _wait_for([out / "started_0", out / "started_1"], 120)
         time.sleep(2.0)  # rank 0 runs its backward pass and blocks in the all-reduce
         assert procs[0].poll() is None
+        if signum == signal.SIGINT:
+            assert_takes_ctrl_c(procs[0].pid)
         start = time.monotonic()
         procs[0].send_signal(signum)
         output0, _ = procs[0].communicate(timeout=SLEEP + 60)
@@ -138,6 +142,7 @@ def _loss(model: nn.Module, batch) -> torch.Tensor:
 
 def _ctrl_c_caught(grace: float) -> dict:
     """Ctrl-C on every rank while in Python; the user catches it and works on past the grace."""
+    at_start = signal.getsignal(signal.SIGINT)  # run_on_ranks starts ranks as torchrun does
     trainer = distkit.Trainer("ddp", batch_size=4, progress=False, fault_timeout=grace)
     calls = {"n": 0}
 
@@ -153,12 +158,13 @@ def _ctrl_c_caught(grace: float) -> dict:
     except KeyboardInterrupt as exc:
         caught = f"{type(exc).__name__}: {exc}"
     time.sleep(grace + 3)  # the user's own work after the interrupt, longer than the grace
-    return {"caught": caught, "handler": signal.getsignal(signal.SIGINT)}
+    return {"caught": caught, "at_start": at_start, "handler": signal.getsignal(signal.SIGINT)}
 
 
 def test_signals_a_ctrl_c_the_main_thread_took_is_the_user_s_to_handle(run_on_ranks):
     # the SIGINT's grace timer only ends a rank whose main thread never took the signal
     for result in run_on_ranks(_ctrl_c_caught, 4.0, world_size=2, timeout=120):
+        assert result["at_start"] is signal.default_int_handler, result
         assert result["caught"].startswith("TrainingInterrupted: training "), result
         assert result["handler"] is signal.default_int_handler
 

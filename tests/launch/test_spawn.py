@@ -21,6 +21,7 @@ import distkit
 from distkit.errors import RankDisagreementError, WorkerError
 from tests.support.job_scripts.cluster_job import train
 from tests.support.paths import ROOT
+from tests.support.signals import assert_takes_ctrl_c, ctrl_c_delivered
 from tests.support.workloads import max_abs_diff
 
 pytestmark = pytest.mark.timeout(300)
@@ -196,13 +197,15 @@ def test_spawn_ctrl_c_leaves_no_worker_behind(tmp_path):
             distkit.spawn(fn, nprocs=2)
     '''))  # fmt: skip
     pipe = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
-    proc = subprocess.Popen([sys.executable, str(script)], env=_env(), cwd=tmp_path, **pipe)
+    proc = subprocess.Popen([sys.executable, str(script)], env=_env(), cwd=tmp_path, **pipe,
+                            **ctrl_c_delivered())  # fmt: skip
     pid_files = [tmp_path / "pid0", tmp_path / "pid1"]
     deadline = time.monotonic() + 60
     while not all(p.exists() and p.read_text() for p in pid_files):
         assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read()
         time.sleep(0.1)
     pids = [int(p.read_text()) for p in pid_files]
+    assert_takes_ctrl_c(proc.pid)
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode != 0 and "KeyboardInterrupt" in out
@@ -237,3 +240,26 @@ def test_spawn_refuses_to_fork_after_cuda_was_initialised(monkeypatch):
 
 def test_spawn_returns_rank_zeros_value():
     assert distkit.spawn(_hello, nprocs=1) == "hello"
+
+
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def test_spawn_started_with_sigint_ignored_keeps_it_ignored_in_every_worker(tmp_path):
+    """`nohup`, `cmd &` in a script, a CI agent: the caller ignores SIGINT, as the user asked,
+    and so does every worker, whichever the start method (docs/clusters.md: Ctrl-C is off for
+    such a job; SIGTERM stops it)."""
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent('''
+        import signal, distkit
+        def fn():
+            return signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        if __name__ == "__main__":
+            for method in ("fork", "spawn", "forkserver"):
+                print(method, distkit.spawn(fn, nprocs=2, start_method=method), flush=True)
+    '''))  # fmt: skip
+    done = subprocess.run([sys.executable, str(script)], env=_env(), cwd=tmp_path, text=True,
+                          capture_output=True, timeout=180, preexec_fn=_ignore_sigint)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["fork", "True", "spawn", "True", "forkserver", "True"]
