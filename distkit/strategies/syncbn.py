@@ -79,7 +79,9 @@ class GlobalBatchNorm(_BatchNorm):
         factor = self._momentum_factor()
         channels = input.shape[1]
         dims = [0, *range(2, input.dim())]
-        x = input.float()
+        # fp16/bf16 to float32 for the statistics; float64 stays float64 (a .float() here
+        # computed a float64 model's statistics in float32: 7e-8 off one process, silently)
+        x = input.to(torch.promote_types(input.dtype, torch.float32))
         # two reductions (mean, then squared deviations) rather than E[x^2] - E[x]^2, which
         # cancels catastrophically for features far from zero
         local_sum = x.sum(dims)
