@@ -16,6 +16,7 @@ from distkit.runtime._checkpointing import Policy, apply_checkpointing
 from distkit.runtime._compile import Compiler
 from distkit.strategies._placement import Placement, place, state_follows_parameters
 from distkit.strategies.base import Strategy
+from distkit.strategies.precision import check_model_dtype
 
 
 class SetupCache:
@@ -43,6 +44,7 @@ class SetupCache:
         ``placement``: where the model is before (the fit found it while preparing)."""
         wrapped = self._models.get(model)
         if wrapped is None:
+            check_model_dtype(self.strategy.options.precision, model)
             self._placements[model] = placement
             self._checkpoint(model)
             wrapped, strategy_optimizer = self.strategy.setup(model, optimizer)
@@ -59,6 +61,8 @@ class SetupCache:
     ) -> list[tuple[nn.Module, list[torch.optim.Optimizer]]]:
         """Set several models (each with its optimizers) up in one strategy call, for a
         backend that sets up everything at once (legacy apex's ``amp.initialize``)."""
+        for model, _, _ in entries:
+            check_model_dtype(self.strategy.options.precision, model)
         for model, _, _ in entries:
             self._checkpoint(model)
         done = self.strategy.setup_together([(model, opts) for model, opts, _ in entries])

@@ -34,6 +34,25 @@ def normalize_precision(precision: str | int) -> str:
     return _ALIASES[key]
 
 
+def check_model_dtype(precision: str | int, model: torch.nn.Module) -> None:
+    """Refuse mixed precision for a model with float64 parameters: autocast lowers float32
+    operations only, so such a model would train at full float64 precision, silently."""
+    name = normalize_precision(precision)
+    if name == "32":
+        return
+    wide = [n for n, p in model.named_parameters() if p.dtype == torch.float64]
+    if not wide:
+        return
+    more = f" and {len(wide) - 3} more" if len(wide) > 3 else ""
+    shown = ", ".join(repr(n) for n in wide[:3]) + more
+    raise ConfigurationError(
+        f"precision={precision!r} with a float64 model ({type(model).__name__}: {shown} are "
+        "float64): autocast lowers float32 operations only, so this model would train in "
+        "float64 at full precision, silently. For mixed precision convert the model first "
+        "(model.float()); to train in float64 use precision='32'"
+    )
+
+
 class Precision:
     """Autocast context and (for fp16) a ``GradScaler`` for one device.
 

@@ -157,3 +157,21 @@ def test_precision_load_empty_state_keeps_scaler():
     precision.load_state_dict({})
 
     assert precision.scaler.get_scale() == 65536.0
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_refuses_a_float64_model_naming_its_parameters(precision):
+    """autocast lowers float32 operations only: a float64 model would train at full precision
+    with precision='bf16' and say nothing. The Runtime's set-up refuses it, and the fix."""
+    import distkit
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)).double()
+    with (
+        distkit.Runtime("dp", precision=precision) as rt,
+        pytest.raises(ConfigurationError) as info,
+    ):
+        rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    message = str(info.value)
+    assert f"precision={precision!r} with a float64 model (Sequential: '0.weight', " in message
+    assert "'0.bias', '1.weight' and 1 more are float64)" in message
+    assert "model.float()" in message and "precision='32'" in message
