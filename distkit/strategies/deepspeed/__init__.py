@@ -194,6 +194,7 @@ class DeepSpeedStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
                 "this optimizer is already set up with a model under strategy='deepspeed'; "
                 "DeepSpeed gives each model its own engine and optimizer"
             )
+        _refuse_float64(model)
         deepspeed = require("deepspeed", feature="strategy='deepspeed'", hint=HINT)
         _lifecycle.skip_inference_op_build()
         meta = _meta_init.on_meta(model)
@@ -363,3 +364,17 @@ class DeepSpeedStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
     @override
     def state_io(self) -> StateIO:
         return DeepSpeedStateIO(self)
+
+
+def _refuse_float64(model: nn.Module) -> None:
+    """ZeRO's optimizer keeps float32 master weights (``.float()`` of each partition) and
+    steps those: a float64 model would train in float32 and come back float32, silently."""
+    wide = [name for name, p in model.named_parameters() if p.dtype == torch.float64]
+    if wide:
+        shown = ", ".join(repr(n) for n in wide[:3]) + (" ..." if len(wide) > 3 else "")
+        raise UnsupportedFeatureError(
+            f"strategy='deepspeed' cannot train a float64 model ({type(model).__name__}: "
+            f"{shown} are float64): ZeRO keeps float32 master weights and steps those, so the "
+            "model would train in float32 and come back float32, silently. Convert it "
+            "(model.float()), or train float64 with strategy='ddp' or 'fsdp'"
+        )
