@@ -64,6 +64,7 @@ IGNORE = -100  # the label of a padding position: no loss, not counted
 VAL_EVERY = 4  # every 4th selected file is a validation file
 PROMPTS = (b"def ", b"import ", b"class ", b"    return ")
 WIDTH, LAYERS, HEADS = 64, 2, 4
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 # ------------------------------------------------------------------------------------ data
@@ -200,8 +201,12 @@ def token_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> distkit.Loss
     """The batch's summed next-token cross-entropy and its number of labelled tokens."""
     logits = logits_of(model, batch["input_ids"])
     labels = batch["labels"]
+    scores = logits.flatten(0, 1)  # in float32 at least (bf16/fp16 under autocast)
     total = F.cross_entropy(
-        logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum"
+        scores.to(torch.promote_types(scores.dtype, torch.float32)),
+        labels.flatten(),
+        ignore_index=IGNORE,
+        reduction="sum",
     )
     return distkit.Loss(total, (labels != IGNORE).sum(), output=logits)
 
@@ -263,6 +268,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="AdamW's initial learning rate, decayed to zero per step (cosine; default: 5e-3)",
     )  # fmt: skip
     parser.add_argument("--precision", default="32", choices=["32", "bf16", "fp16"])
+    parser.add_argument(
+        "--dtype", default="float32", choices=sorted(DTYPES),
+        help="the weights' dtype (default: float32); float64 makes runs on different process "
+        "counts comparable to ~1e-12, what the tests check on any CPU",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--files", type=int, default=24,
@@ -293,6 +303,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"--max-len must be >= 8, got {args.max_len}")
     if args.temperature < 0:
         parser.error(f"--temperature must be >= 0, got {args.temperature}")
+    if args.precision != "32" and args.dtype != "float32":
+        parser.error(
+            f"--precision {args.precision} needs --dtype float32 (autocast lowers float32 "
+            f"only: {args.dtype} weights would train at full precision), got --dtype {args.dtype}"
+        )
     if args.model == "hf" and pick_model("auto") != "hf":
         parser.error("--model hf needs transformers (pip install transformers); or --model torch")
     return args
@@ -307,7 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(1)
     kind = pick_model(args.model)
     torch.manual_seed(args.seed)  # every rank builds the same initial weights
-    model = build_model(kind, args.max_len)
+    model = build_model(kind, args.max_len).to(DTYPES[args.dtype])
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     trainer = distkit.Trainer(
         # fsdp's default units keep GPT-2's tied embedding and output layer in one unit (the
@@ -404,7 +419,7 @@ def show_samples(kind: str, out: Path, args: argparse.Namespace) -> None:
         model = AutoModelForCausalLM.from_pretrained(out)
         print(f"AutoModelForCausalLM.from_pretrained({str(out)!r}) loads it", flush=True)
     else:
-        model = build_model(kind, args.max_len)
+        model = build_model(kind, args.max_len).to(DTYPES[args.dtype])
         distkit.load_weights(model, out)
         print(f"distkit.load_weights(model, {str(out)!r}) loads it", flush=True)
     model.eval()

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from distkit.errors import ConfigurationError
 from distkit.strategies.base import Strategy
 from distkit.testing._horovodrun import run_under_horovodrun
@@ -17,6 +19,7 @@ from distkit.testing._processes import plain_env, run_on_ranks, torchrun_env
 from distkit.testing._promises import BY_NAME, promise_named
 from distkit.testing._target import StrategyUnderTest
 from distkit.testing._worker import Outcome, Plan, RankSetup, read_outcome, run_rank, write_plan
+from distkit.testing._workload import DTYPE, check_dtype
 
 #: the names of every promise, in the order a launch runs them
 PROMISES: tuple[str, ...] = tuple(BY_NAME)
@@ -99,6 +102,7 @@ def run_promises(
     strategy_kwargs: Mapping[str, Any] | None = None,
     rank_setup: RankSetup | None = None,
     timeout: float = 300.0,
+    dtype: torch.dtype = DTYPE,
 ) -> ContractRun:
     """Run the bodies of ``promises`` in one launch of real processes; check each with ``check``.
 
@@ -120,13 +124,18 @@ def run_promises(
         rank_setup: a module-level callable returning a context manager that every rank
             enters around the bodies (e.g. to put a fake library on the path).
         timeout: seconds the whole launch may take.
+        dtype: what the training promises train the workload (model and data) in.
+            ``torch.float64`` (the default) compares N processes with one within 1e-9: in
+            float64 they differ by their summation order alone, on any CPU.
+            ``torch.float32`` for a strategy that cannot train float64: within 1e-5, which
+            is all float32 can say (``distkit.testing._workload.TOLERANCES`` says why).
 
     Raises:
-        ConfigurationError: an unknown promise or launcher, or a world size the strategy
-            cannot run with.
+        ConfigurationError: an unknown promise, launcher or dtype, or a world size the
+            strategy cannot run with.
         MissingDependencyError: ``launcher="horovodrun"`` without a horovodrun command.
     """
-    target = StrategyUnderTest(strategy, dict(strategy_kwargs or {}))
+    target = StrategyUnderTest(strategy, dict(strategy_kwargs or {}), check_dtype(dtype))
     names = [promises] if isinstance(promises, str) else promises
     chosen = list(dict.fromkeys(promise_named(name).name for name in names))
     family = target.resolve().launcher.launcher
@@ -159,6 +168,7 @@ def check_promise(
     strategy_kwargs: Mapping[str, Any] | None = None,
     rank_setup: RankSetup | None = None,
     timeout: float = 300.0,
+    dtype: torch.dtype = DTYPE,
 ) -> None:
     """Launch real processes and check that ``strategy`` keeps ``promise``.
 
@@ -178,6 +188,7 @@ def check_promise(
         strategy_kwargs=strategy_kwargs,
         rank_setup=rank_setup,
         timeout=timeout,
+        dtype=dtype,
     )
     run.check(promise)
 

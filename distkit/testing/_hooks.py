@@ -12,6 +12,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 from typing_extensions import override
 
@@ -62,25 +63,25 @@ def clipped_fit(target: StrategyUnderTest, batch_size: int) -> dict[str, Any]:
         val_every_n_steps=VAL_EVERY,
         callbacks=[recorder],
     ) as t:
-        model = _workload.model(0)
+        model = _workload.model(0, target.dtype)
         optimizer = _workload.optimizer(model)
-        data = _workload.dataset()
+        data = _workload.dataset(target.dtype)
         result = t.fit(model, optimizer, data, loss_fn=nn.functional.cross_entropy, val_data=data)
         return {
-            "weights": t.full_state_dict(),
+            "weights": _workload.trained_in(t.full_state_dict(), target.dtype),
             "norms": [s["grad_norm"] for s in recorder.steps],
             "validations": result.validations,
         }
 
 
-def _reference_clipped(batch_size: int) -> dict[str, Any]:
-    return clipped_fit(StrategyUnderTest(_workload.reference_strategy()), batch_size)
+def _reference_clipped(batch_size: int, dtype: torch.dtype) -> dict[str, Any]:
+    return clipped_fit(StrategyUnderTest(_workload.reference_strategy(), dtype=dtype), batch_size)
 
 
 @cache
-def reference_clipped(world_size: int) -> dict[str, Any]:
-    """One plain CPU process at ``world_size * BATCH_SIZE`` with the same clipping."""
-    return in_plain_process(_reference_clipped, world_size * _workload.BATCH_SIZE)
+def reference_clipped(world_size: int, dtype: torch.dtype) -> dict[str, Any]:
+    """One plain CPU process at ``world_size * BATCH_SIZE`` in ``dtype``, same clipping."""
+    return in_plain_process(_reference_clipped, world_size * _workload.BATCH_SIZE, dtype)
 
 
 def _clipping_body(target: StrategyUnderTest, workdir: Path) -> Any:
@@ -88,8 +89,8 @@ def _clipping_body(target: StrategyUnderTest, workdir: Path) -> Any:
 
 
 def _verify_clipping(results: list[dict[str, Any]], world: int) -> None:
-    tol = _workload.TOLERANCE
-    one = reference_clipped(world)
+    tol = _workload.tolerance_of(results[0]["weights"])
+    one = reference_clipped(world, _workload.dtype_of(results[0]["weights"]))
     expect_norms_like_one_process(
         results, one, clip=CLIP_NORM, tolerance=tol, what="logs['grad_norm']"
     )
@@ -119,13 +120,12 @@ class _StopOnLastRank(Callback):
 
 
 def _stop_body(target: StrategyUnderTest, workdir: Path) -> Any:
-    import torch
-
     options = {"batch_size": _workload.BATCH_SIZE, "max_epochs": 2, "seed": 3}
     with target.trainer(callbacks=[_StopOnLastRank()], **options) as t:
-        model = _workload.model(0)
+        model = _workload.model(0, target.dtype)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        result = t.fit(model, optimizer, _workload.dataset(), loss_fn=nn.functional.cross_entropy)
+        data = _workload.dataset(target.dtype)
+        result = t.fit(model, optimizer, data, loss_fn=nn.functional.cross_entropy)
         return {
             "step": t.global_step,
             "stopped_early": result.stopped_early,
@@ -145,17 +145,16 @@ def _verify_stop(results: list[dict[str, Any]], world: int) -> None:
 
 # ---------------------------------------------------------------- callback state
 def _patience_fit(target: StrategyUnderTest, folder: Path, max_epochs: int) -> dict[str, Any]:
-    import torch
-
     from distkit.callbacks import EarlyStopping
 
     # the training loss falls every epoch, so mode="max" sees no improvement after the first
     stopper = EarlyStopping(monitor="train_loss", mode="max", patience=3)
     options = {"batch_size": _workload.BATCH_SIZE, "max_epochs": max_epochs, "seed": 3}
     with target.trainer(checkpoint_dir=folder, resume="auto", callbacks=[stopper], **options) as t:
-        model = _workload.model(0)
+        model = _workload.model(0, target.dtype)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        result = t.fit(model, optimizer, _workload.dataset(), loss_fn=nn.functional.cross_entropy)
+        data = _workload.dataset(target.dtype)
+        result = t.fit(model, optimizer, data, loss_fn=nn.functional.cross_entropy)
         return {
             "epochs": len(result.history),
             "stopped_early": result.stopped_early,

@@ -16,7 +16,7 @@ from typing import Any
 from distkit.testing._promise import Promise, expect, max_abs_diff
 from distkit.testing._target import StrategyUnderTest
 from distkit.testing._user_loop import Loop, in_one_process, train
-from distkit.testing._workload import TOLERANCE, reference_strategy
+from distkit.testing._workload import TOLERANCE, dtype_of, reference_strategy, tolerance_of
 
 LOOP = Loop(grad_accum_steps=2)
 #: optimizer steps before the save: mid-epoch at 1 to 3 processes (8 samples per process each)
@@ -34,6 +34,8 @@ def _body(target: StrategyUnderTest, workdir: Path) -> Any:
 
 
 def _verify(results: list[dict[str, Any]], world: int) -> None:
+    dtype = dtype_of(results[0]["whole"]["weights"])
+    tolerance = tolerance_of(results[0]["whole"]["weights"])
     for rank, r in enumerate(results):
         whole, resumed = r["whole"], r["resumed"]
         expect(
@@ -44,23 +46,23 @@ def _verify(results: list[dict[str, Any]], world: int) -> None:
         )
         diff = max_abs_diff(resumed["weights"], whole["weights"])
         expect(
-            diff <= TOLERANCE,
+            diff <= tolerance,
             f"rank {rank}: a user loop ({LOOP.describe()}) that rt.save'd after {SAVE_AFTER} "
             f"steps, then rt.load'ed in a new Runtime and finished ends {diff:.3g} away from "
-            f"the uninterrupted loop (allowed {TOLERANCE:g})",
+            f"the uninterrupted loop (allowed {tolerance:g} in {dtype})",
         )
     one_loop = LOOP.in_one_process(world)
     with tempfile.TemporaryDirectory(prefix="distkit-contract-") as tmp:
         path = Path(tmp) / "saved.pt"
         path.write_bytes(results[0]["file"])
-        one = in_one_process(one_loop, resume_from=path)
+        one = in_one_process(one_loop, dtype, resume_from=path)
     diff = max_abs_diff(one["weights"], results[0]["whole"]["weights"])
     expect(
-        diff <= TOLERANCE,
+        diff <= tolerance,
         f"the file rt.save wrote at {world} process(es) after {SAVE_AFTER} steps, loaded by "
         f"one process ({reference_strategy()!r}) at {one_loop.describe()} and finished, ends "
         f"{diff:.3g} away from the uninterrupted loop at {world} process(es) (allowed "
-        f"{TOLERANCE:g}): the file must hold the full state, in the user's own keys (if "
+        f"{tolerance:g} in {dtype}): the file must hold the full state, in the user's own keys (if "
         "runtime_accumulation fails too, the steps themselves differ)",
     )
 
@@ -68,7 +70,7 @@ def _verify(results: list[dict[str, Any]], world: int) -> None:
 RUNTIME_CHECKPOINT_ROUND_TRIP = Promise(
     "runtime_checkpoint_round_trip",
     "a user loop rt.save'd mid-epoch, rt.load'ed by a new Runtime at the same world size "
-    f"and by one process, finishes as if uninterrupted (within {TOLERANCE:g})",
+    f"and by one process, finishes as if uninterrupted (within {TOLERANCE:g} in float64)",
     _body,
     _verify,
 )

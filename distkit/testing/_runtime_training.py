@@ -19,7 +19,7 @@ from distkit.testing._promise import (
 )
 from distkit.testing._target import StrategyUnderTest
 from distkit.testing._user_loop import Loop, reference, train
-from distkit.testing._workload import TOLERANCE, reference_strategy
+from distkit.testing._workload import TOLERANCE, dtype_of, reference_strategy, tolerance_of
 
 PLAIN = Loop()
 #: two micro-batches per step: the last window of an epoch is short (13 samples at 2 ranks)
@@ -32,7 +32,8 @@ CLIPPING = Loop(grad_accum_steps=2, clip_norm=CLIP_NORM)
 def expect_like_one_process(results: list[dict[str, Any]], world: int, loop: Loop) -> None:
     """Every rank ends where one process taking each step's samples in one batch ends."""
     one_loop = loop.in_one_process(world)
-    one = reference(loop, world)
+    dtype, tolerance = dtype_of(results[0]["weights"]), tolerance_of(results[0]["weights"])
+    one = reference(loop, world, dtype)
     for rank, r in enumerate(results):
         expect(
             r["steps"] == one["steps"],
@@ -41,10 +42,10 @@ def expect_like_one_process(results: list[dict[str, Any]], world: int, loop: Loo
         )
         diff = max_abs_diff(r["weights"], one["weights"])
         expect(
-            diff <= TOLERANCE,
+            diff <= tolerance,
             f"rank {rank}: a user loop at {world} process(es) with {loop.describe()} ends "
             f"{diff:.3g} away from one process ({reference_strategy()!r}) at "
-            f"{one_loop.describe()} (allowed {TOLERANCE:g})",
+            f"{one_loop.describe()} (allowed {tolerance:g} in {dtype})",
         )
 
 
@@ -69,17 +70,19 @@ def _clipping_body(target: StrategyUnderTest, workdir: Path) -> Any:
 
 
 def _verify_clipping(results: list[dict[str, Any]], world: int) -> None:
-    one = reference(CLIPPING, world)
+    weights = results[0]["weights"]
+    one = reference(CLIPPING, world, dtype_of(weights))
     expect_norms_like_one_process(
-        results, one, clip=CLIP_NORM, tolerance=TOLERANCE, what="optimizer.last_grad_norm"
-    )
+        results, one, clip=CLIP_NORM, tolerance=tolerance_of(weights),
+        what="optimizer.last_grad_norm",
+    )  # fmt: skip
     expect_like_one_process(results, world, CLIPPING)
 
 
 RUNTIME_WORLD_SIZE_INVARIANCE = Promise(
     "runtime_world_size_invariance",
     "a user loop on distkit.Runtime at N processes with batch b trains like one process at "
-    f"N * b (within {TOLERANCE:g})",
+    f"N * b (within {TOLERANCE:g} in float64)",
     _plain_body,
     _verify_plain,
     min_world_size=2,
@@ -87,7 +90,7 @@ RUNTIME_WORLD_SIZE_INVARIANCE = Promise(
 RUNTIME_ACCUMULATION = Promise(
     "runtime_accumulation",
     "a user loop with grad_accum_steps=2 (a short last window) trains like one process "
-    f"taking each window's samples in one batch (within {TOLERANCE:g})",
+    f"taking each window's samples in one batch (within {TOLERANCE:g} in float64)",
     _accumulating_body,
     _verify_accumulating,
 )

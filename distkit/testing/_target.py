@@ -6,6 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 import distkit
 from distkit.registry import resolve_strategy_class
 from distkit.strategies.base import Strategy
@@ -20,10 +22,12 @@ class StrategyUnderTest:
             sees) or a :class:`~distkit.Strategy` subclass defined at module level (pickled by
             reference, so the ranks import its module).
         kwargs: keyword arguments for the class.
+        dtype: what the training promises train the workload in (its model and data).
     """
 
     strategy: str | type[Strategy]
     kwargs: Mapping[str, Any] = field(default_factory=dict)
+    dtype: torch.dtype = torch.float64
 
     @property
     def label(self) -> str:

@@ -21,9 +21,12 @@ from distkit.testing._workload import (
     BATCH_SIZE,
     TOLERANCE,
     dataset,
+    dtype_of,
     model,
     optimizer,
     reference_strategy,
+    tolerance_of,
+    trained_in,
 )
 
 #: optimizer steps before the checkpoint of the round trip (mid-epoch at any world size)
@@ -41,23 +44,24 @@ def fit(
 ) -> dict[str, torch.Tensor]:
     """Train the workload for two epochs (or ``max_steps``); the full final weights."""
     with target.trainer(batch_size=batch_size, max_epochs=2, max_steps=max_steps, seed=3) as t:
-        net = model(model_seed)
+        net = model(model_seed, target.dtype)
         if resume_from is not None:
             t.load_checkpoint(resume_from)
-        t.fit(net, optimizer(net), dataset(), loss_fn=nn.functional.cross_entropy)
+        t.fit(net, optimizer(net), dataset(target.dtype), loss_fn=nn.functional.cross_entropy)
         if save_to is not None:
             t.save_checkpoint(save_to)
-        return t.full_state_dict()
+        return trained_in(t.full_state_dict(), target.dtype)
 
 
-def _reference_fit(batch_size: int) -> dict[str, torch.Tensor]:
-    return fit(StrategyUnderTest(reference_strategy()), batch_size)
+def _reference_fit(batch_size: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    return fit(StrategyUnderTest(reference_strategy(), dtype=dtype), batch_size)
 
 
 @cache
-def reference_weights(world_size: int) -> dict[str, torch.Tensor]:
-    """One plain CPU process at ``world_size * BATCH_SIZE`` (computed once per world size)."""
-    return in_plain_process(_reference_fit, world_size * BATCH_SIZE)
+def reference_weights(world_size: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One plain CPU process at ``world_size * BATCH_SIZE`` in ``dtype`` (computed once per
+    world size and dtype)."""
+    return in_plain_process(_reference_fit, world_size * BATCH_SIZE, dtype)
 
 
 # ---------------------------------------------------------------- world-size invariance
@@ -66,18 +70,20 @@ def _world_size_invariance_body(target: StrategyUnderTest, workdir: Path) -> Any
 
 
 def _verify_world_size_invariance(results: list[dict[str, torch.Tensor]], world: int) -> None:
+    tolerance = tolerance_of(results[0])
     for rank, weights in enumerate(results):
         between = max_abs_diff(weights, results[0])
         expect(
-            between <= TOLERANCE,
+            between <= tolerance,
             f"after training, rank {rank}'s weights differ from rank 0's by {between:.3g}",
         )
-    one = reference_weights(world)
+    one = reference_weights(world, dtype_of(results[0]))
     diff = max_abs_diff(results[0], one)
     expect(
-        diff <= TOLERANCE,
+        diff <= tolerance,
         f"{world} processes at batch size {BATCH_SIZE} end {diff:.3g} away from one process "
-        f"({reference_strategy()!r}) at batch size {world * BATCH_SIZE} (allowed {TOLERANCE:g})",
+        f"({reference_strategy()!r}) at batch size {world * BATCH_SIZE} (allowed "
+        f"{tolerance:g} in {dtype_of(results[0])})",
     )
 
 
@@ -94,24 +100,27 @@ def _checkpoint_round_trip_body(target: StrategyUnderTest, workdir: Path) -> Any
 def _verify_checkpoint_round_trip(results: list[dict[str, Any]], world: int) -> None:
     for rank, r in enumerate(results):
         diff = max_abs_diff(r["resumed"], r["whole"])
+        tolerance = tolerance_of(r["whole"])
         expect(
-            diff <= TOLERANCE,
+            diff <= tolerance,
             f"rank {rank}: trained {STEPS_BEFORE_SAVE} steps, saved, resumed in a new Trainer "
             f"and finished: the weights end {diff:.3g} away from an uninterrupted run "
-            f"(allowed {TOLERANCE:g})",
+            f"(allowed {tolerance:g})",
         )
 
 
 WORLD_SIZE_INVARIANCE = Promise(
     "world_size_invariance",
-    f"N processes at batch size b train like one process at N * b (within {TOLERANCE:g})",
+    f"N processes at batch size b train like one process at N * b (within {TOLERANCE:g} in "
+    "float64)",
     _world_size_invariance_body,
     _verify_world_size_invariance,
     min_world_size=2,
 )
 CHECKPOINT_ROUND_TRIP = Promise(
     "checkpoint_round_trip",
-    f"train, save_checkpoint, resume in a new Trainer: as if uninterrupted (within {TOLERANCE:g})",
+    "train, save_checkpoint, resume in a new Trainer: as if uninterrupted (within "
+    f"{TOLERANCE:g} in float64)",
     _checkpoint_round_trip_body,
     _verify_checkpoint_round_trip,
 )

@@ -14,6 +14,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from distkit.testing._processes import in_plain_process
@@ -25,6 +26,7 @@ from distkit.testing._workload import (
     model,
     optimizer,
     reference_strategy,
+    trained_in,
 )
 
 
@@ -79,9 +81,9 @@ def train(
         clipping (with ``clip_norm``); ``steps``: the optimizer steps this run took.
     """
     with target.runtime(grad_accum_steps=loop.grad_accum_steps, seed=DATA_SEED) as rt:
-        net = model(model_seed)
+        net = model(model_seed, target.dtype)
         net, opt = rt.setup(net, optimizer(net))
-        loader = rt.loader(dataset(), batch_size=loop.batch_size, shuffle=True)
+        loader = rt.loader(dataset(target.dtype), batch_size=loop.batch_size, shuffle=True)
         first = 0
         if resume_from is not None:
             state = {"model": net, "optimizer": opt, "loader": loader}
@@ -104,22 +106,32 @@ def train(
                     assert save_to is not None
                     state = {"model": net, "optimizer": opt, "loader": loader, "epoch": epoch}
                     rt.save(save_to, state)
-                    return {"weights": rt.full_state_dict(net), "norms": norms, "steps": steps}
-        return {"weights": rt.full_state_dict(net), "norms": norms, "steps": steps}
+                    return _outcome(rt, net, target.dtype, norms, steps)
+        return _outcome(rt, net, target.dtype, norms, steps)
 
 
-def _train_reference(loop: Loop, resume_from: Path | None) -> dict[str, Any]:
-    return train(StrategyUnderTest(reference_strategy()), loop, resume_from=resume_from)
+def _outcome(
+    rt: Any, net: nn.Module, dtype: torch.dtype, norms: list[float], steps: int
+) -> dict[str, Any]:
+    weights = trained_in(rt.full_state_dict(net), dtype)
+    return {"weights": weights, "norms": norms, "steps": steps}
 
 
-def in_one_process(loop: Loop, *, resume_from: Path | None = None) -> dict[str, Any]:
+def _train_reference(loop: Loop, resume_from: Path | None, dtype: torch.dtype) -> dict[str, Any]:
+    target = StrategyUnderTest(reference_strategy(), dtype=dtype)
+    return train(target, loop, resume_from=resume_from)
+
+
+def in_one_process(
+    loop: Loop, dtype: torch.dtype, *, resume_from: Path | None = None
+) -> dict[str, Any]:
     """``loop`` (resumed from ``resume_from``) in one plain CPU process of the reference
-    strategy; what :func:`train` returns."""
-    return in_plain_process(_train_reference, loop, resume_from)
+    strategy, in ``dtype``; what :func:`train` returns."""
+    return in_plain_process(_train_reference, loop, resume_from, dtype)
 
 
 @cache
-def reference(loop: Loop, world_size: int) -> dict[str, Any]:
-    """What ``loop`` at ``world_size`` processes must equal: one process with each step's
-    samples in one batch (computed once per loop and world size)."""
-    return in_one_process(loop.in_one_process(world_size))
+def reference(loop: Loop, world_size: int, dtype: torch.dtype) -> dict[str, Any]:
+    """What ``loop`` at ``world_size`` processes in ``dtype`` must equal: one process with
+    each step's samples in one batch (computed once per loop, world size and dtype)."""
+    return in_one_process(loop.in_one_process(world_size), dtype)

@@ -7,7 +7,9 @@ run (docs/reference/testing.md).
 
 Backends: ddp (2 gloo processes), dp (1 process), fsdp (2 gloo processes; once registered),
 horovod (``horovodrun -np 2 --gloo``), apex-fake (see ``_fake_legacy_apex_and_cuda``) and
-deepspeed (2 gloo processes, ZeRO stage 2, its default).
+deepspeed (2 gloo processes, ZeRO stage 2, its default). The training promises train in
+float64 (distkit.testing's default: exact to the summation order on any CPU), DeepSpeed's in
+float32 (its ZeRO optimizer keeps float32 master weights).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import contextlib
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 import distkit
 import distkit.testing
@@ -68,7 +71,8 @@ BACKENDS = {
     "fsdp": (dict(strategy="fsdp"), _fsdp_missing),
     "horovod": (dict(strategy="horovod", launcher="horovodrun"), _horovod_missing),
     "apex-fake": (dict(strategy="apex", rank_setup=_fake_legacy_apex_and_cuda), lambda: None),
-    "deepspeed": (dict(strategy="deepspeed"), _deepspeed_missing),
+    # ZeRO steps float32 master weights and refuses a float64 model: the float32 contract
+    "deepspeed": (dict(strategy="deepspeed", dtype=torch.float32), _deepspeed_missing),
 }
 
 

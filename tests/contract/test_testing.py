@@ -51,6 +51,21 @@ class _SummingDDP(DDPStrategy):
         super().backward(loss * self.world_size, optimizer)
 
 
+class _NarrowingDDP(DDPStrategy):
+    """Trains a float64 model in float32 (casts it at set-up), as ZeRO's float32 master
+    weights would: the float32 result is close, and must not pass for float64's."""
+
+    name = "narrowing-ddp"
+
+    @override
+    def _setup_model_and_optimizer(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model.float()  # and its inputs, as a mixed-precision engine casts them
+        model.register_forward_pre_hook(lambda _, args: tuple(a.float() for a in args))
+        return super()._setup_model_and_optimizer(model, optimizer)
+
+
 class _NoOptimizerStateIO(StateIO):
     """Writes the optimizer's hyperparameters but not its state (SGD's momentum buffers)."""
 
@@ -151,10 +166,19 @@ def test_testing_catches_summed_gradients_in_the_trainer_and_in_a_user_loop():
     assert "expected the mean over ranks" in _failure(run, "mean_gradients")
     invariance = _failure(run, "world_size_invariance")
     assert "2 processes at batch size 4 end" in invariance
-    assert "from one process ('dp') at batch size 8 (allowed 1e-05)" in invariance
+    assert "from one process ('dp') at batch size 8 (allowed 1e-09 in torch.float64)" in invariance
     loop = _failure(run, "runtime_world_size_invariance")
     assert "a user loop at 2 process(es) with batch size 4 ends" in loop
-    assert "from one process ('dp') at batch size 8 (allowed 1e-05)" in loop
+    assert "from one process ('dp') at batch size 8 (allowed 1e-09 in torch.float64)" in loop
+
+
+def test_testing_catches_a_strategy_that_trains_a_float64_model_in_float32():
+    run = distkit.testing.run_promises(_NarrowingDDP, ["world_size_invariance"])
+    message = _failure(run, "world_size_invariance")
+    assert (
+        "the model was given in torch.float64 and its trained weights came back in "
+        "torch.float32: the strategy changed the model's dtype" in message
+    )
 
 
 def test_testing_catches_a_user_loop_checkpoint_without_the_optimizer_state():
@@ -187,6 +211,10 @@ def test_testing_single_process_strategy_skips_world_size_invariance_with_the_re
         ({"launcher": "mpirun"}, "unknown launcher 'mpirun'. Allowed: processes, horovodrun"),
         ({"strategy": "dp", "world_size": 2}, "runs as a single python process"),
         ({"world_size": 0}, "world_size=0; allowed: an int >= 1"),
+        (
+            {"dtype": torch.float16},
+            "dtype=torch.float16: the training promises train in torch.float64, torch.float32",
+        ),
     ],
 )
 def test_testing_refuses_bad_arguments_before_launching(kwargs, words):

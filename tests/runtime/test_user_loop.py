@@ -13,13 +13,12 @@ import torch
 from torch import nn
 
 import distkit
+from tests.support.exactness import DTYPE, TOL  # the runs compared train in float64
 from tests.support.gates import needs
 from tests.support.horovod_runner import run_with_horovodrun
 from tests.support.workloads import make_dataset, make_mlp, max_abs_diff
 
 pytestmark = pytest.mark.timeout(300)
-
-TOL = 1e-5
 N = 21  # global batches of 8 with 2 accumulated: 16 + 5 (an uneven last step)
 
 
@@ -36,13 +35,15 @@ def user_loop(
     clip: float | None = None,
     precision: str = "32",
 ) -> dict[str, Any]:
-    """The loop of the issue's sketch: setup, loader, backward, (clip), step, zero_grad."""
+    """The loop of the issue's sketch: setup, loader, backward, (clip), step, zero_grad; in
+    float64 at full precision (the runs are compared), in float32 for mixed precision."""
     torch.manual_seed(0)
+    dtype = DTYPE if precision == "32" else torch.float32
     with distkit.Runtime(strategy, grad_accum_steps=accum, seed=3, precision=precision) as rt:
-        model = make_mlp()
+        model = make_mlp(dtype=dtype)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         model, optimizer = rt.setup(model, optimizer)
-        loader = rt.loader(make_dataset(N), batch_size=batch, shuffle=True)
+        loader = rt.loader(make_dataset(N, dtype=dtype), batch_size=batch, shuffle=True)
         batches = 0
         for _ in range(epochs):
             for x, y in loader:
@@ -59,12 +60,13 @@ def trainer_fit(
     batch: int, accum: int, *, epochs: int = 2, precision: str = "32", clip: float | None = None
 ) -> dict[str, Any]:
     torch.manual_seed(0)
+    dtype = DTYPE if precision == "32" else torch.float32
     trainer = distkit.Trainer("ddp", batch_size=batch, grad_accum_steps=accum, seed=3,
                               max_epochs=epochs, progress=False, precision=precision,
                               gradient_clip_norm=clip)  # fmt: skip
-    model = make_mlp()
+    model = make_mlp(dtype=dtype)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    trainer.fit(model, optimizer, make_dataset(N), _loss)
+    trainer.fit(model, optimizer, make_dataset(N, dtype=dtype), _loss)
     state = trainer.full_state_dict()
     trainer.close()
     return {"state": state}
@@ -127,22 +129,23 @@ def gan_loop(strategy: str, batch: int) -> dict[str, Any]:
     generator); the noise is a function of the batch, so any world size draws the same."""
     torch.manual_seed(0)
     with distkit.Runtime(strategy, seed=5) as rt:
-        gen = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, FEATURES))
-        disc = nn.Sequential(nn.Linear(FEATURES, 16), nn.ReLU(), nn.Linear(16, 1))
+        gen = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, FEATURES)).to(DTYPE)
+        disc = nn.Sequential(nn.Linear(FEATURES, 16), nn.ReLU(), nn.Linear(16, 1)).to(DTYPE)
         gen, opt_g = rt.setup(gen, torch.optim.Adam(gen.parameters(), lr=1e-2))
         disc, opt_d = rt.setup(disc, torch.optim.SGD(disc.parameters(), lr=0.1))
         bce = nn.functional.binary_cross_entropy_with_logits
-        for x, _ in rt.loader(make_dataset(N), batch_size=batch):
+        for x, _ in rt.loader(make_dataset(N, dtype=DTYPE), batch_size=batch):
             fake = gen(torch.tanh(x[:, :4]))
             scores = disc(torch.cat([x, fake.detach()]))
-            labels = torch.cat([torch.ones(len(x), 1), torch.zeros(len(x), 1)])
+            real = torch.ones(len(x), 1, dtype=DTYPE)
+            labels = torch.cat([real, torch.zeros_like(real)])
             opt_d.zero_grad()
             rt.backward(bce(scores, labels))
             opt_d.step()
             opt_g.zero_grad()
             # optimizer=: the loss reaches both models; legacy apex needs to know (see
             # test_user_loop_apex), every other backend ignores it
-            rt.backward(bce(disc(fake), torch.ones(len(x), 1)), optimizer=opt_g)
+            rt.backward(bce(disc(fake), real), optimizer=opt_g)
             opt_g.step()
         return {"gen": rt.full_state_dict(gen), "disc": rt.full_state_dict(disc)}
 
@@ -171,13 +174,13 @@ def parts_loop(strategy: str, batch: int) -> dict[str, Any]:
     stepped one after the other; accumulation 2 with an uneven last window."""
     torch.manual_seed(0)
     with distkit.Runtime(strategy, grad_accum_steps=2, seed=3) as rt:
-        model = make_mlp()
+        model = make_mlp(dtype=DTYPE)
         body, head = list(model.parameters())[:2], list(model.parameters())[2:]
         model, opt_body, opt_head = rt.setup(
             model, torch.optim.SGD(body, lr=0.1, momentum=0.9), torch.optim.Adam(head, lr=1e-2)
         )
         for _ in range(2):
-            for x, y in rt.loader(make_dataset(N), batch_size=batch):
+            for x, y in rt.loader(make_dataset(N, dtype=DTYPE), batch_size=batch):
                 rt.backward(_loss(model(x), y))
                 opt_body.step()
                 opt_head.step()

@@ -18,11 +18,10 @@ from torch.utils.data import TensorDataset
 import distkit
 from distkit import checkpoint as ckpt
 from distkit.strategies.fsdp import FSDPStrategy
+from tests.support.exactness import DTYPE, TOL  # the runs compared train in float64
 from tests.support.workloads import make_dataset, make_mlp, max_abs_diff, train_with_distkit
 
 pytestmark = pytest.mark.timeout(240)
-
-TOL = 1e-5
 
 
 def _train(strategy: str, batch_size: int, n: int, accum: int = 1, **kwargs) -> dict:
@@ -218,8 +217,8 @@ def test_fsdp_fp16_trains_with_a_grad_scaler(run_on_ranks):
 # ---------------------------------------------------------------- full_state_dict
 def _full_state_dict_and_own(strategy: str, batch: int) -> dict:
     trainer = distkit.Trainer(strategy, batch_size=batch, max_epochs=1, progress=False, seed=3)
-    net = make_mlp()
-    trainer.fit(net, torch.optim.SGD(net.parameters(), lr=0.1), make_dataset(64),
+    net = make_mlp(dtype=DTYPE)
+    trainer.fit(net, torch.optim.SGD(net.parameters(), lr=0.1), make_dataset(64, dtype=DTYPE),
                 loss_fn=nn.functional.cross_entropy)  # fmt: skip
     full = trainer.full_state_dict()
     own = None if strategy == "fsdp" else {k: v.clone() for k, v in net.state_dict().items()}
@@ -253,9 +252,10 @@ def _train_ckpt(strategy: distkit.Strategy | str, batch: int, folder: str | None
     trainer = distkit.Trainer(strategy, batch_size=batch, max_epochs=2, seed=11, progress=False,
                               checkpoint_dir=folder, **kwargs)  # fmt: skip
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)).to(DTYPE)
     optimizer = torch.optim.Adam(net.parameters(), lr=0.01)
-    result = trainer.fit(net, optimizer, make_dataset(64), loss_fn=nn.functional.cross_entropy)
+    data = make_dataset(64, dtype=DTYPE)
+    result = trainer.fit(net, optimizer, data, loss_fn=nn.functional.cross_entropy)
     out = {"state": trainer.full_state_dict(), "history": result.history}
     trainer.close()
     return out
@@ -302,9 +302,9 @@ def _load_mid_run(path: str) -> dict:
         "fsdp", batch_size=4, max_epochs=2, seed=11, progress=False, max_steps=5
     )
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)).to(DTYPE)
     optimizer = torch.optim.Adam(net.parameters(), lr=0.01)
-    data = make_dataset(64)
+    data = make_dataset(64, dtype=DTYPE)
     trainer.fit(net, optimizer, data, loss_fn=nn.functional.cross_entropy)
     trainer.save_checkpoint(path)
     with torch.no_grad():  # spoil the sharded weights and optimizer state

@@ -15,6 +15,7 @@ from torch import nn
 
 import distkit
 from tests.support.checkpoint_runs import make_source_checkpoint, train_run
+from tests.support.exactness import DTYPE, TOL  # the runs compared train in float64
 from tests.support.gates import needs
 from tests.support.horovod_runner import RankError, run_with_horovodrun
 from tests.support.multiprocess import run_on_ranks
@@ -102,8 +103,10 @@ class StepRecorder(distkit.Callback):
 def train_clipped(
     strategy: str, batch_size: int, *, grad_accum_steps: int = 1, precision: str = "32"
 ) -> dict:
-    """Runs on Horovod ranks (and in one process): the shared workload, clipped to norm 0.5."""
-    net, recorder = make_mlp(), StepRecorder()
+    """Runs on Horovod ranks (and in one process): the shared workload, clipped to norm 0.5;
+    in float64 at full precision (the runs are compared), float32 for fp16."""
+    dtype = DTYPE if precision == "32" else torch.float32
+    net, recorder = make_mlp(dtype=dtype), StepRecorder()
     trainer = distkit.Trainer(
         strategy,
         batch_size=batch_size,
@@ -118,7 +121,7 @@ def train_clipped(
     result = trainer.fit(
         net,
         torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
-        make_dataset(61),
+        make_dataset(61, dtype=dtype),
         loss_fn=nn.functional.cross_entropy,
     )
     out = {
@@ -160,20 +163,20 @@ def test_horovod_two_processes_equal_one_process_with_double_batch(horovod):
     two = _ok(horovod["b4"])
     one = train_with_distkit("dp", 8, n=61)
     assert max_abs_diff(two[0]["state"], two[1]["state"]) == 0.0
-    assert max_abs_diff(two[0]["state"], one["state"]) <= 1e-5
+    assert max_abs_diff(two[0]["state"], one["state"]) <= TOL
     assert two[0]["history"] == two[1]["history"]
 
 
 @needs_horovod
 def test_horovod_and_ddp_end_with_the_same_parameters(horovod):
     ddp = run_on_ranks(partial(train_with_distkit, n=61), "ddp", 4, world_size=2)[0]
-    assert max_abs_diff(_ok(horovod["b4"])[0]["state"], ddp["state"]) <= 1e-5
+    assert max_abs_diff(_ok(horovod["b4"])[0]["state"], ddp["state"]) <= TOL
 
 
 @needs_horovod
 def test_horovod_accumulation_equals_bigger_batch(horovod):
     one = train_with_distkit("dp", 8, n=61)
-    assert max_abs_diff(_ok(horovod["accum"])[0]["state"], one["state"]) <= 1e-5
+    assert max_abs_diff(_ok(horovod["accum"])[0]["state"], one["state"]) <= TOL
 
 
 @needs_horovod
@@ -181,13 +184,13 @@ def test_horovod_fresh_adamw_is_not_stepped_by_the_optimizer_broadcast(horovod):
     # hvd.broadcast_optimizer_state on a fresh optimizer takes a zero-gradient step, which
     # applies AdamW's weight decay and advances its step count: distkit must not do that.
     one = train_with_distkit("dp", 8, n=61, optimizer="adamw")
-    assert max_abs_diff(_ok(horovod["adamw"])[0]["state"], one["state"]) <= 1e-5
+    assert max_abs_diff(_ok(horovod["adamw"])[0]["state"], one["state"]) <= TOL
 
 
 @needs_horovod
 def test_horovod_sync_batchnorm_on_cpu_matches_full_batch(horovod):
     one = train_with_distkit("dp", 8, n=64, model="bn")
-    assert max_abs_diff(_ok(horovod["syncbn"])[0]["state"], one["state"]) <= 1e-5
+    assert max_abs_diff(_ok(horovod["syncbn"])[0]["state"], one["state"]) <= TOL
 
 
 @needs_horovod
@@ -214,8 +217,8 @@ def test_horovod_clipping_sees_the_gradients_of_one_process_with_the_whole_batch
     for rank in two:
         assert len(rank["steps"]) == len(norms)
         rank_norms = [step["grad_norm"] for step in rank["steps"]]
-        assert rank_norms == pytest.approx(norms, abs=1e-5)
-        assert max_abs_diff(rank["state"], one["state"]) <= 1e-5
+        assert rank_norms == pytest.approx(norms, abs=TOL)
+        assert max_abs_diff(rank["state"], one["state"]) <= TOL
 
 
 @needs_horovod

@@ -15,6 +15,7 @@ from torch.nn import functional as F
 from torch.utils.data import Dataset
 
 import distkit
+from tests.support.exactness import DTYPE
 
 V, L, N = 11, 7, 21  # vocabulary, padded length, samples (global batches of 8: 8 + 8 + 5)
 
@@ -50,10 +51,18 @@ class Sequences(Dataset):
         return {"input_ids": self.ids[i], "labels": self.labels[i]}
 
 
-def make_lm() -> nn.Module:
+def make_lm(dtype: torch.dtype = torch.float32) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Embedding(V, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
-                         nn.Linear(16, V))  # fmt: skip
+                         nn.Linear(16, V)).to(dtype)  # fmt: skip
+
+
+def dtype_for(strategy: str, settings: dict[str, Any]) -> torch.dtype:
+    """float64, where the runs are compared (tests/support/exactness.py); float32 where it
+    is the point: mixed precision (it lowers float32 only) and apex (float32 master weights)."""
+    if strategy == "apex" or str(settings.get("precision", "32")) not in ("32", "fp32"):
+        return torch.float32
+    return DTYPE
 
 
 def token_sum(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Any]:
@@ -78,11 +87,15 @@ def batch_mean_step(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.T
 
 
 def reference(
-    batch: int, epochs: int = 2, lr: float = 0.5, empty: str | None = None
+    batch: int,
+    epochs: int = 2,
+    lr: float = 0.5,
+    empty: str | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> dict[str, torch.Tensor]:
     """One plain-torch process: global batches of ``batch`` in order, the mean over every
     token of each global batch (what token-exact training must equal)."""
-    model = make_lm()
+    model = make_lm(dtype)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     data = Sequences(empty=empty)
     for _ in range(epochs):
@@ -109,7 +122,7 @@ def fit_tokens(
     **settings: Any,
 ) -> dict[str, Any]:
     """The Trainer's fit with a token-exact step_fn (or the batch-mean one)."""
-    model = make_lm()
+    model = make_lm(dtype_for(strategy, settings))
     trainer = distkit.Trainer(strategy, batch_size=batch, grad_accum_steps=accum, seed=3,
                               max_epochs=epochs, progress=False, shuffle=False,
                               **settings)  # fmt: skip
@@ -134,7 +147,7 @@ def loop_tokens(
     """A user's loop with ``rt.backward(total, count=n)``."""
     means = []
     with distkit.Runtime(strategy, grad_accum_steps=accum, seed=3, **settings) as rt:
-        model = make_lm()
+        model = make_lm(dtype_for(strategy, settings))
         optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
         model, optimizer = rt.setup(model, optimizer)
         loader = rt.loader(Sequences(empty=empty), batch_size=batch, shuffle=False)

@@ -9,25 +9,37 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import distkit
+from tests.support.exactness import DTYPE
 
 
-def make_dataset(n: int = 60, features: int = 6, classes: int = 3, seed: int = 1) -> TensorDataset:
+def make_dataset(
+    n: int = 60,
+    features: int = 6,
+    classes: int = 3,
+    seed: int = 1,
+    dtype: torch.dtype = torch.float32,
+) -> TensorDataset:
+    """``n`` samples; the same draws (and labels) in any ``dtype``."""
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(n, features, generator=generator)
     y = (x[:, :classes].argmax(dim=1) + (x[:, -1] > 1).long()) % classes
-    return TensorDataset(x, y)
+    return TensorDataset(x.to(dtype), y)
 
 
-def make_mlp(features: int = 6, classes: int = 3, seed: int = 0) -> nn.Module:
+def make_mlp(
+    features: int = 6, classes: int = 3, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(features, 16), nn.Tanh(), nn.Linear(16, classes))
+    return nn.Sequential(nn.Linear(features, 16), nn.Tanh(), nn.Linear(16, classes)).to(dtype)
 
 
-def make_bn_model(features: int = 6, classes: int = 3, seed: int = 0) -> nn.Module:
+def make_bn_model(
+    features: int = 6, classes: int = 3, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(
         nn.Linear(features, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, classes)
-    )
+    ).to(dtype)
 
 
 def without_timing(history: list[dict]) -> list[dict]:
@@ -62,10 +74,18 @@ def train_with_distkit(
     as_loader: bool = False,
     seed: int = 3,
     optimizer: str = "sgd",
+    dtype: torch.dtype | None = None,
 ) -> dict[str, Any]:
-    """Train the shared workload; returns final parameters, history and topology."""
-    net = make_bn_model() if model == "bn" else make_mlp()
-    dataset = make_dataset(n)
+    """Train the shared workload; returns final parameters, history and topology.
+
+    ``dtype``: the model's and data's; by default float64 at ``precision="32"`` (the
+    exactness tests compare runs: tests/support/exactness.py) and float32 for mixed precision
+    (which lowers float32 only).
+    """
+    if dtype is None:
+        dtype = DTYPE if precision in ("32", "fp32") else torch.float32
+    net = make_bn_model(dtype=dtype) if model == "bn" else make_mlp(dtype=dtype)
+    dataset = make_dataset(n, dtype=dtype)
     data: Any = DataLoader(dataset, batch_size=batch_size, shuffle=True) if as_loader else dataset
     trainer = distkit.Trainer(
         strategy,
@@ -99,7 +119,9 @@ def train_with_distkit(
     return out
 
 
-def train_by_hand(batch_size: int, *, n: int = 60, epochs: int = 2, seed: int = 3) -> dict:
+def train_by_hand(
+    batch_size: int, *, n: int = 60, epochs: int = 2, seed: int = 3, dtype: torch.dtype = DTYPE
+) -> dict:
     """The seeds' hand-written loop: DistributedSampler(+set_epoch), zero_grad/backward/step.
 
     Runs on one process or under DDP (when a process group exists, it wraps the model).
@@ -107,9 +129,9 @@ def train_by_hand(batch_size: int, *, n: int = 60, epochs: int = 2, seed: int = 
     distributed = torch.distributed.is_initialized()
     world = torch.distributed.get_world_size() if distributed else 1
     rank = torch.distributed.get_rank() if distributed else 0
-    net = make_mlp()
+    net = make_mlp(dtype=dtype)
     model: nn.Module = nn.parallel.DistributedDataParallel(net) if distributed else net
-    dataset = make_dataset(n)
+    dataset = make_dataset(n, dtype=dtype)
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed)
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)

@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import distkit
+from tests.support.exactness import TOL  # the runs compared train in float64
 from tests.support.gates import needs
 from tests.support.workloads import (
     hand_ddp_on_rank,
@@ -25,8 +26,6 @@ from tests.support.workloads import (
 )
 
 pytestmark = pytest.mark.timeout(180)
-
-TOL = 1e-5
 
 
 def _train(strategy: str, batch_size: int, n: int, accum: int = 1, **kwargs) -> dict:
