@@ -17,13 +17,12 @@ import distkit
 from distkit.callbacks import Callback
 from distkit.strategies._steps import GradientClip, StepOutcome
 from distkit.strategies.dp import DataParallelStrategy
+from tests.support.exactness import DTYPE, TOL
 from tests.support.gates import needs
 from tests.support.horovod_runner import run_with_horovodrun
 from tests.support.workloads import make_dataset, make_mlp
 
 pytestmark = pytest.mark.timeout(300)
-
-TOL = 1e-5
 
 
 def _full(grad: torch.Tensor) -> torch.Tensor:
@@ -51,12 +50,16 @@ class GradRecorder(Callback):
                 p.grad.mul_(self.scale)
 
 
-def _fit(strategy, batch_size: int, *, n: int = 32, callbacks=(), **settings) -> dict:
+def _fit(strategy, batch_size: int, *, n: int = 32, callbacks=(), dtype=None, **settings) -> dict:
     trainer = distkit.Trainer(strategy, batch_size=batch_size, max_epochs=1, progress=False,
                               callbacks=list(callbacks), **settings)  # fmt: skip
-    model = make_mlp()
+    # float64 where runs are compared (tests/support/exactness.py), float32 for mixed precision
+    if dtype is None:
+        dtype = DTYPE if settings.get("precision", "32") == "32" else torch.float32
+    model = make_mlp(dtype=dtype)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    trainer.fit(model, optimizer, make_dataset(n), loss_fn=nn.functional.cross_entropy)
+    data = make_dataset(n, dtype=dtype)
+    trainer.fit(model, optimizer, data, loss_fn=nn.functional.cross_entropy)
     recorder = next((c for c in callbacks if isinstance(c, GradRecorder)), None)
     out = {
         "steps": [] if recorder is None else recorder.steps,
@@ -110,7 +113,7 @@ def test_before_optimizer_step_sees_the_global_mean_gradients_at_horovod_x2(tmp_
 
 def test_before_optimizer_step_sees_unscaled_gradients_under_fp16():
     fp16 = _recorded("dp", 8, precision="fp16")
-    fp32 = _recorded("dp", 8)
+    fp32 = _recorded("dp", 8, dtype=torch.float32)
     # scaled ones would be 2**16 times larger; fp16 arithmetic differs in the third digit
     for step16, step32 in zip(fp16["steps"], fp32["steps"], strict=True):
         for g16, g32 in zip(step16, step32, strict=True):

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.exactness import TOL
 from tests.support.gates import needs
 from tests.support.horovod_runner import horovodrun_path
 from tests.support.mpi import mpich_bin, mpirun_path
@@ -29,7 +30,7 @@ from tests.support.workloads import max_abs_diff
 pytestmark = pytest.mark.timeout(300)
 
 JOB = ["-m", "tests.support.job_scripts.cluster_job"]
-TOLERANCE = 1e-5
+TOLERANCE = TOL  # the job trains in float64 (tests/support/exactness.py)
 # what a launcher may leave in the test runner's environment, and must not reach the jobs
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                  "TORCHELASTIC_RUN_ID", "HOROVOD_RANK", "HOROVOD_SIZE")  # fmt: skip

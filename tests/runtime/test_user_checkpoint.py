@@ -13,11 +13,11 @@ from torch import nn
 
 import distkit
 from distkit.errors import CheckpointError, RankDisagreementError
+from tests.support.exactness import DTYPE, TOL  # the runs compared train in float64
 from tests.support.workloads import make_dataset, make_mlp, max_abs_diff
 
 pytestmark = pytest.mark.timeout(300)
 
-TOL = 1e-5
 N = 21
 EPOCHS = 2
 
@@ -30,9 +30,9 @@ def save_after(batch: int, path: str, windows: int) -> dict[str, Any]:
     """Train ``windows`` accumulation windows of epoch 0, save, and stop (as if killed)."""
     torch.manual_seed(0)
     with distkit.Runtime("ddp", grad_accum_steps=2, seed=4) as rt:
-        model = make_mlp()
+        model = make_mlp(dtype=DTYPE)
         model, optimizer = rt.setup(model, torch.optim.Adam(model.parameters(), lr=1e-2))
-        loader = rt.loader(make_dataset(N), batch_size=batch)
+        loader = rt.loader(make_dataset(N, dtype=DTYPE), batch_size=batch)
         done = 0
         for x, y in loader:
             rt.backward(_loss(model(x), y))
@@ -50,9 +50,9 @@ def save_after(batch: int, path: str, windows: int) -> dict[str, Any]:
 def resume_from(batch: int, path: str) -> dict[str, Any]:
     torch.manual_seed(123)  # other initial weights: the checkpoint must replace them all
     with distkit.Runtime("ddp", grad_accum_steps=2, seed=4) as rt:
-        model = make_mlp()
+        model = make_mlp(dtype=DTYPE)
         model, optimizer = rt.setup(model, torch.optim.Adam(model.parameters(), lr=1e-2))
-        loader = rt.loader(make_dataset(N), batch_size=batch)
+        loader = rt.loader(make_dataset(N, dtype=DTYPE), batch_size=batch)
         rest = rt.load(path, {"model": model, "optimizer": optimizer, "loader": loader})
         for _ in range(rest["epoch"], EPOCHS):
             for x, y in loader:
@@ -65,9 +65,9 @@ def resume_from(batch: int, path: str) -> dict[str, Any]:
 def uninterrupted(batch: int) -> dict[str, Any]:
     torch.manual_seed(0)
     with distkit.Runtime("ddp", grad_accum_steps=2, seed=4) as rt:
-        model = make_mlp()
+        model = make_mlp(dtype=DTYPE)
         model, optimizer = rt.setup(model, torch.optim.Adam(model.parameters(), lr=1e-2))
-        loader = rt.loader(make_dataset(N), batch_size=batch)
+        loader = rt.loader(make_dataset(N, dtype=DTYPE), batch_size=batch)
         for _ in range(EPOCHS):
             for x, y in loader:
                 rt.backward(_loss(model(x), y))

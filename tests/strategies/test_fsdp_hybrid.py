@@ -14,11 +14,11 @@ from torch import nn
 
 import distkit
 from distkit.errors import ConfigurationError, RankDisagreementError
+from tests.support.exactness import DTYPE, TOL  # the runs compared train in float64
 from tests.support.workloads import make_dataset, make_mlp, max_abs_diff
 
 pytestmark = pytest.mark.timeout(400)
 
-TOL = 1e-5
 N = 21  # global batches of 8 with 2 accumulated: 16 + 5 (an uneven last step)
 
 
@@ -30,9 +30,9 @@ def fit(
     trainer = distkit.Trainer(strategy, batch_size=batch, grad_accum_steps=2, seed=3,
                               max_epochs=2, progress=False, gradient_clip_norm=clip,
                               **settings)  # fmt: skip
-    model = make_mlp()
+    model = make_mlp(dtype=DTYPE)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    trainer.fit(model, optimizer, make_dataset(N), loss_fn=nn.functional.cross_entropy)
+    trainer.fit(model, optimizer, make_dataset(N, dtype=DTYPE), loss_fn=nn.functional.cross_entropy)
     first = next(model.parameters())
     local = first.to_local() if hasattr(first, "to_local") else first
     out = {

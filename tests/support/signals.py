@@ -19,7 +19,10 @@ import signal
 from pathlib import Path
 from typing import Any
 
-#: the signals whose handlers distkit or the tests touch (``signal.getsignal`` of each)
+#: the signals whose handlers distkit or the tests touch (``signal.getsignal`` of each).
+#: Not SIGCHLD: torch's DataLoader installs its own handler there the first time a loader
+#: starts workers, once per process and on purpose (it reports a worker that died), so it
+#: stays for the rest of the run, and putting the old one back would switch that off.
 WATCHED = (
     signal.SIGINT,
     signal.SIGTERM,
@@ -27,7 +30,6 @@ WATCHED = (
     signal.SIGUSR2,
     signal.SIGHUP,
     signal.SIGQUIT,
-    signal.SIGCHLD,
     signal.SIGPIPE,
     signal.SIGXFSZ,
 )

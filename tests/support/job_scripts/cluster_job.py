@@ -22,13 +22,15 @@ import torch
 from torch import nn
 
 import distkit
+from tests.support.exactness import DTYPE
 from tests.support.workloads import make_dataset, make_mlp
 
 
 def train(strategy: str, batch_size: int, out: Path) -> None:
-    data = make_dataset(61)
+    # float64: the launches' weights are compared (tests/support/exactness.py)
+    data = make_dataset(61, dtype=DTYPE)
     for max_epochs in (2, 3):  # the second Trainer resumes from the first one's checkpoint
-        model = make_mlp()
+        model = make_mlp(dtype=DTYPE)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         with distkit.Trainer(strategy, batch_size=batch_size, max_epochs=max_epochs, seed=3,
                              progress=False, checkpoint_dir=out / "ckpt",

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 import distkit
+from tests.support.exactness import DTYPE
 from tests.support.workloads import make_dataset, make_mlp
 
 GLOBAL_BATCH = 8
@@ -43,13 +44,14 @@ class Progress(distkit.Callback):
 
 def main(out: Path, pause: float) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    model = make_mlp()
+    model = make_mlp(dtype=DTYPE)  # float64: the runs are compared (tests/support/exactness.py)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     with distkit.Trainer("auto", batch_size=GLOBAL_BATCH // world, max_epochs=3, seed=3,
                          progress=False, checkpoint_dir=out / "ckpt", checkpoint_every=2,
                          resume="auto", fault_timeout=5,
                          callbacks=[Progress(out, pause)]) as trainer:  # fmt: skip
-        trainer.fit(model, optimizer, make_dataset(64), loss_fn=nn.functional.cross_entropy)
+        data = make_dataset(64, dtype=DTYPE)
+        trainer.fit(model, optimizer, data, loss_fn=nn.functional.cross_entropy)
         state = trainer.full_state_dict()
         if trainer.is_main:
             torch.save(state, out / "final.pt")
