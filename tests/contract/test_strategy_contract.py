@@ -26,7 +26,10 @@ from distkit._imports import is_importable
 from distkit.testing._horovodrun import horovodrun_path
 from tests.support.fakes import use_fake_apex
 
-pytestmark = pytest.mark.timeout(300)
+# `--random-order` keeps this module's order (its module is still shuffled among the others):
+# the tests are grouped by backend so that each backend's ranks launch once; shuffled, the
+# fixture relaunched a backend for nearly every test (13-16 s a Horovod launch, 10 minutes)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.random_order(disabled=True)]
 
 
 @contextlib.contextmanager
