@@ -22,7 +22,7 @@ from tests.support.gates import needs
 from tests.support.horovod_runner import horovodrun_path
 from tests.support.multiprocess import free_port, torchrun_env
 from tests.support.paths import ROOT
-from tests.support.signals import assert_takes_ctrl_c, ctrl_c_delivered
+from tests.support.signals import assert_takes_ctrl_c, ctrl_c_delivered, ctrl_c_ignored
 from tests.support.workloads import make_dataset
 
 pytestmark = pytest.mark.timeout(300)
@@ -240,10 +240,6 @@ def test_fault_handlers_ctrl_c_in_one_process_exits_130_in_one_line(tmp_path):
     ], proc.stderr
 
 
-def _ignore_sigint() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
 def test_fault_handlers_a_job_started_with_sigint_ignored_trains_through_ctrl_c(tmp_path):
     """SIGINT ignored when the job starts (`nohup`, `cmd &` in a script): the user turned
     Ctrl-C off, and distkit keeps it off (docs/faults.md); the fit ends as trained."""
@@ -263,7 +259,7 @@ def test_fault_handlers_a_job_started_with_sigint_ignored_trains_through_ctrl_c(
         "print('trained', t.global_step, signal.getsignal(signal.SIGINT) is signal.SIG_IGN)\n"
     )
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          env=_env(), timeout=120, preexec_fn=_ignore_sigint)  # fmt: skip
+                          env=_env(), timeout=120, **ctrl_c_ignored())  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["trained", "8", "True"], proc.stdout
     assert "interrupted" not in proc.stderr, proc.stderr

@@ -21,7 +21,7 @@ import distkit
 from distkit.errors import RankDisagreementError, WorkerError
 from tests.support.job_scripts.cluster_job import train
 from tests.support.paths import ROOT
-from tests.support.signals import assert_takes_ctrl_c, ctrl_c_delivered
+from tests.support.signals import assert_takes_ctrl_c, ctrl_c_delivered, ctrl_c_ignored
 from tests.support.workloads import max_abs_diff
 
 pytestmark = pytest.mark.timeout(300)
@@ -242,10 +242,6 @@ def test_spawn_returns_rank_zeros_value():
     assert distkit.spawn(_hello, nprocs=1) == "hello"
 
 
-def _ignore_sigint() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
 def test_spawn_started_with_sigint_ignored_keeps_it_ignored_in_every_worker(tmp_path):
     """`nohup`, `cmd &` in a script, a CI agent: the caller ignores SIGINT, as the user asked,
     and so does every worker, whichever the start method (docs/clusters.md: Ctrl-C is off for
@@ -260,6 +256,6 @@ def test_spawn_started_with_sigint_ignored_keeps_it_ignored_in_every_worker(tmp_
                 print(method, distkit.spawn(fn, nprocs=2, start_method=method), flush=True)
     '''))  # fmt: skip
     done = subprocess.run([sys.executable, str(script)], env=_env(), cwd=tmp_path, text=True,
-                          capture_output=True, timeout=180, preexec_fn=_ignore_sigint)  # fmt: skip
+                          capture_output=True, timeout=180, **ctrl_c_ignored())  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["fork", "True", "spawn", "True", "forkserver", "True"]

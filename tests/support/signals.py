@@ -58,6 +58,16 @@ def ctrl_c_delivered() -> dict[str, Any]:
     return {"preexec_fn": _sigint_to_default}
 
 
+def _sigint_ignored() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def ctrl_c_ignored() -> dict[str, Any]:
+    """``subprocess.Popen`` keywords for a child started as ``nohup`` or ``cmd &`` start it:
+    SIGINT ignored."""
+    return {"preexec_fn": _sigint_ignored}
+
+
 def ignored_signals(pid: int) -> set[int]:
     """The signals process ``pid`` ignores (``SigIgn`` of ``/proc/PID/status``, Linux)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
