@@ -34,17 +34,23 @@ def normalize_precision(precision: str | int) -> str:
     return _ALIASES[key]
 
 
+def float64_parameters(model: torch.nn.Module) -> str:
+    """The names of ``model``'s float64 parameters for an error message: the first three and
+    how many more ("" when there are none)."""
+    wide = [n for n, p in model.named_parameters() if p.dtype == torch.float64]
+    more = f" and {len(wide) - 3} more" if len(wide) > 3 else ""
+    return ", ".join(repr(n) for n in wide[:3]) + more
+
+
 def check_model_dtype(precision: str | int, model: torch.nn.Module) -> None:
     """Refuse mixed precision for a model with float64 parameters: autocast lowers float32
     operations only, so such a model would train at full float64 precision, silently."""
     name = normalize_precision(precision)
     if name == "32":
         return
-    wide = [n for n, p in model.named_parameters() if p.dtype == torch.float64]
-    if not wide:
+    shown = float64_parameters(model)
+    if not shown:
         return
-    more = f" and {len(wide) - 3} more" if len(wide) > 3 else ""
-    shown = ", ".join(repr(n) for n in wide[:3]) + more
     raise ConfigurationError(
         f"precision={precision!r} with a float64 model ({type(model).__name__}: {shown} are "
         "float64): autocast lowers float32 operations only, so this model would train in "

@@ -165,7 +165,7 @@ def _refused(body: str) -> None:
 
 
 FLOAT64_REFUSED = (
-    "cannot train a float64 model (Sequential: '0.weight', '0.bias', '2.weight' ... are "
+    "cannot train a float64 model (Sequential: '0.weight', '0.bias', '2.weight' and 1 more are "
     "float64): ZeRO keeps float32 master weights"
 )
 

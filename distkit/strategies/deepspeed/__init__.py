@@ -30,7 +30,7 @@ from distkit.strategies.capabilities import StateIO
 from distkit.strategies.deepspeed import _doctor, _lifecycle, _meta, _shards, _steps
 from distkit.strategies.deepspeed._config import engine_config, resolve_stage
 from distkit.strategies.deepspeed._state import DeepSpeedStateIO, Engine, load_into_engine
-from distkit.strategies.precision import Precision
+from distkit.strategies.precision import Precision, float64_parameters
 
 HINT = (
     "Install it after the pinned torch: `pip install 'distkit[deepspeed]'` (or `pip install "
@@ -369,9 +369,8 @@ class DeepSpeedStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
 def _refuse_float64(model: nn.Module) -> None:
     """ZeRO's optimizer keeps float32 master weights (``.float()`` of each partition) and
     steps those: a float64 model would train in float32 and come back float32, silently."""
-    wide = [name for name, p in model.named_parameters() if p.dtype == torch.float64]
-    if wide:
-        shown = ", ".join(repr(n) for n in wide[:3]) + (" ..." if len(wide) > 3 else "")
+    shown = float64_parameters(model)
+    if shown:
         raise UnsupportedFeatureError(
             f"strategy='deepspeed' cannot train a float64 model ({type(model).__name__}: "
             f"{shown} are float64): ZeRO keeps float32 master weights and steps those, so the "
