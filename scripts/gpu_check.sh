@@ -55,7 +55,10 @@ step() {
     local name=$1 limit=$2 start rc
     shift 2
     start=$(date +%s)
-    # bash -c: timeout runs programs, and the steps are this script's (exported) functions
+    # bash -c: timeout runs programs, and the steps are this script's (exported) functions.
+    # Started with SIGINT ignored (nohup, a background job), the steps still take timeout's
+    # SIGINT: GNU timeout catches SIGINT itself, and a caught signal is back at its default
+    # after exec (tests/test_gpu_check.py, started-sigint-ignored).
     timeout -s INT -k 20 "$limit" bash -c '"$@"' "$name" "$@" >"$out/$name.log" 2>&1
     rc=$?
     echo "$name rc=$rc $(($(date +%s) - start))s (at $(elapsed)s)" >>"$out/summary.txt"

@@ -12,11 +12,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.support.paths import ROOT
-from tests.support.signals import ctrl_c_delivered
+from tests.support.signals import ctrl_c_delivered, ctrl_c_ignored
 
 
-def _run(out: Path, budget: int, **env: str) -> subprocess.CompletedProcess[str]:
+def _run(
+    out: Path, budget: int, *, sigint_ignored: bool = False, **env: str
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         ["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(out), str(budget)],
         cwd=ROOT,
@@ -30,7 +34,8 @@ def _run(out: Path, budget: int, **env: str) -> subprocess.CompletedProcess[str]
         capture_output=True,
         text=True,
         timeout=240,
-        **ctrl_c_delivered(),  # the script cuts a step off with SIGINT: it must reach pytest
+        # the script cuts a step off with SIGINT; it must reach pytest either way
+        **(ctrl_c_ignored() if sigint_ignored else ctrl_c_delivered()),
     )
 
 
@@ -52,9 +57,12 @@ def test_gpu_check_runs_its_steps_and_writes_one_summary_line_each(tmp_path):
     assert " passed" in log and (tmp_path / "logs" / "suite.xml").is_file()
 
 
-def test_gpu_check_cuts_a_step_off_at_its_share_of_the_budget(tmp_path):
+@pytest.mark.parametrize("sigint_ignored", [False, True], ids=["plain", "started-sigint-ignored"])
+def test_gpu_check_cuts_a_step_off_at_its_share_of_the_budget(tmp_path, sigint_ignored):
     """A suite that outlasts its share is stopped with SIGINT, so pytest still prints its
-    summary line, and the script goes on (rc 124 from timeout)."""
+    summary line, and the script goes on (rc 124 from timeout). Also when the script itself
+    was started with SIGINT ignored (nohup, a background job): were SIG_IGN passed on to
+    pytest, the SIGINT would be lost and SIGKILL would end it without a summary."""
     slow = tmp_path / "test_slow.py"
     slow.write_text("import time\n\ndef test_slow():\n    time.sleep(60)\n")
     proc = _run(
@@ -63,6 +71,7 @@ def test_gpu_check_cuts_a_step_off_at_its_share_of_the_budget(tmp_path):
         GPU_CHECK_SKIP="smoke apex examples focus bench",
         SUITE_TESTS=str(slow),
         SUITE_WORKERS="1",
+        sigint_ignored=sigint_ignored,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = (tmp_path / "logs" / "summary.txt").read_text()
