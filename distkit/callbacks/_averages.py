@@ -1,6 +1,7 @@
 """Exponential moving averages of a module's parameters: the tensors behind the EMA callback.
 
-Each average is a float32 tensor laid out as its parameter is on this rank: a plain tensor,
+Each average is a tensor of at least float32 (a float64 parameter's is float64, a bf16 one's
+float32: :func:`average_dtype`), laid out as its parameter is on this rank: a plain tensor,
 or, where a parameter is a DTensor (fsdp's ``fully_shard``), this rank's local shard of it.
 Updating and swapping therefore touch only local memory (no collective); reading the averages
 whole (:func:`full_averages`) gathers the shards, a collective, and going back
@@ -31,9 +32,20 @@ def weights(module: nn.Module) -> dict[str, torch.Tensor]:
     return {name: _local(p) for name, p in module.named_parameters()}
 
 
+def average_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a parameter of ``dtype`` is averaged in: float32 for the narrower floats
+    (bf16, fp16: an update of ``(1 - decay) * difference`` would round away), the parameter's
+    own where it is wider (a float64 model's averages are float64, not cut to float32)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def averages_of(module: nn.Module) -> Averages:
-    """Fresh averages: float32 copies of ``module``'s parameters (this rank's shards)."""
-    return {name: w.detach().float().clone() for name, w in weights(module).items()}
+    """Fresh averages: copies of ``module``'s parameters (this rank's shards), each in
+    :func:`average_dtype` of its parameter."""
+    return {
+        name: w.detach().to(average_dtype(w.dtype), copy=True)
+        for name, w in weights(module).items()
+    }
 
 
 @torch.no_grad()
@@ -41,7 +53,7 @@ def update_(averages: Averages, module: nn.Module, decay: float) -> None:
     """``average = decay * average + (1 - decay) * parameter``, in place, for each one."""
     current = weights(module)
     targets = [averages[name] for name in current]
-    sources = [w.detach().float() for w in current.values()]
+    sources = [w.detach().to(t.dtype) for w, t in zip(current.values(), targets, strict=True)]
     for group_targets, group_sources in _by_device(targets, sources):
         torch._foreach_lerp_(group_targets, group_sources, 1.0 - decay)
 
@@ -114,7 +126,7 @@ def local_averages(full: Mapping[str, torch.Tensor], module: nn.Module, *, what:
         )
     out = {}
     for name, p in params.items():
-        value = full[name].detach().to(device=p.device, dtype=torch.float32)
+        value = full[name].detach().to(device=p.device, dtype=average_dtype(p.dtype))
         sharded = _as_dtensor(p)
         if sharded is not None:
             from torch.distributed.tensor import distribute_tensor

@@ -25,18 +25,19 @@ class EMA(Callback):
 
     After every optimizer step that stepped (a step skipped for non-finite gradients or an
     fp16 overflow changes nothing), each average moves towards its parameter:
-    ``average = decay * average + (1 - decay) * parameter``, in float32, starting from the
-    weights the fit starts with. Every validation runs on the averages (they are swapped in
-    for it and the trained weights back afterwards); checkpoints hold them, so a resumed fit,
-    at any world size and on any backend, goes on averaging exactly where it stopped. After
-    ``fit`` the model holds the trained weights (``apply_at_end=True``: the averages);
-    :meth:`averaged_state_dict` gives the averaged model to save or evaluate.
+    ``average = decay * average + (1 - decay) * parameter``, in float32 (float64 for a float64
+    parameter), starting from the weights the fit starts with. Every validation runs on the
+    averages (they are swapped in for it and the trained weights back afterwards);
+    checkpoints hold them, so a resumed fit, at any world size and on any backend, goes on
+    averaging exactly where it stopped. After ``fit`` the model holds the trained weights
+    (``apply_at_end=True``: the averages); :meth:`averaged_state_dict` gives the averaged
+    model to save or evaluate.
 
     Buffers are not averaged: BatchNorm's running statistics and the like stay the model's
     own during validation and in :meth:`averaged_state_dict`.
 
     The same on every backend: each rank keeps the averages of the parameters as it holds
-    them (under fsdp, float32 copies of its own shards), so a step costs no communication;
+    them (under fsdp, copies of its own shards), so a step costs no communication;
     a checkpoint gathers them to full tensors, keyed like the model's parameters.
 
     Args:
