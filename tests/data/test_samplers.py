@@ -35,11 +35,10 @@ from distkit.data._batch_plan import batch_plan
 from distkit.data._samplers import BatchSamplerPlan, SamplerPlan, draw
 from distkit.errors import ConfigurationError
 from distkit.runtime import _resume
+from tests.support.exactness import DTYPE, TOL
 from tests.support.workloads import make_dataset, make_mlp, max_abs_diff, without_timing
 
 pytestmark = pytest.mark.timeout(60)
-
-TOL = 1e-5
 
 
 # ---------------------------------------------------------------- samplers of every kind
@@ -552,17 +551,19 @@ def test_check_fits_bounds_a_position_by_the_samplers_epoch():
 def _weighted_loader(n: int, batch: int, generator: bool) -> DataLoader[Any]:
     seeded = torch.Generator().manual_seed(7) if generator else None
     sampler = WeightedRandomSampler(_weights(n), num_samples=53, generator=seeded)
-    return DataLoader(make_dataset(n), batch_size=batch, sampler=sampler)
+    return DataLoader(make_dataset(n, dtype=DTYPE), batch_size=batch, sampler=sampler)
 
 
 def _fit_weighted(
     batch: int, accum: int = 1, generator: bool = False, dropout: bool = False, **trainer: Any
 ) -> dict:
-    """2 epochs of a weighted sampler drawing 53 of 40 samples (a short last batch)."""
+    """2 epochs of a weighted sampler drawing 53 of 40 samples (a short last batch), in
+    float64 (tests/support/exactness.py)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(0.2), nn.Linear(16, 3))
+    model = model.to(DTYPE)
     if not dropout:  # dropout masks differ with the number of processes
-        model = make_mlp()
+        model = make_mlp(dtype=DTYPE)
     run = distkit.Trainer(
         "ddp", batch_size=batch, grad_accum_steps=accum, max_epochs=2, seed=3, progress=False,
         **trainer,
@@ -589,13 +590,13 @@ def test_weighted_sampler_n_processes_equal_one_with_the_global_batch(
     assert max_abs_diff(many[0]["state"], one["state"]) <= TOL
     assert all(max_abs_diff(r["state"], many[0]["state"]) == 0.0 for r in many)
     for a, b in zip(many[0]["history"], one["history"], strict=True):
-        assert a["train_loss"] == pytest.approx(b["train_loss"], abs=1e-6)
+        assert a["train_loss"] == pytest.approx(b["train_loss"], abs=TOL)
 
 
 def _token_data(n: int = 37) -> tuple[list[torch.Tensor], torch.Tensor, list[int]]:
     generator = torch.Generator().manual_seed(2)
     lengths = [1 + int(v) for v in torch.randint(0, 6, (n,), generator=generator)]
-    sequences = [torch.randn(length, 6, generator=generator) for length in lengths]
+    sequences = [torch.randn(length, 6, generator=generator).to(DTYPE) for length in lengths]
     labels = torch.tensor([int(s.sum() > 0) + (len(s) > 3) for s in sequences])
     return sequences, labels, lengths
 
@@ -614,8 +615,8 @@ class Sequences(Dataset):
 def pad(samples):
     """Pads a batch to its longest sequence, with a mask of the real steps."""
     longest = max(len(seq) for seq, _ in samples)
-    padded = torch.zeros(len(samples), longest, 6)
-    mask = torch.zeros(len(samples), longest)
+    padded = torch.zeros(len(samples), longest, 6, dtype=DTYPE)
+    mask = torch.zeros(len(samples), longest, dtype=DTYPE)
     for k, (seq, _) in enumerate(samples):
         padded[k, : len(seq)], mask[k, : len(seq)] = seq, 1.0
     return {"x": padded, "mask": mask, "y": torch.stack([y for _, y in samples])}
@@ -627,6 +628,7 @@ class Pooled(nn.Module):
         torch.manual_seed(0)
         self.step = nn.Linear(6, 8)
         self.head = nn.Linear(8, 3)
+        self.to(DTYPE)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         hidden = torch.tanh(self.step(x)) * mask.unsqueeze(-1)
@@ -665,7 +667,7 @@ def test_length_buckets_two_processes_equal_one_accumulating_two(run_on_ranks):
     assert max_abs_diff(two[0]["state"], accumulated["state"]) <= TOL
     assert max_abs_diff(two[0]["state"], paired["state"]) <= TOL
     for a, b in zip(two[0]["history"], accumulated["history"], strict=True):
-        assert a["train_loss"] == pytest.approx(b["train_loss"], abs=1e-6)
+        assert a["train_loss"] == pytest.approx(b["train_loss"], abs=TOL)
 
 
 @pytest.mark.timeout(120)  # three 2-process runs
@@ -684,7 +686,7 @@ def test_user_sampler_resume_mid_epoch_equals_an_uninterrupted_run(kind, tmp_pat
 
     resumed = run_on_ranks(partial(train, checkpoint_dir=folder, resume="auto"), world_size=2)[0]
 
-    assert max_abs_diff(resumed["state"], whole["state"]) <= 1e-6
+    assert max_abs_diff(resumed["state"], whole["state"]) <= TOL
     assert without_timing(resumed["history"]) == without_timing(whole["history"])
 
 
