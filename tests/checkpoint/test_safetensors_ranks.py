@@ -1,7 +1,10 @@
 """save_weights on real gloo processes: ddp and fsdp (sharded, one gathered shard at a time on
 rank 0) write the one-process model's weights; every rank returns with the files complete; a
 call on some ranks only fails instead of hanging; a transformers model trained on 2 ranks
-reloads with from_pretrained giving identical logits; horovod where it is built."""
+reloads with from_pretrained giving identical logits; horovod where it is built.
+
+The trained models are float64 (``tests/support/exactness.py``): ranks against one process
+within 1e-9 on any CPU."""
 
 from __future__ import annotations
 
@@ -19,24 +22,26 @@ from distkit.runtime import _weights
 from tests.support.fakes import use_fake_apex
 from tests.support.gates import needs
 from tests.support.horovod_runner import run_with_horovodrun
+from tests.support.exactness import DTYPE, TOL
 from tests.support.workloads import make_dataset, max_abs_diff
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 pytestmark = pytest.mark.timeout(180)
 
-TOL = 1e-5
 N = 16
+#: bytes per shard: a 16x16 float64 weight (2048) and its bias (128), so each block is a shard
+LIMIT = 2400
 
 
 def _model() -> nn.Module:
     """Three equal 16x16 blocks between two small ones: each of the three is a shard of its
-    own at ``max_shard_size=1200``."""
+    own at ``max_shard_size=LIMIT``."""
     torch.manual_seed(0)
     blocks = [nn.Linear(6, 16), nn.Tanh()]
     for _ in range(3):
         blocks += [nn.Linear(16, 16), nn.Tanh()]
-    return nn.Sequential(*blocks, nn.Linear(16, 3))
+    return nn.Sequential(*blocks, nn.Linear(16, 3)).to(DTYPE)
 
 
 def _read(folder: Path) -> dict[str, torch.Tensor]:
@@ -54,7 +59,7 @@ def train_and_save(strategy: str, batch: int, folder: str | None, limit: int) ->
     with distkit.Runtime(strategy, seed=1) as rt:
         model = _model()
         model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-        for x, y in rt.loader(make_dataset(N), batch_size=batch):
+        for x, y in rt.loader(make_dataset(N, dtype=DTYPE), batch_size=batch):
             rt.backward(nn.functional.cross_entropy(model(x), y))
             optimizer.step()
             optimizer.zero_grad()
@@ -75,7 +80,7 @@ def train_and_save(strategy: str, batch: int, folder: str | None, limit: int) ->
 def test_save_weights_on_two_ranks_writes_the_one_process_weights_shard_by_shard(
     strategy, run_on_ranks, tmp_path
 ):
-    limit = 1200  # bytes: a 16x16 fp32 weight (1024) and its bias (64) per shard
+    limit = LIMIT
     one = run_on_ranks(train_and_save, "ddp", 8, None, limit, world_size=1)[0]
     ranks = run_on_ranks(train_and_save, strategy, 4, str(tmp_path / "w"), limit)
     main = ranks[0]
@@ -122,7 +127,7 @@ def save_where_rank_0_cannot_write(folder: str) -> str:
     with distkit.Runtime("fsdp") as rt:
         model = rt.setup(_model())
         try:
-            rt.save_weights(model, folder, max_shard_size=1200)
+            rt.save_weights(model, folder, max_shard_size=LIMIT)
         except distkit.errors.CheckpointError as exc:
             return str(exc)
         return "no error"
@@ -141,7 +146,7 @@ def test_a_failed_write_on_rank_0_fails_every_rank_after_the_gathers(run_on_rank
 def trainer_fit_and_save(path: str, strategy: str = "ddp", batch: int = 4) -> dict[str, Any]:
     trainer = distkit.Trainer(strategy, batch_size=batch, max_epochs=1, seed=2, progress=False)
     model = _model()
-    trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.2), make_dataset(N),
+    trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.2), make_dataset(N, dtype=DTYPE),
                 loss_fn=nn.functional.cross_entropy)  # fmt: skip
     written = trainer.save_weights(path)
     state = trainer.full_state_dict()
@@ -230,12 +235,12 @@ def test_a_transformers_model_trained_on_two_ranks_reloads_with_from_pretrained(
 
 # ---------------------------------------------------------------- horovod
 def horovod_save(folder: str) -> dict[str, Any]:
-    return train_and_save("horovod", 4, folder, 1200)
+    return train_and_save("horovod", 4, folder, LIMIT)
 
 
 @needs("horovod")
 def test_save_weights_on_horovod_writes_the_one_process_weights(run_on_ranks, tmp_path):
-    one = run_on_ranks(train_and_save, "ddp", 8, None, 1200, world_size=1)[0]
+    one = run_on_ranks(train_and_save, "ddp", 8, None, LIMIT, world_size=1)[0]
     folder = str(tmp_path / "w")
     calls = [("tests.checkpoint.test_safetensors_ranks", "horovod_save", (folder,), {})]
     for (result,) in run_with_horovodrun(calls, tmp_path):
