@@ -1,11 +1,15 @@
 """rt.predict / trainer.predict: every sample's output once, in the data's order, on real gloo
 processes (ddp at 3 ranks with an uneven tail, fsdp and horovod at 2), the files mode and its
-reader, streams, and the refusals."""
+reader, streams, and the refusals.
+
+Model and data are float64 (``tests/support/exactness.py``): a rank's batch of 2 against one
+batch of all the samples is the same arithmetic blocked otherwise, within 1e-9 on any CPU."""
 
 from __future__ import annotations
 
 import collections
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +20,7 @@ from torch.utils.data import Dataset, IterableDataset
 
 import distkit
 from distkit.errors import ConfigurationError, RankDisagreementError
+from tests.support.exactness import DTYPE, TOL
 from tests.support.gates import needs
 from tests.support.horovod_runner import run_with_horovodrun
 from tests.support.workloads import make_dataset, make_mlp
@@ -23,13 +28,15 @@ from tests.support.workloads import make_dataset, make_mlp
 pytestmark = pytest.mark.timeout(180)
 
 N = 10  # on 3 ranks with batch 2: 4, 3 and 3 samples, each rank's last batch short
-TOL = 1e-6
+#: the model and the data every test here predicts with: float64
+mlp = partial(make_mlp, dtype=DTYPE)
+dataset = partial(make_dataset, dtype=DTYPE)
 
 
 def _reference(n: int = N) -> torch.Tensor:
     """One process, the whole data in one batch."""
     with torch.no_grad():
-        return make_mlp()(make_dataset(n).tensors[0])
+        return mlp()(dataset(n).tensors[0])
 
 
 class Output(collections.OrderedDict):
@@ -41,7 +48,7 @@ class DictModel(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.net = make_mlp()
+        self.net = mlp()
 
     def forward(self, x: torch.Tensor) -> Output:
         logits = self.net(x)
@@ -50,7 +57,7 @@ class DictModel(nn.Module):
 
 class DictSet(Dataset):
     def __init__(self, n: int) -> None:
-        self.x = make_dataset(n).tensors[0]
+        self.x = dataset(n).tensors[0]
 
     def __len__(self) -> int:
         return len(self.x)
@@ -63,7 +70,7 @@ class SampleStream(IterableDataset):
     """The data's samples, one by one, as (x, y)."""
 
     def __init__(self, n: int) -> None:
-        self.data = make_dataset(n)
+        self.data = dataset(n)
 
     def __iter__(self) -> Iterator[Any]:
         return iter(self.data)
@@ -73,7 +80,7 @@ class BatchStream:
     """An iterable of batches of uneven sizes (3, 1, 2, 4): batch i goes to rank i % 3."""
 
     def __iter__(self) -> Iterator[Any]:
-        x, y = make_dataset(N).tensors
+        x, y = dataset(N).tensors
         start = 0
         for size in (3, 1, 2, 4):
             yield x[start : start + size], y[start : start + size]
@@ -88,7 +95,7 @@ class RankShare(IterableDataset):
 
     def __iter__(self) -> Iterator[Any]:
         bounds = [0, 4, 7, 10]
-        x = make_dataset(N).tensors[0]
+        x = dataset(N).tensors[0]
         return iter(x[bounds[self.rank] : bounds[self.rank + 1]])
 
 
@@ -100,7 +107,7 @@ def ddp_checks(folder: str) -> dict[str, Any]:
     """Several promises in one 3-rank run (a run starts in ~1 s; each predict in ms)."""
     out: dict[str, Any] = {}
     with distkit.Runtime("ddp") as rt:
-        model, data = make_mlp(), make_dataset(N)
+        model, data = mlp(), dataset(N)
         out["all"] = _stacked(rt.predict(model, data, batch_size=2))
         out["training after"] = model.training
         out["main"] = _stacked(rt.predict(model, data, gather="main", batch_size=2))
@@ -166,10 +173,10 @@ def test_predict_on_three_ddp_ranks_returns_every_sample_once_in_order(run_on_ra
         assert "rank 1" in got["refused"] and "shape (3,)" in got["refused"]
         assert "different calls" in got["some ranks"] and "predict" in got["some ranks"]
     # the set-up model predicts with its trained weights
-    trained = make_mlp()
+    trained = mlp()
     trained.load_state_dict(ranks[0]["trained state"])
     with torch.no_grad():
-        after = trained(make_dataset(N).tensors[0])
+        after = trained(dataset(N).tensors[0])
     assert (after - expected).abs().max() > 1e-3  # the step changed the outputs
     for got in ranks:
         torch.testing.assert_close(got["set up"], after, atol=TOL, rtol=0)
@@ -183,9 +190,9 @@ def test_predict_on_three_ddp_ranks_returns_every_sample_once_in_order(run_on_ra
 def fsdp_predict(n: int) -> dict[str, Any]:
     """5 samples, batch 2 at 2 ranks: rank 0 has 2 batches, rank 1 one and a spare pass."""
     with distkit.Runtime("fsdp") as rt:
-        model = make_mlp()
+        model = mlp()
         set_up, _ = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-        data = make_dataset(n)
+        data = dataset(n)
         return {
             "all": torch.stack(rt.predict(set_up, data, batch_size=2)),
             "main": rt.predict(set_up, data, gather="main", batch_size=2),
@@ -205,8 +212,8 @@ def test_predict_on_fsdp_runs_every_forward_pass_and_returns_every_sample(run_on
 
 def horovod_predict(n: int) -> dict[str, Any]:
     with distkit.Runtime("horovod") as rt:
-        model = make_mlp()
-        return {"all": torch.stack(rt.predict(model, make_dataset(n), batch_size=2))}
+        model = mlp()
+        return {"all": torch.stack(rt.predict(model, dataset(n), batch_size=2))}
 
 
 @needs("horovod")
@@ -223,9 +230,9 @@ def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def trainer_predict() -> dict[str, Any]:
     trainer = distkit.Trainer("ddp", batch_size=3, max_epochs=1, progress=False)
-    model = make_mlp()
-    trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.5), make_dataset(12), _loss)
-    outputs = trainer.predict(model, make_dataset(7))  # the trainer's batch_size: 3
+    model = mlp()
+    trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.5), dataset(12), _loss)
+    outputs = trainer.predict(model, dataset(7))  # the trainer's batch_size: 3
     state = trainer.full_state_dict()
     trainer.close()
     return {"outputs": torch.stack(outputs), "state": state}
@@ -233,10 +240,10 @@ def trainer_predict() -> dict[str, Any]:
 
 def test_trainer_predict_after_fit_uses_the_trained_weights(run_on_ranks):
     ranks = run_on_ranks(trainer_predict, world_size=2)
-    trained = make_mlp()
+    trained = mlp()
     trained.load_state_dict(ranks[0]["state"])
     with torch.no_grad():
-        expected = trained(make_dataset(7).tensors[0])
+        expected = trained(dataset(7).tensors[0])
     assert (expected - _reference(7)).abs().max() > 1e-3  # the fit changed the outputs
     for got in ranks:
         torch.testing.assert_close(got["outputs"], expected, atol=TOL, rtol=0)
@@ -246,19 +253,19 @@ def test_trainer_predict_after_fit_uses_the_trained_weights(run_on_ranks):
 def test_predict_on_dp_in_one_process_with_custom_predict_fn_and_namedtuples(tmp_path):
     pair = collections.namedtuple("pair", "logits probs")
     with distkit.Runtime("dp") as rt:
-        model = make_mlp()
+        model = mlp()
 
         def both(module: nn.Module, batch: Any) -> Any:
             logits = module(batch[0])
             return pair(logits, logits.softmax(1)), [f"s{int(t)}" for t in batch[1]]
 
-        outputs = rt.predict(model, make_dataset(N), both, batch_size=4)
-        rt.predict(model, make_dataset(N), both, None, batch_size=4, write_to=tmp_path)
+        outputs = rt.predict(model, dataset(N), both, batch_size=4)
+        rt.predict(model, dataset(N), both, None, batch_size=4, write_to=tmp_path)
     expected = _reference()
     assert len(outputs) == N and all(isinstance(o[0], pair) for o in outputs)
     torch.testing.assert_close(torch.stack([o[0].logits for o in outputs]), expected)
     torch.testing.assert_close(torch.stack([o[0].probs for o in outputs]), expected.softmax(1))
-    assert [o[1] for o in outputs] == [f"s{int(t)}" for t in make_dataset(N).tensors[1]]
+    assert [o[1] for o in outputs] == [f"s{int(t)}" for t in dataset(N).tensors[1]]
     # a file holds plain containers: the namedtuple is a tuple
     read = distkit.read_predictions(tmp_path)
     assert [type(r[0]) for r in read] == [tuple] * N
@@ -284,22 +291,22 @@ def test_predict_on_dp_in_one_process_with_custom_predict_fn_and_namedtuples(tmp
 )
 def test_predict_refuses_hostile_arguments_and_outputs(kwargs, message):
     with distkit.Runtime("dp") as rt, pytest.raises(ConfigurationError) as caught:
-        rt.predict(make_mlp(), make_dataset(N), batch_size=4, **kwargs)
+        rt.predict(mlp(), dataset(N), batch_size=4, **kwargs)
     assert message in str(caught.value)
 
 
 def test_predict_refuses_batches_the_default_predict_fn_cannot_read(tmp_path):
-    triples = torch.utils.data.TensorDataset(*make_dataset(4).tensors, torch.zeros(4))
+    triples = torch.utils.data.TensorDataset(*dataset(4).tensors, torch.zeros(4))
     (tmp_path / "file").write_text("")
     with distkit.Runtime("dp") as rt:
         with pytest.raises(ConfigurationError, match="of length 3"):
-            rt.predict(make_mlp(), triples)
+            rt.predict(mlp(), triples)
         with pytest.raises(ConfigurationError, match="is a file"):
-            rt.predict(make_mlp(), make_dataset(4), gather=None, write_to=tmp_path / "file")
+            rt.predict(mlp(), dataset(4), gather=None, write_to=tmp_path / "file")
         with pytest.raises(ConfigurationError, match="cannot hold"):
             rt.predict(
-                make_mlp(),
-                make_dataset(4),
+                mlp(),
+                dataset(4),
                 lambda m, b: [object() for _ in b[0]],
                 None,
                 write_to=tmp_path / "objects",
@@ -310,7 +317,7 @@ def test_read_predictions_refuses_a_folder_without_every_ranks_file(tmp_path):
     with pytest.raises(ConfigurationError, match="no prediction files"):
         distkit.read_predictions(tmp_path)
     with distkit.Runtime("dp") as rt:
-        rt.predict(make_mlp(), make_dataset(4), gather=None, write_to=tmp_path)
+        rt.predict(mlp(), dataset(4), gather=None, write_to=tmp_path)
     (tmp_path / "predictions.rank00000-of-00001.pt").rename(
         tmp_path / "predictions.rank00000-of-00002.pt"
     )
