@@ -19,10 +19,10 @@ from torch import nn
 import distkit
 from distkit.errors import RankDisagreementError
 from distkit.runtime import _weights
+from tests.support.exactness import DTYPE, TOL
 from tests.support.fakes import use_fake_apex
 from tests.support.gates import needs
 from tests.support.horovod_runner import run_with_horovodrun
-from tests.support.exactness import DTYPE, TOL
 from tests.support.workloads import make_dataset, max_abs_diff
 
 safetensors_torch = pytest.importorskip("safetensors.torch")

@@ -2,7 +2,8 @@
 
 Shared by tests/checkpoint/test_checkpoint.py (the portability matrix) and
 tests/strategies/test_horovod.py (the same checkpoints to and from Horovod), whose horovodrun
-ranks call :func:`train_run` by its module path.
+ranks call :func:`train_run` by its module path. The runs train in float64
+(tests/support/exactness.py), so a resumed run equals the uninterrupted one within 1e-9.
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ from torch import nn
 
 import distkit
 from distkit import checkpoint as ckpt
+from tests.support.exactness import DTYPE
 from tests.support.fakes import use_fake_apex
 from tests.support.workloads import make_dataset
 
 
 def dropout_model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(0.3), nn.Linear(16, 3))
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(0.3), nn.Linear(16, 3)).to(DTYPE)
 
 
 def train_run(strategy: str, batch_size: int, folder: str | None = None, *, max_steps=None,
@@ -37,7 +39,8 @@ def train_run(strategy: str, batch_size: int, folder: str | None = None, *, max_
     )  # fmt: skip
     net = dropout_model() if model == "dropout" else plain_model()
     optimizer = torch.optim.Adam(net.parameters(), lr=0.01)
-    result = trainer.fit(net, optimizer, make_dataset(64), loss_fn=nn.functional.cross_entropy)
+    data = make_dataset(64, dtype=DTYPE)
+    result = trainer.fit(net, optimizer, data, loss_fn=nn.functional.cross_entropy)
     out = {"state": trainer.full_state_dict(),  # full tensors whatever the strategy (fsdp shards)
            "history": result.history, "rank": trainer.rank}  # fmt: skip
     trainer.close()
@@ -46,7 +49,7 @@ def train_run(strategy: str, batch_size: int, folder: str | None = None, *, max_
 
 def plain_model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)).to(DTYPE)
 
 
 def on_rank(strategy: str, *args, **kwargs) -> dict:
