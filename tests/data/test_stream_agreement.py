@@ -21,6 +21,7 @@ from torch.utils.data import IterableDataset
 import distkit
 from distkit.data._stream_share import ItemsDigest
 from distkit.errors import ConfigurationError
+from tests.support.exactness import DTYPE, TOL
 from tests.support.host_syncs import StepSpans, counting
 from tests.support.multiprocess import run_on_ranks
 from tests.support.paths import ROOT
@@ -36,7 +37,7 @@ class UnseededShuffle(IterableDataset):
     order on every rank (and in every DataLoader worker)."""
 
     def __iter__(self):
-        data = make_dataset(N)
+        data = make_dataset(N, dtype=DTYPE)
         for i in np.random.default_rng().permutation(N).tolist():
             yield data[i]
 
@@ -51,7 +52,7 @@ class EpochSeededShuffle(IterableDataset):
         self.epoch = epoch
 
     def __iter__(self):
-        data = make_dataset(N)
+        data = make_dataset(N, dtype=DTYPE)
         for i in np.random.default_rng((7, self.epoch)).permutation(N).tolist():
             yield data[i]
 
@@ -64,7 +65,7 @@ class OneItemDiffers(IterableDataset):
         self.position, self.differs = position, differs
 
     def __iter__(self):
-        data = make_dataset(N)
+        data = make_dataset(N, dtype=DTYPE)
         for i in range(N):
             yield data[i + 1 if self.differs and i == self.position else i]
 
@@ -79,7 +80,7 @@ class Batches:
         self.shuffle_seed = shuffle_seed
 
     def __iter__(self):
-        features, labels = make_dataset(N).tensors
+        features, labels = make_dataset(N, dtype=DTYPE).tensors
         starts = list(range(0, N, 4))
         if self.shuffle_seed is not None:
             random.Random(f"rank {self.shuffle_seed}").shuffle(starts)
@@ -114,7 +115,7 @@ def fit_stream(
         progress=False,
     )
     with trainer:
-        net = make_mlp()
+        net = make_mlp(dtype=DTYPE)
         opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
         train = _stream("seeded" if val else kind, trainer.rank)
         try:
@@ -138,7 +139,9 @@ def evaluate_stream(kind: str) -> str:
     with distkit.Trainer("ddp", batch_size=4, progress=False) as trainer:
         try:
             trainer.evaluate(
-                make_mlp(), _stream(kind, trainer.rank), loss_fn=nn.functional.cross_entropy
+                make_mlp(dtype=DTYPE),
+                _stream(kind, trainer.rank),
+                loss_fn=nn.functional.cross_entropy,
             )
         except ConfigurationError as exc:
             return f"{type(exc).__name__}: {exc}"
@@ -255,8 +258,8 @@ def test_stream_agreement_a_shuffle_seeded_from_the_epoch_trains_like_one_proces
     for result in results:
         assert "error" not in result, result["error"]
         assert result["steps"] == reference["steps"] == 2 * 8
-        assert max_abs_diff(result["state"], reference["state"]) <= 1e-5
-        assert result["losses"] == pytest.approx(reference["losses"], abs=1e-6)
+        assert max_abs_diff(result["state"], reference["state"]) <= TOL
+        assert result["losses"] == pytest.approx(reference["losses"], abs=TOL)
 
 
 # ---------------------------------------------------------------------------- no host sync
@@ -266,7 +269,7 @@ def stream_reads_per_step() -> list[list[str]]:
     with distkit.Trainer(
         "ddp", batch_size=2, max_epochs=1, progress=False, callbacks=[spans]
     ) as trainer:
-        net, stream = make_mlp(), _stream("seeded", trainer.rank)
+        net, stream = make_mlp(dtype=DTYPE), _stream("seeded", trainer.rank)
         with counting(spans):
             trainer.fit(
                 net,

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 
 import distkit
 from distkit.errors import ConfigurationError
+from tests.support.exactness import DTYPE, TOL
 from tests.support.gates import needs
 from tests.support.horovod_runner import horovodrun_path
 from tests.support.multiprocess import run_on_ranks
@@ -43,12 +44,12 @@ def _reference(batch_size: int, grad_accum_steps: int = 1, epochs: int = 2) -> d
 
 
 def _same_training(result: dict, reference: dict) -> None:
-    assert max_abs_diff(result["state"], reference["state"]) <= 1e-5
+    assert max_abs_diff(result["state"], reference["state"]) <= TOL
     assert result["steps"] == reference["steps"]
     for mine, theirs in zip(result["history"], reference["history"], strict=True):
-        assert mine["train_loss"] == pytest.approx(theirs["train_loss"], abs=1e-6)
+        assert mine["train_loss"] == pytest.approx(theirs["train_loss"], abs=TOL)
         assert mine["val_acc"] == pytest.approx(theirs["val_acc"], abs=1e-12)
-        assert mine["val_loss"] == pytest.approx(theirs["val_loss"], abs=1e-6)
+        assert mine["val_loss"] == pytest.approx(theirs["val_loss"], abs=TOL)
 
 
 # ---------------------------------------------------------------------------- one process
@@ -64,7 +65,7 @@ def test_streams_an_iterable_of_batches_trains_batch_by_batch():
 
 def test_streams_a_seekable_stream_is_asked_to_seek_on_resume(tmp_path):
     stream = SeekableStream(61)
-    model = make_mlp()
+    model = make_mlp(dtype=DTYPE)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     kwargs = {"batch_size": 8, "progress": False, "checkpoint_dir": tmp_path}
     with distkit.Trainer("dp", max_steps=3, checkpoint_every=3, **kwargs) as trainer:
@@ -134,7 +135,7 @@ def test_streams_uneven_shards_stop_together_with_exact_weights():
     expected = train_steps_by_hand(rank_share_steps(61, 4, 2))
     for result in results:
         assert result["steps"] == 2 * 11
-        assert max_abs_diff(result["state"], expected) <= 1e-5
+        assert max_abs_diff(result["state"], expected) <= TOL
 
 
 def test_streams_fsdp_trains_and_evaluates_a_stream_exactly():
@@ -153,7 +154,7 @@ def test_streams_resume_mid_stream_equals_an_uninterrupted_run(tmp_path, kind):
     )
     for mine, theirs in zip(resumed, whole, strict=True):
         assert mine["steps"] == theirs["steps"]
-        assert max_abs_diff(mine["state"], theirs["state"]) <= 1e-5
+        assert max_abs_diff(mine["state"], theirs["state"]) <= TOL
 
 
 def test_streams_resume_at_another_world_size_recuts_a_stream_distkit_shards(tmp_path):
@@ -163,7 +164,7 @@ def test_streams_resume_at_another_world_size_recuts_a_stream_distkit_shards(tmp
         functools.partial(train_stream, "ddp", 2, resume="auto", **common), world_size=3
     )
     # 6 steps of 6 samples, then the rest of the epoch at 3 x 2: the same global batches
-    assert max_abs_diff(resumed[0]["state"], _reference(6)["state"]) <= 1e-5
+    assert max_abs_diff(resumed[0]["state"], _reference(6)["state"]) <= TOL
 
 
 def test_streams_a_sharded_stream_refuses_a_mid_epoch_resume_at_another_world_size(tmp_path):
@@ -181,7 +182,7 @@ def test_streams_a_sharded_stream_refuses_a_mid_epoch_resume_at_another_world_si
 # ---------------------------------------------------------------------------- hostile input
 def _fit(data, **trainer_args):
     trainer_args = {"batch_size": 4, "progress": False, **trainer_args}
-    model = make_mlp()
+    model = make_mlp(dtype=DTYPE)  # the streams' samples are float64
     with distkit.Trainer("dp", **trainer_args) as trainer:
         return trainer.fit(
             model, torch.optim.SGD(model.parameters(), lr=0.1), data,
@@ -216,7 +217,7 @@ def test_streams_drop_last_drops_the_partial_global_batch():
 def test_streams_a_dataloader_over_a_stream_keeps_its_batch_size():
     loader = DataLoader(SampleStream(61), batch_size=8)
     mine = _fit(loader, batch_size=3)
-    theirs = _fit(make_dataset(61), batch_size=8, shuffle=False)
+    theirs = _fit(make_dataset(61, dtype=DTYPE), batch_size=8, shuffle=False)
     assert mine.history[0]["train_loss"] == pytest.approx(theirs.history[0]["train_loss"], 1e-6)
 
 

@@ -2,6 +2,8 @@
 
 Every sample carries its index, so an evaluation can prove that it saw each sample exactly
 once (:class:`SampleCensus`), and a training can be compared with the same data map-style.
+Model and data are float64 (tests/support/exactness.py): a stream against map-style, ranks
+against one process, within 1e-9 on any CPU.
 """
 
 from __future__ import annotations
@@ -15,19 +17,21 @@ from torch.utils.data import IterableDataset, TensorDataset
 
 import distkit
 from distkit.metrics import Metric
+from tests.support.exactness import DTYPE
 from tests.support.workloads import make_dataset, make_mlp
 
 
 class SampleStream(IterableDataset):
     """``(features, label)`` of the shared workload, in order (``shuffle``: a permutation drawn
-    from torch's global generator each pass, as a naive stream would)."""
+    from torch's global generator each pass, as a naive stream would); float64 unless
+    ``dtype`` says otherwise."""
 
-    def __init__(self, n: int = 61, *, shuffle: bool = False) -> None:
-        self.n, self.shuffle = n, shuffle
+    def __init__(self, n: int = 61, *, shuffle: bool = False, dtype: torch.dtype = DTYPE) -> None:
+        self.n, self.shuffle, self.dtype = n, shuffle, dtype
         self.passes = 0
 
     def __iter__(self):
-        data = make_dataset(self.n)
+        data = make_dataset(self.n, dtype=self.dtype)
         order = torch.randperm(self.n) if self.shuffle else torch.arange(self.n)
         self.passes += 1
         for i in order.tolist():
@@ -43,7 +47,7 @@ class SeekableStream(SampleStream):
 
     def iter_from(self, position: int):
         self.seeks.append(position)
-        data = make_dataset(self.n)
+        data = make_dataset(self.n, dtype=self.dtype)
         for i in range(position, self.n):
             yield data[i]
 
@@ -55,7 +59,7 @@ class BatchIterable:
         self.n, self.size = n, size
 
     def __iter__(self):
-        features, labels = make_dataset(self.n).tensors
+        features, labels = make_dataset(self.n, dtype=DTYPE).tensors
         for start in range(0, self.n, self.size):
             yield features[start : start + self.size], labels[start : start + self.size]
 
@@ -101,7 +105,7 @@ def make_stream(kind: str, n: int, rank: int) -> Any:
     if kind == "batches":
         return BatchIterable(n, size=4)
     if kind == "rank_shares":  # rank r holds every sample i with i % 3 == r, plus rank 0 more
-        data = make_dataset(n)
+        data = make_dataset(n, dtype=DTYPE)
         mine = [data[i] for i in range(n) if i % 3 == rank or (rank == 0 and i % 3 == 2)]
         return distkit.ShardedStream(_ListStream(mine))
     raise ValueError(kind)
@@ -139,7 +143,7 @@ def train_stream(
         checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
     )  # fmt: skip
     with trainer:
-        net = make_mlp()
+        net = make_mlp(dtype=DTYPE)
         opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
         stream = make_stream(kind, n, trainer.rank)
         result = trainer.fit(
@@ -172,9 +176,9 @@ def train_map_style(
         shuffle=False, progress=False, seed=3,
     )  # fmt: skip
     with trainer:
-        net = make_mlp()
+        net = make_mlp(dtype=DTYPE)
         opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-        data = make_dataset(n)
+        data = make_dataset(n, dtype=DTYPE)
         result = trainer.fit(
             net, opt, data, loss_fn=nn.functional.cross_entropy, val_data=data,
             metrics={"acc": distkit.Accuracy()},
@@ -186,7 +190,7 @@ def train_map_style(
 def rank_share_steps(n: int, batch_size: int, world: int) -> list[TensorDataset]:
     """What one process trains per step for ``make_stream("rank_shares", ...)`` on ``world``
     ranks: step t is every rank's t-th local batch together."""
-    data = make_dataset(n)
+    data = make_dataset(n, dtype=DTYPE)
     shares = [
         [data[i] for i in range(n) if i % 3 == r or (r == 0 and i % 3 == 2)] for r in range(world)
     ]
@@ -206,7 +210,7 @@ def rank_share_steps(n: int, batch_size: int, world: int) -> list[TensorDataset]
 def train_steps_by_hand(steps: list[TensorDataset], epochs: int = 2) -> dict[str, torch.Tensor]:
     """One process, one optimizer step per given batch (mean loss over its samples)."""
     torch.manual_seed(3)
-    net = make_mlp()
+    net = make_mlp(dtype=DTYPE)
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     for _ in range(epochs):
         for batch in steps:
@@ -224,7 +228,7 @@ def save_result(result: dict[str, Any], out: Path) -> None:
 def fit_rank_dependent_stream(strategy: str) -> str:
     """A stream that yields more on rank 1 than on rank 0 (a rank-seeded length): the error."""
     with distkit.Trainer(strategy, batch_size=4, progress=False) as trainer:
-        net = make_mlp()
+        net = make_mlp(dtype=DTYPE)
         stream = SampleStream(30 + 7 * trainer.rank)
         try:
             trainer.fit(net, torch.optim.SGD(net.parameters(), lr=0.1), stream,
@@ -250,7 +254,7 @@ class FailingStream(SampleStream):
 
 def fit_failing_stream(strategy: str) -> str:
     with distkit.Trainer(strategy, batch_size=4, progress=False, fault_timeout=10) as trainer:
-        net = make_mlp()
+        net = make_mlp(dtype=DTYPE)
         try:
             stream = FailingStream(trainer.rank)
             trainer.fit(net, torch.optim.SGD(net.parameters(), lr=0.1), stream,

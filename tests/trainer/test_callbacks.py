@@ -502,7 +502,7 @@ def test_callbacks_misspelled_monitor_fails_at_the_first_validation_of_a_stream(
     with pytest.raises(distkit.ConfigurationError) as info:
         _fit(
             trainer,
-            train_data=SampleStream(400),
+            train_data=SampleStream(400, dtype=torch.float32),
             val_data=make_dataset(8),
             metrics={"acc": distkit.Accuracy()},
         )
@@ -546,7 +546,7 @@ def _fit_stream(callback: Callback, folder: Path, **fit_kwargs) -> distkit.FitRe
         checkpoint_dir=folder,
         callbacks=[callback],
     )
-    return _fit(trainer, train_data=SampleStream(400), **fit_kwargs)
+    return _fit(trainer, train_data=SampleStream(400, dtype=torch.float32), **fit_kwargs)
 
 
 def test_callbacks_monitor_never_reported_warns_at_fit_end(tmp_path):
