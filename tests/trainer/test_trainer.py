@@ -40,8 +40,8 @@ def test_trainer_ddp_two_processes_equal_one_process_with_double_batch(n, run_on
     assert max_abs_diff(two[0]["state"], one["state"]) <= TOL
     assert two[0]["history"] == two[1]["history"], "history differs between ranks"
     for a, b in zip(two[0]["history"], one["history"], strict=True):
-        assert a["train_loss"] == pytest.approx(b["train_loss"], abs=1e-6)
-        assert a["val_loss"] == pytest.approx(b["val_loss"], abs=1e-6)
+        assert a["train_loss"] == pytest.approx(b["train_loss"], abs=TOL)
+        assert a["val_loss"] == pytest.approx(b["val_loss"], abs=TOL)
         assert a["val_acc"] == b["val_acc"]
 
 
