@@ -16,15 +16,17 @@ FEATURES = make_dataset(1).tensors[0].shape[1]
 
 
 class Net(nn.Module):
-    """Linear layers, BatchNorm (buffers; ``batch_norm=False``: none) and LayerNorm."""
+    """Linear layers, BatchNorm (buffers; ``batch_norm=False``: none) and LayerNorm, built in
+    ``dtype`` (initialised in it: a meta build's materialisation draws the same values)."""
 
-    def __init__(self, batch_norm: bool = True) -> None:
+    def __init__(self, batch_norm: bool = True, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.inp = nn.Linear(FEATURES, 16)
-        self.norm = nn.BatchNorm1d(16) if batch_norm else nn.Identity()
-        self.hidden = nn.Linear(16, 16)
-        self.layer_norm = nn.LayerNorm(16)
-        self.out = nn.Linear(16, 3)
+        made = {"dtype": dtype}
+        self.inp = nn.Linear(FEATURES, 16, **made)
+        self.norm = nn.BatchNorm1d(16, **made) if batch_norm else nn.Identity()
+        self.hidden = nn.Linear(16, 16, **made)
+        self.layer_norm = nn.LayerNorm(16, **made)
+        self.out = nn.Linear(16, 3, **made)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.norm(self.inp(x)))
@@ -43,17 +45,17 @@ class NoReset(nn.Module):
         return self.linear(x) * self.scale
 
 
-def build(meta: str, batch_norm: bool = True) -> nn.Module:
+def build(meta: str, batch_norm: bool = True, dtype: torch.dtype = torch.float32) -> nn.Module:
     """``Net`` after ``torch.manual_seed(0)``: ``"normal"``, or on meta by ``"init_empty"``
     (distkit.init_empty()) or ``"torch"`` (torch.device("meta"))."""
     torch.manual_seed(0)
     if meta == "init_empty":
         with distkit.init_empty():
-            return Net(batch_norm)
+            return Net(batch_norm, dtype)
     if meta == "torch":
         with torch.device("meta"):
-            return Net(batch_norm)
-    return Net(batch_norm)
+            return Net(batch_norm, dtype)
+    return Net(batch_norm, dtype)
 
 
 def fit_on_meta(strategy: Any, make: Any = Net) -> str:
