@@ -18,6 +18,11 @@ from tests.support.workloads import make_dataset, make_mlp, max_abs_diff, state_
 
 pytestmark = pytest.mark.timeout(300)
 
+#: distkit against the hand loop, one process: the same arithmetic in the same order, so
+#: bitwise on the CPU (measured 0.0 for the weights and the norms of every case here, fp16
+#: included); a GPU's kernels may sum with atomics, in another order each run
+SAME = 0.0 if not torch.cuda.is_available() else 1e-6
+
 
 class Steps(Callback):
     stops_training = False
@@ -77,15 +82,15 @@ def _by_hand(precision="32", accumulate=1, max_norm=None, max_value=None) -> tup
 def test_clipping_by_norm_equals_torch_clip_grad_norm(accumulate):
     mine, logs = _distkit(accumulate=accumulate, gradient_clip_norm=0.3)
     theirs, norms = _by_hand(accumulate=accumulate, max_norm=0.3)
-    assert max_abs_diff(mine, theirs) <= 1e-6
-    assert [log["grad_norm"] for log in logs] == pytest.approx(norms, rel=1e-5)
+    assert max_abs_diff(mine, theirs) <= SAME
+    assert [log["grad_norm"] for log in logs] == pytest.approx(norms, rel=0, abs=SAME)
     assert len(norms) == 16 // accumulate and max(norms) > 0.3  # it clipped, once per step
 
 
 def test_clipping_by_value_equals_torch_clip_grad_value():
     mine, logs = _distkit(gradient_clip_value=0.01)
     theirs, _ = _by_hand(max_value=0.01)
-    assert max_abs_diff(mine, theirs) <= 1e-6
+    assert max_abs_diff(mine, theirs) <= SAME
     unclipped, _ = _by_hand()
     assert max_abs_diff(mine, unclipped) > 1e-3  # the clip changed training
     assert all("grad_norm" in log for log in logs)  # the norm is logged for value clipping too
@@ -94,9 +99,9 @@ def test_clipping_by_value_equals_torch_clip_grad_value():
 def test_clipping_fp16_unscales_before_clipping():
     mine, logs = _distkit(precision="fp16", gradient_clip_norm=0.3)
     theirs, norms = _by_hand(precision="fp16", max_norm=0.3)
-    assert max_abs_diff(mine, theirs) <= 1e-6
+    assert max_abs_diff(mine, theirs) <= SAME
     # unscaled: the scaler's 65536 would make scaled norms four orders larger
-    assert [log["grad_norm"] for log in logs] == pytest.approx(norms, rel=1e-4)
+    assert [log["grad_norm"] for log in logs] == pytest.approx(norms, rel=0, abs=SAME)
     assert max(norms) < 100
 
 
