@@ -5,6 +5,8 @@ a DDP or FSDP wrapper compiles nothing at all for a plain ``nn.Sequential`` (dyn
 trace into torch's own container from the wrapper's frame), so the models here are classes of
 the test's own. A compiled fit must end with the weights of the same fit run eagerly, and
 checkpoints keep the user's module keys (no ``_orig_mod.``).
+
+Model and data are float64 (tests/support/exactness.py), so the comparisons hold on any CPU.
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ from torch import nn
 
 import distkit
 from distkit import checkpoint as ckpt
+from tests.support.exactness import DTYPE, TOL
 from tests.support.workloads import make_dataset, max_abs_diff
 
 pytestmark = pytest.mark.timeout(300)
 
-EXACT = 1e-6  # aot_eager runs the same kernels as eager: the weights agree to rounding
-INDUCTOR = 1e-5  # inductor fuses kernels, which reorders float arithmetic
+EXACT = 1e-9  # aot_eager runs the same kernels as eager: the weights agree to rounding
+INDUCTOR = 1e-9  # inductor fuses kernels, which reorders float arithmetic (float64: ~1e-16)
 
 
 class Net(nn.Module):
@@ -39,7 +42,7 @@ class Net(nn.Module):
 
 def make_net(seed: int = 0) -> Net:
     torch.manual_seed(seed)
-    return Net()
+    return Net().to(DTYPE)
 
 
 class CountingBackend:
@@ -93,7 +96,9 @@ def fit(
         **trainer_kwargs,
     )
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
-    result = trainer.fit(net, optimizer, make_dataset(n), loss_fn=nn.functional.cross_entropy)
+    result = trainer.fit(
+        net, optimizer, make_dataset(n, dtype=DTYPE), loss_fn=nn.functional.cross_entropy
+    )
     out = {
         "state": trainer.full_state_dict(),
         "graphs": len(backend.graphs),
@@ -163,7 +168,7 @@ def test_compile_resumed_compiled_fit_equals_uninterrupted_eager_fit(tmp_path):
     result = trainer.fit(
         net,
         torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
-        make_dataset(48),
+        make_dataset(48, dtype=DTYPE),
         loss_fn=nn.functional.cross_entropy,
     )
     assert backend.graphs, "the resumed fit was not compiled"
@@ -211,7 +216,9 @@ def _fit_with_function_backend() -> float:
                               compile={"backend": aot_eager_function})  # fmt: skip
     net = make_net()
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
-    result = trainer.fit(net, optimizer, make_dataset(16), loss_fn=nn.functional.cross_entropy)
+    result = trainer.fit(
+        net, optimizer, make_dataset(16, dtype=DTYPE), loss_fn=nn.functional.cross_entropy
+    )
     return result.history[-1]["train_loss"]
 
 
@@ -259,7 +266,7 @@ def test_compile_ddp_with_accumulation_equals_eager_ddp(run_on_ranks):
     assert max_abs_diff(ranks[0]["count"]["state"], ranks[1]["count"]["state"]) == 0.0
     # and both equal one process with the whole global batch
     one = fit("dp", 8)
-    assert max_abs_diff(ranks[0]["count"]["state"], one["state"]) <= 1e-5
+    assert max_abs_diff(ranks[0]["count"]["state"], one["state"]) <= TOL
 
 
 def test_compile_fsdp_equals_eager_fsdp(run_on_ranks):
