@@ -31,12 +31,12 @@ from torch import nn
 
 import distkit
 from distkit import checkpoint as ckpt
+from tests.support.exactness import DTYPE, TOL  # the fits train in float64
 from tests.support.multiprocess import run_on_ranks
 from tests.support.workloads import make_dataset, make_mlp, max_abs_diff
 
 pytestmark = pytest.mark.timeout(300)
 
-TOL = 1e-6
 N = 53  # global batches of 8, 2 accumulated: 7 batches (the last of 5), 4 steps an epoch
 STEPS = 8  # 2 epochs; checkpoint_every=3: steps 3 (mid-epoch 1), 6 (mid-epoch 2) and 8
 MID = "step-000000003.pt"
@@ -57,9 +57,9 @@ def train(batch: int, folder: str | None = None, *, replicate: int = 1,
     trainer = distkit.Trainer(strategy, batch_size=batch, grad_accum_steps=2, seed=3,
                               max_epochs=2, progress=False, checkpoint_dir=folder,
                               checkpoint_every=3, **settings)  # fmt: skip
-    model = make_mlp()
+    model = make_mlp(dtype=DTYPE)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    data = make_dataset(N)
+    data = make_dataset(N, dtype=DTYPE)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(model, optimizer, data, loss_fn=nn.functional.cross_entropy)
