@@ -19,6 +19,10 @@ from tests.support.gates import needs
 
 pytestmark = pytest.mark.timeout(60)
 
+#: GlobalBatchNorm (two-pass sums) against torch's BatchNorm kernel, one process, float32:
+#: two algorithms' rounding. Measured 2026-12-03: at most 1.9e-6 absolute, 0.11 of
+#: atol + rtol * |expected| with the rtol 1e-5 beside it (the far-from-zero test's own
+#: tolerances: 0.22 of theirs). The float64 test below holds the same code to ~1e-15.
 ATOL = 1e-5
 
 
