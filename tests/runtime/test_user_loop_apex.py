@@ -21,6 +21,7 @@ from torch import nn
 import distkit
 from distkit.errors import ConfigurationError, UnsupportedFeatureError
 from tests.runtime.test_user_loop import FEATURES, gan_loop, user_loop
+from tests.support.exactness import TOL  # user_loop and gan_loop train in float64
 from tests.support.fakes import use_fake_apex
 from tests.support.workloads import make_dataset, make_mlp, max_abs_diff
 
@@ -29,8 +30,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:distkit apex:UserWarning"),
     pytest.mark.filterwarnings("ignore::FutureWarning"),
 ]
-
-TOL = 1e-5
 
 
 def _fake_cuda() -> None:
