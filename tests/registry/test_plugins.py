@@ -126,7 +126,8 @@ def test_plugin_trains_by_name_under_torchrun_like_ddp(site, tmp_path):
         assert f"STRATEGY=example RANK={rank} WORLD=2" in proc.stdout
         assert f"STRATEGY=ddp RANK={rank} WORLD=2" in proc.stdout
     example, ddp = (torch.load(tmp_path / f"{name}.pt") for name in ("example", "ddp"))
-    assert max_abs_diff(example, ddp) <= 1e-5
+    # the plugin is ddp underneath: the same arithmetic, bitwise (measured 0.0)
+    assert max_abs_diff(example, ddp) == 0.0
 
 
 def test_doctor_shows_the_plugin_row_and_one_line_per_broken_plugin(site, tmp_path):

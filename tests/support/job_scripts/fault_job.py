@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 import distkit
+from tests.support.exactness import DTYPE
 from tests.support.workloads import make_dataset
 
 
@@ -37,6 +38,7 @@ def main() -> None:
     )  # fmt: skip
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(0.2), nn.Linear(16, 3))
+    model = model.to(DTYPE)  # float64: the runs are compared at 1e-9
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     calls = {"n": 0}
 
@@ -53,7 +55,7 @@ def main() -> None:
         x, y = batch
         return nn.functional.cross_entropy(m(x), y)
 
-    trainer.fit(model, optimizer, make_dataset(64), step_fn=step_fn)
+    trainer.fit(model, optimizer, make_dataset(64, dtype=DTYPE), step_fn=step_fn)
     if trainer.is_main:
         torch.save(model.state_dict(), args.out / "final.pt")
     print(f"rank {trainer.rank} done", flush=True)

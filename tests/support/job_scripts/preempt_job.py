@@ -32,6 +32,7 @@ from torch import nn
 
 import distkit
 from distkit.errors import TrainingPreempted
+from tests.support.exactness import DTYPE
 from tests.support.workloads import make_dataset
 
 
@@ -111,9 +112,10 @@ def main() -> None:
         signal.signal(signum, handler)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(0.2), nn.Linear(16, 3))
+    model = model.to(DTYPE)  # float64: the runs are compared at 1e-9
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     try:
-        trainer.fit(model, optimizer, make_dataset(96), nn.functional.cross_entropy)
+        trainer.fit(model, optimizer, make_dataset(96, dtype=DTYPE), nn.functional.cross_entropy)
     except TrainingPreempted as exc:
         said = {"code": exc.code, "step": exc.step, "signal": exc.signal, "ckpt": exc.checkpoint}
         (args.out / f"preempted-{rank}.json").write_text(json.dumps(said))
