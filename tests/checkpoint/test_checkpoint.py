@@ -21,7 +21,7 @@ from tests.support.checkpoint_runs import (
     resume_each,
     train_run,
 )
-from tests.support.exactness import TOL
+from tests.support.exactness import DTYPE, TOL
 from tests.support.workloads import make_dataset, max_abs_diff, without_timing
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -192,7 +192,7 @@ def test_checkpoint_save_and_load_by_hand(tmp_path):
     trainer = distkit.Trainer("dp", batch_size=8, max_epochs=1, seed=11, progress=False)
     net = plain_model()
     optimizer = torch.optim.Adam(net.parameters(), lr=0.01)
-    trainer.fit(net, optimizer, make_dataset(64), loss_fn=nn.functional.cross_entropy)
+    trainer.fit(net, optimizer, make_dataset(64, dtype=DTYPE), loss_fn=nn.functional.cross_entropy)
     trainer.save_checkpoint(tmp_path / "hand.pt", extra={"note": "hello", "best": 0.5})
     other = distkit.Trainer("dp", batch_size=8, max_epochs=1, progress=False)
     info = other.load_checkpoint(tmp_path / "hand.pt")
