@@ -13,7 +13,10 @@ where the same orders differ by ~1e-16 per step (measured on the shared workload
 wrong divisor, a missing all-reduce) moves the weights by 1e-3 or more.
 
 Tests where float32 is the point (mixed precision, the fp16 loss scale, apex's master weights,
-an example's own dtype) keep float32 and say beside their tolerance where it comes from.
+DeepSpeed, an example's own dtype) keep float32 and say beside their tolerance where it comes
+from (a floor measured on the same comparison). Runs that do the same arithmetic in the same
+order (a resume at the same world size, activation checkpointing against none, one process
+against a hand loop) are compared bitwise, in any dtype: a tolerance there only hides a bug.
 """
 
 from __future__ import annotations
