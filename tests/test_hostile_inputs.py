@@ -189,6 +189,13 @@ def _unwritable_dir_below_a_file(tmp: Path) -> Any:
     return _fit_untrained(trainer=_trainer(checkpoint_dir=tmp / "occupied" / "ckpt"))
 
 
+def _negative_count_step(model: nn.Module, batch: Any) -> distkit.Loss:
+    """A sign slip: -(labels != -100).sum(), a count kept on the device."""
+    x, y = batch
+    total = nn.functional.cross_entropy(model(x), y, reduction="sum")
+    return distkit.Loss(total, -torch.tensor(len(y)))
+
+
 def _resume_from(data: bytes) -> Callable[[Path], Any]:
     def act(tmp: Path) -> Any:
         return _fit_untrained(trainer=_trainer(resume=_write(tmp / "c.pt", data)))
@@ -950,6 +957,13 @@ CASES: list[tuple[str, Callable[[Path], Any], type[BaseException], str]] = [
         ConfigurationError,
         "EarlyStopping monitors 'val_acc', which the validation at step 2 did not report; it "
         "reported: val_loss. Monitor one of these",
+    ),
+    (
+        "loss-count-negative-tensor",
+        lambda t: _fit(loss_fn=None, step_fn=_negative_count_step),
+        ConfigurationError,
+        "Loss.count (rt.backward count=) must be >= 0 (a number of items), but 2 optimizer "
+        "steps had a negative tensor count on some rank (this rank's lowest was -4)",
     ),
 ]
 

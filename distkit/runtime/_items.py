@@ -51,6 +51,12 @@ class ItemWindow:
         self.device: torch.Tensor | None = None  # counts given as tensors, summed (float64)
         #: steps whose global count was 0, found on the device (read at check points)
         self.empty_steps: torch.Tensor | None = None
+        #: this rank's lowest tensor count since the last check (float64, on the device): a
+        #: negative one (a sign slip) is found at the next check point, as a zero count is
+        self.lowest: torch.Tensor | None = None
+        #: steps where some rank gave a negative tensor count (read at check points)
+        self.negative_steps: torch.Tensor | None = None
+        self._window_lowest: torch.Tensor | None = None  # this window's lowest count
         #: how the counts are summed over ranks: None until the optimizer's first step,
         #: then "host", "device" or "both" (see _first_sums)
         self.sums: str | None = None
@@ -76,12 +82,15 @@ class ItemWindow:
         if isinstance(count, torch.Tensor):
             value = count.detach().sum().to(torch.float64)
             self.device = value if self.device is None else self.device + value
+            low = self._window_lowest
+            self._window_lowest = value if low is None else torch.minimum(low, value)
         else:
             self.host += int(count)
 
     def reset(self) -> None:
         """A new window (after a step, or gradients cleared)."""
         self.mode, self.scale, self.host, self.device = None, 1.0, 0, None
+        self._window_lowest = None
 
     def factor(self, strategy: Strategy) -> float | torch.Tensor | None:
         """What the step's averaged gradients are multiplied by (None: a plain loss's
@@ -97,8 +106,7 @@ class ItemWindow:
         if self.sums == "device":  # every rank's counts on the device: one device all-reduce
             local = self.device if self.device is not None else _zero(strategy.device)
             local = local + self.host if self.host else local
-            total = strategy.all_reduce(local.reshape(1).to(strategy.device), op="sum")[0]
-            return self._device_factor(strategy, total, 0.0)
+            return self._device_factor(strategy, *self._device_sum(strategy, local), 0.0)
         if self.sums == "host" and self.device is not None:
             raise ConfigurationError(
                 "a token-exact count was given as a tensor, where the ranks agreed at this "
@@ -145,22 +153,57 @@ class ItemWindow:
                 raise ConfigurationError(zero_items("an optimizer step"))
             return strategy.world_size / self.scale / host
         local = self.device if self.device is not None else _zero(strategy.device)
-        total = strategy.all_reduce(local.reshape(1).to(strategy.device), op="sum")[0]
-        return self._device_factor(strategy, total, host)
+        return self._device_factor(strategy, *self._device_sum(strategy, local), host)
 
-    def _device_factor(self, strategy: Strategy, total: torch.Tensor, host: float) -> torch.Tensor:
+    def _device_sum(
+        self, strategy: Strategy, local: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The window's global count and how many ranks gave a negative tensor count in it,
+        in one all-reduce of two numbers (nothing read on the host). This rank's lowest
+        count is kept for the check point's message."""
+        low = self._window_lowest
+        negative = _zero(local.device) if low is None else (low < 0).to(torch.float64)
+        if low is not None:
+            self.lowest = low if self.lowest is None else torch.minimum(self.lowest, low)
+        pair = torch.stack([local.reshape(()), negative.to(local.device)])
+        summed = strategy.all_reduce(pair.to(strategy.device), op="sum")
+        return summed[0], summed[1]
+
+    def _device_factor(
+        self, strategy: Strategy, total: torch.Tensor, negative: torch.Tensor, host: float
+    ) -> torch.Tensor:
         """The factor from a device count (plus ``host`` items summed on the host): 0 where
-        the count is 0, noted for the next check point."""
+        the count is 0 or some rank's count was negative, noted for the next check point."""
         total = total + host if host else total
         if host == 0:  # only the device knows whether any rank had an item
             empty = (total == 0).to(torch.int64)
             self.empty_steps = empty if self.empty_steps is None else self.empty_steps + empty
+        bad = (negative > 0).to(torch.int64)
+        self.negative_steps = bad if self.negative_steps is None else self.negative_steps + bad
         numerator = strategy.world_size / self.scale
-        return torch.where(total > 0, numerator / total.clamp(min=1), torch.zeros_like(total))
+        usable = (total > 0) & (negative == 0)
+        return torch.where(usable, numerator / total.clamp(min=1), torch.zeros_like(total))
 
     def check(self) -> None:
         """Raise if a step since the last check had zero items on every rank (one host
         read, of device counts only; every rank holds the same value, so all raise)."""
+        negative, self.negative_steps = self.negative_steps, None
+        lowest, self.lowest = self.lowest, None
+        if negative is not None and int(negative):
+            steps = int(negative)
+            here = (
+                f"this rank's lowest was {_count_text(lowest)}"
+                if lowest is not None and float(lowest) < 0
+                else "this rank's were not negative: another rank's were"
+            )
+            raise ConfigurationError(
+                f"Loss.count (rt.backward count=) must be >= 0 (a number of items), but "
+                f"{'an optimizer step' if steps == 1 else f'{steps} optimizer steps'} had a "
+                f"negative tensor count on some rank ({here}). A sign slip such as "
+                "-(labels != -100).sum() trains nothing: give the count of items, "
+                "(labels != -100).sum(). (Found at this check point: counts given as tensors "
+                "are read only at check points; such a step applied zero gradients.)"
+            )
         empty, self.empty_steps = self.empty_steps, None
         found = 0 if empty is None else int(empty)
         if found:
@@ -169,6 +212,11 @@ class ItemWindow:
                 f"{zero_items(steps)}. (Found at this check point: counts given as tensors "
                 "are read only at check points; such a step applied zero gradients.)"
             )
+
+
+def _count_text(count: torch.Tensor) -> str:
+    value = float(count)
+    return str(int(value)) if value.is_integer() else str(value)
 
 
 def _zero(device: torch.device) -> torch.Tensor:

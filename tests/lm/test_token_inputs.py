@@ -3,6 +3,7 @@ mixed windows, bad totals and counts, and models that return their own loss."""
 
 from __future__ import annotations
 
+import re
 from functools import partial
 
 import pytest
@@ -61,6 +62,26 @@ def test_zero_items_on_every_rank_with_device_counts_is_refused_at_the_check_poi
         fit_tokens("dp", 2, 1, empty="all")
     with pytest.raises(ConfigurationError, match=r"found at this check point|Found at this"):
         loop_tokens("dp", 2, 1, empty="all")
+
+
+def test_a_negative_tensor_count_is_refused_at_the_check_point_naming_it():
+    """A sign slip (-(labels != -100).sum()) kept on the device: no step may train on it
+    (before, the step's factor was 0 and the run went on, rc 0, the weights never moving).
+    The next check point raises, naming the count."""
+    for run in (fit_tokens, loop_tokens):
+        with pytest.raises(ConfigurationError, match=r">= 0.*lowest was -\d+") as caught:
+            run("dp", 2, 1, count="negative")
+        assert "(labels != -100).sum()" in str(caught.value)
+
+
+def test_a_negative_count_on_one_rank_is_refused_on_every_rank(run_on_ranks):
+    """Rank 1 alone slips: both ranks raise at the same check point (no hang), and each
+    says whose count it was. The other rank's positive counts must not hide it in the sum."""
+    for run in (fit_tokens, loop_tokens):
+        fit = partial(run, count="negative-on-rank-1")
+        errors = run_on_ranks(partial(error_of, fit), "ddp", 2, 1, world_size=2)
+        assert "another rank's were" in errors[0]
+        assert re.search(r"this rank's lowest was -\d+", errors[1])
 
 
 def test_a_window_that_mixes_token_and_mean_losses_is_refused():

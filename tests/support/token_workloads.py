@@ -75,9 +75,24 @@ def token_sum(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.T
 
 
 def token_step(model: nn.Module, batch: dict[str, torch.Tensor], count: str = "tensor") -> Any:
-    """The token-exact loss (``count``: "tensor" keeps it on the device, "int" reads it)."""
+    """The token-exact loss (``count``: "tensor" keeps it on the device, "int" reads it;
+    "negative" and "negative-on-rank-1" are a user's sign slip, a tensor count)."""
     total, n = token_sum(model, batch)
-    return distkit.Loss(total, n if count == "tensor" else int(n))
+    return distkit.Loss(total, given_count(n, count))
+
+
+def given_count(n: torch.Tensor, count: str) -> Any:
+    """The count a step gives for its ``n`` items (see token_step)."""
+    if count == "int":
+        return int(n)
+    if count == "negative" or (count == "negative-on-rank-1" and _rank() == 1):
+        return -n
+    return n
+
+
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def batch_mean_step(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -154,7 +169,7 @@ def loop_tokens(
         for _ in range(epochs):
             for b in loader:
                 total, n = token_sum(model, b)
-                mean = rt.backward(total, count=n if count == "tensor" else int(n))
+                mean = rt.backward(total, count=given_count(n, count))
                 means.append(float(mean))
                 optimizer.step()
                 optimizer.zero_grad()
