@@ -190,7 +190,7 @@ class ItemWindow:
         negative, self.negative_steps = self.negative_steps, None
         lowest, self.lowest = self.lowest, None
         if negative is not None and int(negative):
-            steps = int(negative)
+            slips = int(negative)
             here = (
                 f"this rank's lowest was {_count_text(lowest)}"
                 if lowest is not None and float(lowest) < 0
@@ -198,7 +198,7 @@ class ItemWindow:
             )
             raise ConfigurationError(
                 f"Loss.count (rt.backward count=) must be >= 0 (a number of items), but "
-                f"{'an optimizer step' if steps == 1 else f'{steps} optimizer steps'} had a "
+                f"{'an optimizer step' if slips == 1 else f'{slips} optimizer steps'} had a "
                 f"negative tensor count on some rank ({here}). A sign slip such as "
                 "-(labels != -100).sum() trains nothing: give the count of items, "
                 "(labels != -100).sum(). (Found at this check point: counts given as tensors "
