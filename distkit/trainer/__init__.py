@@ -91,7 +91,10 @@ class Trainer:
         progress: a progress bar (on a terminal) and an epoch summary line, on rank 0 only.
         drop_last: drop a last global batch smaller than ``world_size * batch_size``.
         scheduler_interval: step the LR scheduler every ``"epoch"`` or every optimizer ``"step"``.
-        max_steps: stop after this many optimizer steps in total (``None``: no limit).
+        max_steps: stop after this many optimizer steps in total (``None``: no limit). A
+            stop on an epoch's last step still ends that epoch (its validation, history
+            record, ``on_epoch_end`` and checkpoint); with data left in the epoch it does
+            not (a stream's end is not known in advance: a stream's epoch is left open).
         checkpoint_dir: save checkpoints here (a folder every rank can read).
         checkpoint_every: ``"epoch"``, or a number of optimizer steps.
         keep_last: checkpoints to keep in ``checkpoint_dir``.

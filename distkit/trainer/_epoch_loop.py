@@ -93,7 +93,11 @@ class EpochLoop:
         self._stop_each_step = self.callbacks.stop_each_step
         self.callbacks.call("on_fit_start", self.owner)
         while state.epoch < self.config.max_epochs and not self._steps_done():
-            if self.loop.run_epoch(state, self._after_step):
+            end = self.loop.run_epoch(state, self._after_step)
+            # a stop on the epoch's last step (max_steps, should_stop) still closes the epoch:
+            # its validation, record and hooks, as the same run without the stop would; a
+            # preemption there saved the run before them, and its resume runs them
+            if end == "stopped" or (end == "stopped-at-end" and self.preempted is not None):
                 self._check_losses()  # the steps since the last check point
                 return  # max_steps or should_stop inside the epoch
             if self._end_epoch():

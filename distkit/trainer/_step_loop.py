@@ -6,7 +6,7 @@ import contextlib
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from tqdm.auto import tqdm
@@ -35,6 +35,12 @@ from distkit.trainer.timing import EpochTiming, StepTimer
 _NOTHING = contextlib.nullcontext()
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+
+
+#: How :meth:`StepLoop.run_epoch` ended: "ended" (the epoch's data ran out), "stopped"
+#: (``after_step`` stopped it with data left), "stopped-at-end" (stopped at the epoch's last
+#: step: max_steps or should_stop there still gives the epoch its end).
+EpochEnd = Literal["ended", "stopped", "stopped-at-end"]
 
 
 @dataclass(frozen=True)
@@ -110,11 +116,11 @@ class StepLoop:
 
     def run_epoch(
         self, state: FitState, after_step: Callable[[FitState, StepResult], bool]
-    ) -> bool:
+    ) -> EpochEnd:
         """Train from ``state.position`` to the end of ``state.epoch``.
 
         ``after_step(state, result)`` runs after every optimizer step; True stops early.
-        Returns True when stopped early.
+        Returns how the epoch ended (see :data:`EpochEnd`).
         """
         strategy, loop = self.strategy, self.runtime.loop
         model, optimizer = self.model, self.optimizer
@@ -131,8 +137,9 @@ class StepLoop:
         source = "loss_fn" if self.step_fn is None else "step_fn"
         owners = (optimizer,)
         loader = self.loader.resume_at(state.epoch, state.position, state.local_position)
+        left = loader.remaining()  # None: a stream, whose length is not known
         bar = tqdm(
-            total=loader.remaining(),
+            total=left,
             desc=f"epoch {state.epoch + 1}/{self.settings.max_epochs}",
             # a bar only where a person watches: piped output (CI, horovodrun) gets epoch lines
             disable=not (self.settings.progress and strategy.is_main and sys.stderr.isatty()),
@@ -151,8 +158,10 @@ class StepLoop:
         ranges = None if profile is None else profile.ranges
         if ranges is not None:
             ranges.begin("data")
+        taken = 0  # this rank's micro-batches of the epoch, so far
         with bar, contextlib.closing(iter(loader)) as batches:
             for batch in batches:
+                taken += 1
                 micro = loop.micro  # the batch's micro-batch: its weight, its window's end
                 assert micro is not None
                 timer.mark("data")
@@ -229,7 +238,11 @@ class StepLoop:
             ranges.end()
         timer.samples = state.position - start_position
         optimizer.clear()  # no gradients held through validation and checkpoints
-        return stopped
+        if not stopped:
+            return "ended"
+        # every rank stops at the same step; with a known length each knows whether it was
+        # the epoch's last (a stream's end is found only by reading on: "stopped")
+        return "stopped-at-end" if left is not None and taken >= left else "stopped"
 
     def epoch_record(self, state: FitState) -> dict[str, float]:
         """The epoch's training summary, reduced over ranks (the same dict on every rank)."""
