@@ -13,6 +13,16 @@ a second gradient for the same parameters ("Expected to mark a variable ready on
 and it drops gradients for inputs that do not require them. The RNG state is restored for
 the recomputation, so dropout draws the same masks: the weights equal those without
 checkpointing.
+
+The recomputation must not count as a second forward: a BatchNorm (any norm layer with
+running statistics) inside a checkpointed block would otherwise update its running mean,
+variance and ``num_batches_tracked`` twice per step (the weights the same, the evaluation
+outputs not). Each recomputation puts those buffers back as the forward left them. A module
+of your own that changes other buffers in its forward is not known here: keep it out of the
+checkpointed blocks.
+
+The checkpointed forward is the set-up's: closing the Runtime (the Trainer) gives the user's
+modules their own forward back.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
 from torch.utils.checkpoint import checkpoint
 
 from distkit.errors import ConfigurationError
@@ -67,10 +78,12 @@ def checkpoint_policy(value: object) -> Policy | None:
     return is_chosen
 
 
-def apply_checkpointing(model: nn.Module, policy: Policy) -> int:
+def apply_checkpointing(model: nn.Module, policy: Policy) -> list[nn.Module]:
     """Checkpoint every module ``policy`` chooses in ``model`` (the outermost where chosen
-    modules nest); returns how many. A module already checkpointed is left as it is."""
+    modules nest); returns those it checkpointed now. A module already checkpointed is
+    left as it is."""
     count = 0
+    done: list[nn.Module] = []
 
     def visit(module: nn.Module) -> None:
         nonlocal count
@@ -79,6 +92,7 @@ def apply_checkpointing(model: nn.Module, policy: Policy) -> int:
             return
         if policy(module):
             _checkpoint_forward(module)
+            done.append(module)
             count += 1
             return
         for child in module.children():
@@ -93,7 +107,15 @@ def apply_checkpointing(model: nn.Module, policy: Policy) -> int:
             UserWarning,
             stacklevel=3,
         )
-    return count
+    return done
+
+
+def remove_checkpointing(modules: list[nn.Module]) -> None:
+    """Give ``modules`` (what :func:`apply_checkpointing` returned) their own forward back."""
+    for module in modules:
+        if getattr(module, _MARK, False):
+            module.__dict__.pop("forward", None)
+            delattr(module, _MARK)
 
 
 def _checkpoint_forward(module: nn.Module) -> None:
@@ -109,4 +131,37 @@ def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     plain = type(self).forward
     if not torch.is_grad_enabled():  # evaluation: nothing is kept for backward anyway
         return plain(self, *args, **kwargs)
-    return checkpoint(plain, self, *args, use_reentrant=False, **kwargs)
+    return checkpoint(_Once(plain), self, *args, use_reentrant=False, **kwargs)
+
+
+class _Once:
+    """A block's forward whose first call is the forward and every later call (backward's
+    recomputation) leaves the running statistics of its norm layers as they were."""
+
+    def __init__(self, plain: Callable[..., Any]) -> None:
+        self.plain = plain
+        self.ran = False
+
+    def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if not self.ran:
+            self.ran = True
+            return self.plain(module, *args, **kwargs)
+        kept = _running_statistics(module)
+        try:  # torch may end a recomputation early, by raising inside it
+            return self.plain(module, *args, **kwargs)
+        finally:
+            with torch.no_grad():
+                for buffer, value in kept:
+                    buffer.copy_(value)
+
+
+def _running_statistics(module: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each training norm layer's running statistics in ``module``, with a copy of each."""
+    kept = []
+    for layer in module.modules():
+        if isinstance(layer, _NormBase) and layer.training and layer.track_running_stats:
+            for name in ("running_mean", "running_var", "num_batches_tracked"):
+                buffer = getattr(layer, name, None)
+                if isinstance(buffer, torch.Tensor):
+                    kept.append((buffer, buffer.detach().clone()))
+    return kept

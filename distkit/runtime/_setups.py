@@ -12,7 +12,7 @@ import weakref
 import torch
 from torch import nn
 
-from distkit.runtime._checkpointing import Policy, apply_checkpointing
+from distkit.runtime._checkpointing import Policy, apply_checkpointing, remove_checkpointing
 from distkit.runtime._compile import Compiler
 from distkit.strategies._placement import Placement, place, state_follows_parameters
 from distkit.strategies.base import Strategy
@@ -36,6 +36,8 @@ class SetupCache:
         # parts of it (FSDP's CPU offload keeps parameters on the CPU, buffers on the GPU)
         self._placements: weakref.WeakKeyDictionary[nn.Module, Placement]
         self._placements = weakref.WeakKeyDictionary()
+        #: the user's modules whose forward this set-up checkpointed (given back at shutdown)
+        self._checkpointed: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
     def setup(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, placement: Placement
@@ -77,7 +79,7 @@ class SetupCache:
     def _checkpoint(self, model: nn.Module) -> None:
         """Activation checkpointing, before the strategy wraps the model (see _checkpointing)."""
         if self.checkpointing is not None:
-            apply_checkpointing(model, self.checkpointing)
+            self._checkpointed.update(apply_checkpointing(model, self.checkpointing))
 
     def placement(self, model: nn.Module) -> Placement:
         """Where ``model`` was when it was set up, or where it is now if it was not."""
@@ -102,6 +104,7 @@ class SetupCache:
         interpreter shutdown) aborts the process with "terminate called without an active
         exception"; collecting it first avoids that.
         """
+        remove_checkpointing(list(self._checkpointed))
         self._models.clear()
         self._optimizers.clear()
         self._compiled.clear()

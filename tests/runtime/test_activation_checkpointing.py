@@ -88,6 +88,76 @@ def test_checkpointing_gives_the_weights_of_training_without_it(run_on_ranks, na
         assert with_["keys"] == without["keys"]
 
 
+class NormBlock(nn.Module):
+    """A block with a BatchNorm: its running statistics change in every training forward."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.norm = nn.BatchNorm1d(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.norm(self.linear(x)))
+
+
+class NormNet(nn.Module):
+    def __init__(self, width: int = 16, depth: int = 2) -> None:
+        super().__init__()
+        self.inp = nn.Linear(FEATURES, width)
+        self.blocks = nn.Sequential(*[NormBlock(width) for _ in range(depth)])
+        self.out = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.blocks(self.inp(x)))
+
+
+def fit_norm(name: str, checkpointing: Any) -> dict[str, Any]:
+    """A fit of a model with BatchNorm inside its blocks; its state (running statistics
+    and num_batches_tracked included) and its evaluation outputs."""
+    torch.manual_seed(0)
+    trainer = distkit.Trainer(name, batch_size=4, seed=3, max_epochs=2, progress=False,
+                              drop_last=True, activation_checkpointing=checkpointing)  # fmt: skip
+    model = NormNet().double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    data = make_dataset(24, dtype=torch.float64)
+    trainer.fit(model, optimizer, data, loss_fn=nn.functional.cross_entropy)
+    state = trainer.full_state_dict()
+    trainer.close()
+    model.eval()
+    with torch.no_grad():
+        outputs = model(data.tensors[0])
+    return {"state": state, "outputs": outputs, "forward": "forward" in vars(model.blocks[0])}
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp"])
+def test_checkpointing_a_block_with_batchnorm_updates_its_statistics_once(run_on_ranks, name):
+    """The recomputation in backward is no second forward: the running mean, variance and
+    num_batches_tracked are those of training without checkpointing, bitwise (they are the
+    same arithmetic), and so are the evaluation outputs. Before, every step updated them
+    twice (num_batches_tracked 2x, eval loss 0.516 against 0.556) with no word."""
+    plain = run_on_ranks(fit_norm, name, None, world_size=2)
+    checked = run_on_ranks(fit_norm, name, [NormBlock], world_size=2)
+    for without, with_ in zip(plain, checked, strict=True):
+        assert int(with_["state"]["blocks.0.norm.num_batches_tracked"]) == 6  # 3 steps x 2
+        assert max_abs_diff(with_["state"], without["state"]) == 0.0
+        assert torch.equal(with_["outputs"], without["outputs"])
+
+
+def test_closing_gives_the_model_its_own_forward_back():
+    """The checkpointed forward is the set-up's, not the model's for good: after close a
+    later fit with activation_checkpointing=None keeps every activation again."""
+    result = fit_norm("dp", [NormBlock])
+    assert not result["forward"]
+    torch.manual_seed(0)
+    model = Net(width=64, depth=16)
+    plain = copy.deepcopy(model)
+    with distkit.Runtime("dp", activation_checkpointing=[Block]) as rt:
+        rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        assert "forward" in vars(model.blocks[0])
+    assert all("forward" not in vars(block) for block in model.blocks)
+    assert _saved_bytes(model) == _saved_bytes(plain)
+
+
 @needs("horovod")
 def test_checkpointing_under_horovod_gives_the_weights_of_training_without_it(tmp_path):
     calls = [
@@ -144,7 +214,7 @@ def test_checkpointing_keeps_less_for_backward():
     torch.manual_seed(0)
     plain = Net(width=64, depth=16)
     checked = copy.deepcopy(plain)
-    assert apply_checkpointing(checked, checkpoint_policy([Block])) == 16
+    assert len(apply_checkpointing(checked, checkpoint_policy([Block]))) == 16
     without, with_ = _saved_bytes(plain), _saved_bytes(checked)
     assert with_ < without / 2, (with_, without)
     for p, q in zip(plain.parameters(), checked.parameters(), strict=True):
@@ -182,7 +252,7 @@ def test_activation_checkpointing_refuses_what_it_cannot_take_naming_what_it_can
 def test_a_class_that_matches_nothing_is_said_once():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert apply_checkpointing(Net(), checkpoint_policy([nn.Conv2d])) == 0
+        assert apply_checkpointing(Net(), checkpoint_policy([nn.Conv2d])) == []
     assert any("matched no module of Net" in str(w.message) for w in caught)
 
 
