@@ -15,7 +15,7 @@ from torch import nn
 import distkit
 from tests.support.exactness import DTYPE, TOL  # the runs compared train in float64
 from tests.support.gates import needs
-from tests.support.horovod_runner import run_with_horovodrun
+from tests.support.horovod_runner import RankError, run_with_horovodrun
 from tests.support.workloads import make_dataset, make_mlp, max_abs_diff
 
 pytestmark = pytest.mark.timeout(300)
@@ -54,6 +54,22 @@ def user_loop(
                 optimizer.zero_grad()
                 batches += 1
         return {"state": rt.full_state_dict(model), "batches": batches, "len": len(loader)}
+
+
+def two_losses_loop(strategy: str, batch: int, accum: int) -> dict[str, Any]:
+    """Two rt.backward calls per batch on one model (the docs: "call it for every loss"),
+    with accumulation: its gradients are the sum of both losses' over the window."""
+    torch.manual_seed(0)
+    with distkit.Runtime(strategy, grad_accum_steps=accum, seed=3) as rt:
+        model = make_mlp(dtype=DTYPE)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        model, optimizer = rt.setup(model, optimizer)
+        for x, y in rt.loader(make_dataset(N, dtype=DTYPE), batch_size=batch, shuffle=True):
+            rt.backward(_loss(model(x), y))
+            rt.backward(model(x).pow(2).mean() * 0.1)  # a second loss, a second forward
+            optimizer.step()
+            optimizer.zero_grad()
+        return {"state": rt.full_state_dict(model)}
 
 
 def trainer_fit(
@@ -125,11 +141,11 @@ def test_a_user_loop_on_horovod_at_two_ranks_equals_one_process(run_on_ranks, tm
 FEATURES = make_dataset(1).tensors[0].shape[1]
 
 
-def gan_loop(strategy: str, batch: int) -> dict[str, Any]:
+def gan_loop(strategy: str, batch: int, accum: int = 1) -> dict[str, Any]:
     """Two models, two optimizers, two backward calls per batch (a GAN's discriminator and
     generator); the noise is a function of the batch, so any world size draws the same."""
     torch.manual_seed(0)
-    with distkit.Runtime(strategy, seed=5) as rt:
+    with distkit.Runtime(strategy, seed=5, grad_accum_steps=accum) as rt:
         gen = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, FEATURES)).to(DTYPE)
         disc = nn.Sequential(nn.Linear(FEATURES, 16), nn.ReLU(), nn.Linear(16, 1)).to(DTYPE)
         gen, opt_g = rt.setup(gen, torch.optim.Adam(gen.parameters(), lr=1e-2))
@@ -168,6 +184,32 @@ def test_a_gan_on_horovod_at_two_ranks_equals_one_process(run_on_ranks, tmp_path
     for (result,) in run_with_horovodrun(calls, tmp_path):
         assert max_abs_diff(result["gen"], one["gen"]) <= TOL
         assert max_abs_diff(result["disc"], one["disc"]) <= TOL
+
+
+def test_two_backwards_per_batch_at_two_ranks_equal_one_process(run_on_ranks):
+    """Two losses, two rt.backward calls per batch on one model, accumulation 2: ddp
+    averages each backward's gradients, so 2 ranks equal 1 process with the whole batch."""
+    one = run_on_ranks(two_losses_loop, "ddp", 8, 2, world_size=1)[0]
+    for rank in run_on_ranks(two_losses_loop, "ddp", 4, 2, world_size=2):
+        assert max_abs_diff(rank["state"], one["state"]) <= TOL
+
+
+@needs("horovod")
+def test_two_backwards_per_batch_on_horovod_are_refused_naming_the_fix(tmp_path):
+    """Horovod's DistributedOptimizer all-reduces after a fixed number of backward passes:
+    a loop with more per step got its raw AssertionError ("Gradients were computed more
+    than backward_passes_per_step times"); now a distkit error saying what to do instead,
+    on every rank, with accumulation or without."""
+    calls = [
+        ("tests.runtime.test_user_loop", "two_losses_loop", ("horovod", 4, accum), {})
+        for accum in (1, 2)
+    ]
+    for rank in run_with_horovodrun(calls, tmp_path):
+        for refusal in rank:
+            assert isinstance(refusal, RankError), refusal
+            text = str(refusal)
+            assert "UnsupportedFeatureError" in text and "AssertionError" not in text
+            assert "rt.backward(loss_a + loss_b)" in text and "strategy='ddp'" in text
 
 
 def parts_loop(strategy: str, batch: int) -> dict[str, Any]:

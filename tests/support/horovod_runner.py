@@ -59,6 +59,10 @@ def run_with_horovodrun(
 def _main(workdir: Path) -> None:
     import torch
 
+    # run as __main__ (python -m), this module's RankError would pickle as __main__'s,
+    # which the parent cannot load: raise the importable one
+    from tests.support.horovod_runner import RankError
+
     torch.set_num_threads(1)
     rank = int(os.environ["HOROVOD_RANK"])
     calls: list[Call] = pickle.loads((workdir / "calls.pkl").read_bytes())

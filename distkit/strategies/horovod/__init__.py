@@ -235,6 +235,15 @@ class HorovodStrategy(Strategy):
         return self._distributed(model, optimizer, self._prefixes[id(model)])
 
     @override
+    def backward(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
+        try:
+            super().backward(loss, optimizer)
+        except AssertionError as exc:  # raised by DistributedOptimizer's gradient hook
+            if "backward_passes_per_step" not in str(exc):
+                raise
+            raise UnsupportedFeatureError(_more_backwards(self.options.grad_accum_steps)) from None
+
+    @override
     def step(
         self,
         optimizer: torch.optim.Optimizer,
@@ -367,3 +376,16 @@ def _collect_before_zero_grad(optimizer: Any) -> None:
 
 def _params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _more_backwards(accum: int) -> str:
+    return (
+        "Horovod's DistributedOptimizer all-reduces each gradient after exactly "
+        f"backward_passes_per_step backward passes between optimizer steps (distkit sets it "
+        f"to grad_accum_steps={accum}: one rt.backward per batch), and this loop ran more "
+        "rt.backward calls that reach the same parameters before the step: the extra "
+        "gradients cannot be averaged, so it stops here rather than train on a partial "
+        "average. Give each batch one rt.backward per optimizer (add the losses: "
+        "rt.backward(loss_a + loss_b) gives the same gradients), or use strategy='ddp' "
+        "(or 'fsdp'), which averages any number of backward passes per batch exactly"
+    )
