@@ -179,11 +179,12 @@ def test_a_gan_with_two_models_and_optimizers_at_two_ranks_equals_one_process(ru
 def test_a_gan_on_horovod_at_two_ranks_equals_one_process(run_on_ranks, tmp_path):
     """The generator's backward reaches the discriminator's parameters (Horovod starts their
     all-reduces); the discriminator's zero_grad collects them instead of failing."""
-    one = run_on_ranks(gan_loop, "ddp", 8, world_size=1)[0]
-    calls = [("tests.runtime.test_user_loop", "gan_loop", ("horovod", 4), {})]
-    for (result,) in run_with_horovodrun(calls, tmp_path):
-        assert max_abs_diff(result["gen"], one["gen"]) <= TOL
-        assert max_abs_diff(result["disc"], one["disc"]) <= TOL
+    ones = [run_on_ranks(gan_loop, "ddp", 8, accum, world_size=1)[0] for accum in (1, 2)]
+    calls = [("tests.runtime.test_user_loop", "gan_loop", ("horovod", 4, a), {}) for a in (1, 2)]
+    for results in run_with_horovodrun(calls, tmp_path):
+        for result, one in zip(results, ones, strict=True):  # accumulation 1, then 2
+            assert max_abs_diff(result["gen"], one["gen"]) <= TOL
+            assert max_abs_diff(result["disc"], one["disc"]) <= TOL
 
 
 def test_two_backwards_per_batch_at_two_ranks_equal_one_process(run_on_ranks):
