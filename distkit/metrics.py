@@ -8,10 +8,13 @@ dataset, whatever the number of processes.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from typing_extensions import override
+
+from distkit.errors import ConfigurationError
 
 
 class Metric(ABC):
@@ -53,6 +56,35 @@ def _detached(value: Any) -> Any:
     return value.detach() if isinstance(value, torch.Tensor) else value
 
 
+def check_tensors(metric: Metric, output: object, target: object) -> None:
+    """Refuse what a built-in metric cannot read, naming it and the fix: it takes the
+    model's scores and the targets as tensors (a model that returns a dict, a dict batch
+    under a step function, give it other things)."""
+    name = type(metric).__name__
+    for what, value, key in (("output", output, "logits"), ("target", target, "labels")):
+        if isinstance(value, torch.Tensor):
+            continue
+        if isinstance(value, Mapping):
+            keys = list(value)
+            pick = key if key in keys else (keys[0] if keys else key)
+            given = f"a {type(value).__name__} with keys {keys}"
+        else:
+            pick, given = key, f"{type(value).__name__} {value!r:.60}"
+        source = "the model returns" if what == "output" else "the batch holds"
+        raise ConfigurationError(
+            f"{name} reads the {what} as a tensor ((N, C, ...) class scores for the output, "
+            f"(N, ...) class indices for the target), got {given}: {source} more than one "
+            f"value. Give {name} the tensor: a subclass whose batch_state reads it, "
+            f"`class My{name}(distkit.{name}): def batch_state(self, output, target): return "
+            f"super().batch_state({_picked(what, pick)})`, or a model that returns the scores "
+            "alone"
+        )
+
+
+def _picked(what: str, key: str) -> str:
+    return f"output[{key!r}], target" if what == "output" else f"output, target[{key!r}]"
+
+
 class Accuracy(Metric):
     """Top-k classification accuracy; ``output`` holds class scores along ``dim=1``.
 
@@ -68,6 +100,7 @@ class Accuracy(Metric):
 
     @override
     def batch_state(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        check_tensors(self, output, target)
         topk = output.topk(self.top_k, dim=1).indices  # (N, k, ...)
         hit = (topk == target.unsqueeze(1)).any(dim=1)
         valid = torch.ones_like(hit) if self.ignore_index is None else target != self.ignore_index
@@ -98,6 +131,7 @@ class ConfusionMatrix(Metric):
 
     @override
     def batch_state(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        check_tensors(self, output, target)
         pred = output.argmax(dim=1) if output.dim() == target.dim() + 1 else output
         pred, target = pred.reshape(-1).long(), target.reshape(-1).long()
         keep = (target >= 0) & (target < self.num_classes)

@@ -189,6 +189,21 @@ def _unwritable_dir_below_a_file(tmp: Path) -> Any:
     return _fit_untrained(trainer=_trainer(checkpoint_dir=tmp / "occupied" / "ckpt"))
 
 
+class _DictModel(nn.Module):
+    """Returns {"logits": ...}, as transformers models do; no training step may run before
+    the metric that cannot read it is named."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = _model()
+        self.trained = 0
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        self.trained += self.training
+        assert self.trained <= 1, "a training step ran before the bad metric was reported"
+        return {"logits": self.linear(x)}
+
+
 def _negative_count_step(model: nn.Module, batch: Any) -> distkit.Loss:
     """A sign slip: -(labels != -100).sum(), a count kept on the device."""
     x, y = batch
@@ -957,6 +972,21 @@ CASES: list[tuple[str, Callable[[Path], Any], type[BaseException], str]] = [
         ConfigurationError,
         "EarlyStopping monitors 'val_acc', which the validation at step 2 did not report; it "
         "reported: val_loss. Monitor one of these",
+    ),
+    (
+        "accuracy-on-a-model-that-returns-a-dict",
+        lambda t: _fit(
+            model=_DictModel(),
+            loss_fn=lambda out, y: nn.functional.cross_entropy(out["logits"], y),
+            val_data=_data(),
+            metrics={"acc": distkit.Accuracy()},
+        ),
+        ConfigurationError,
+        "Accuracy reads the output as a tensor ((N, C, ...) class scores for the output, (N, "
+        "...) class indices for the target), got a dict with keys ['logits']: the model "
+        "returns more than one value. Give Accuracy the tensor: a subclass whose batch_state "
+        "reads it, `class MyAccuracy(distkit.Accuracy): def batch_state(self, output, "
+        "target): return super().batch_state(output['logits'], target)`",
     ),
     (
         "loss-count-negative-tensor",

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
+
+import torch
 
 from distkit import checkpoint as ckpt
 from distkit.callbacks._list import CallbackList
 from distkit.data._feed import train_feed
 from distkit.faults._preempt import Preemption
 from distkit.runtime import _resume, _saving
+from distkit.runtime._evaluation import named_metrics
 from distkit.runtime._fit_state import FitState
 from distkit.runtime._loader import RuntimeLoader
 from distkit.runtime._preparation import samples_of
@@ -107,6 +110,22 @@ def train(
             input_device=config.input_device_override,
         )
 
+    # validation hands its metrics the model's output and the targets: where training's
+    # first batch gives a dict (transformers' models, in training and in evaluation alike),
+    # a metric that cannot read it fails there, before any step, not after the first epoch.
+    # Other outputs are left to validation: some models return more in training than in
+    # evaluation (Inception's auxiliary logits), which a metric never sees
+    named = named_metrics(metrics)
+    metric_check = None
+    if named and val_data is not None and validation_step is None:
+
+        def metric_check(output: Any, target: Any) -> None:
+            if not isinstance(output, Mapping):
+                return
+            with torch.no_grad():
+                for metric in named.values():
+                    metric.batch_state(_detached(output), _detached(target))
+
     before_step = None
     if callbacks.overriding("on_before_optimizer_step"):
         # the user's optimizer (not a backend's wrapper of it), with the final gradients
@@ -148,6 +167,7 @@ def train(
             watch=NonFiniteWatch(config.nonfinite == "raise", config.log_every_n_steps),
             before_step=before_step,
             profile=profile,
+            output_check=metric_check,
         )
         run = EpochLoop(
             config=config,
@@ -178,3 +198,7 @@ def train(
     finally:
         runtime.loop.end_fit()
     return runs[-1]
+
+
+def _detached(value: Any) -> Any:
+    return value.detach() if isinstance(value, torch.Tensor) else value

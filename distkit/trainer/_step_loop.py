@@ -97,6 +97,9 @@ class StepLoop:
     before_step: Callable[[], None] | None = None
     #: the fit's profiler on this rank (None: off, and no range is opened)
     profile: ProfileRun | None = None
+    #: run once on the first batch's (output, target) with ``loss_fn``: what validation
+    #: will hand its metrics, refused before any step rather than after an epoch
+    output_check: Callable[[Any, Any], None] | None = None
 
     @property
     def strategy(self) -> Strategy:
@@ -292,6 +295,9 @@ class StepLoop:
         output = model(inputs)
         if self.placement.user_placed:
             target = follow_output(target, output)  # the loss runs on the output's device
+        if self.output_check is not None:
+            check, self.output_check = self.output_check, None
+            check(output, target)
         return self.loss_fn(output, target)
 
     def _step(self, state: FitState) -> tuple[StepOutcome, torch.Tensor | None]:
