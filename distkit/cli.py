@@ -132,7 +132,11 @@ def build_parser(registry: StrategyRegistry | None = None) -> argparse.ArgumentP
     run.set_defaults(launcher_options=options)
     run.add_argument("--dry-run", action="store_true", help="print the command, do not run it")
     run.add_argument("script", help="the training script")
-    run.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    run.add_argument(
+        "script_args",
+        nargs=argparse.REMAINDER,
+        help="the script's own arguments, if any (everything after SCRIPT)",
+    )
     doctor = sub.add_parser(
         "doctor",
         help="say which strategies work on this machine and how to fix the others",
@@ -206,6 +210,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     if not Path(args.script).exists():
         return _fail(f"script {args.script!r} not found (from {os.getcwd()})")
+    if Path(args.script).is_dir():
+        return _fail(
+            f"script {args.script!r} is a folder: give the training script's file (e.g. "
+            f"{Path(args.script) / 'train.py'}); a folder with a __main__.py runs as "
+            "`python -m`, which distkit run does not start"
+        )
     env = launch.thread_env(request, os.environ)
     refusal = None if args.dry_run else _cannot_run_here(strategy, args.strategy)
     if refusal is not None:

@@ -85,6 +85,12 @@ def build_command(
             f"-n and --nnodes must be >= 1, got -n {request.nproc_per_node} "
             f"--nnodes {request.nnodes}"
         )
+    port = request.master_port
+    if port is not None and not 1 <= port <= 65535:
+        raise ConfigurationError(
+            f"--master-port {port} is not a TCP port: give one from 1 to 65535 (torchrun's "
+            "default is 29500), or leave it out"
+        )
     return cls.launch_command(request, python=python, tools=tools or {})
 
 

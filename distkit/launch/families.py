@@ -134,6 +134,7 @@ class TorchLaunchers(LauncherFamily):
             cmd.append("--standalone")
         else:
             cmd += _rendezvous_args(request)
+        _refuse_own_options(request.launcher_args, request.nproc_per_node)
         cmd += ["--nproc_per_node", str(request.nproc_per_node), *request.launcher_args]
         return [*cmd, request.script, *with_strategy_arg(request.script_args, request.strategy)]
 
@@ -260,3 +261,33 @@ def own_process_group() -> bool:
 TORCH_LAUNCHERS = TorchLaunchers()
 #: plain ``python``: one process
 SINGLE_PROCESS = SingleProcess()
+
+
+#: torchrun options ``distkit run`` sets itself, and its own option for each
+_OWN_TORCHRUN_OPTIONS = {
+    "--nproc_per_node": "-n",
+    "--nproc-per-node": "-n",
+    "--nnodes": "--nnodes",
+    "--node_rank": "--node-rank",
+    "--node-rank": "--node-rank",
+    "--master_addr": "--master-addr",
+    "--master-addr": "--master-addr",
+    "--master_port": "--master-port",
+    "--master-port": "--master-port",
+    "--standalone": "(nothing: a one-node run is standalone)",
+}
+
+
+def _refuse_own_options(launcher_args: Sequence[str], nproc_per_node: int) -> None:
+    """``--torchrun-args`` may not set what ``distkit run`` sets from its own options: torchrun
+    takes the last of two, so ``-n 2 --torchrun-args='--nproc_per_node 3'`` started 3."""
+    for arg in launcher_args:
+        option = arg.split("=", 1)[0]
+        own = _OWN_TORCHRUN_OPTIONS.get(option)
+        if own is not None:
+            raise ConfigurationError(
+                f"--torchrun-args sets {option}, which distkit run sets itself (-n "
+                f"{nproc_per_node} gives --nproc_per_node {nproc_per_node}): use distkit run's "
+                f"{own} instead, and keep --torchrun-args for the other torchrun options "
+                "(--max-restarts, --rdzv-backend, ...)"
+            )

@@ -170,6 +170,45 @@ def test_cli_missing_horovodrun_exits_2_with_the_build_command(tmp_path, capsys,
     assert "-m distkit.horovod_build" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("extra", "phrase"),
+    [
+        (
+            ["-n", "2", "--torchrun-args=--nproc_per_node 3"],
+            "--torchrun-args sets --nproc_per_node",
+        ),
+        (["--torchrun-args=--nnodes=2"], "use distkit run's --nnodes instead"),
+        (["--master-port", "99999"], "--master-port 99999 is not a TCP port"),
+        (["--master-port", "0"], "give one from 1 to 65535"),
+    ],
+)
+def test_cli_run_refuses_options_torchrun_would_take_otherwise(
+    tmp_path, capsys, monkeypatch, extra, phrase
+):
+    """Before, -n 2 with --torchrun-args='--nproc_per_node 3' started 3 ranks (torchrun takes
+    the last), and a port of 99999 reached torchrun."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "t.py").write_text("")
+    assert cli.main(["run", "--strategy", "ddp", "--dry-run", *extra, "t.py"]) == 2
+    err = capsys.readouterr().err
+    assert phrase in err and "would run" not in err
+
+
+def test_cli_run_refuses_a_folder_as_the_script(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "project").mkdir()
+    assert cli.main(["run", "--strategy", "ddp", "--dry-run", "project"]) == 2
+    assert "script 'project' is a folder: give the training script's file" in (
+        capsys.readouterr().err
+    )
+
+
+def test_cli_run_usage_says_the_scripts_arguments_are_optional(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["run", "--help"])
+    assert "the script's own arguments, if any" in capsys.readouterr().out
+
+
 # ---------------------------------------------------------------- distkit run, as a command
 @pytest.mark.parametrize(
     "strategy", ["ddp", "apex", pytest.param("horovod", marks=needs("horovod")), "dp"]
