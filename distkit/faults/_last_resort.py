@@ -9,6 +9,7 @@ would wait on the blocked one).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import sys
@@ -24,3 +25,23 @@ def exit_now(line: str | None, code: int) -> NoReturn:
         with contextlib.suppress(OSError, ValueError):
             stream.flush()
     os._exit(code)
+
+
+def end_without_teardown() -> None:
+    """End this process at interpreter exit without its native teardown, which would wait
+    for ever: a collective that another rank will never join is still posted (a gloo group
+    cannot cancel it). The other exit handlers run first (loggers flush, files close); then
+    ``os._exit`` with the code Python would give (1 after an uncaught exception). The peers
+    blocked on this process wake as its sockets close, instead of at their watchdog's
+    ``fault_timeout``."""
+    atexit.unregister(_end)
+    atexit.register(_end)
+
+
+def _end() -> None:
+    atexit.unregister(_end)
+    run_others = getattr(atexit, "_run_exitfuncs", None)
+    if run_others is not None:
+        with contextlib.suppress(Exception):
+            run_others()
+    exit_now(None, 1 if getattr(sys, "last_value", None) is not None else 0)

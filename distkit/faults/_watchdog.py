@@ -33,9 +33,12 @@ class Watchdog:
         interval: seconds between looks for a failure notice.
         grace: seconds the main thread has to leave ``fit`` after a peer failed before the
             process exits (None: never exit, only the collectives' own errors stop it).
-        hang_warning: seconds without progress before a rank is named (None: off). Progress
-            is published, and rank 0 reads every rank's, every ``hang_warning / 8`` seconds
-            (at least ``interval``), so the cost on the store stays small for big jobs.
+        hang_warning: seconds without progress before a rank is named (None: off). This
+            rank's progress is published when it changed, every ``interval`` at most (one
+            store write a second at most: a rank waiting in a call its peers never join
+            reads where they are, see runtime/_call_tags); rank 0 reads every rank's every
+            ``hang_warning / 8`` seconds (at least ``interval``), so the cost on the store
+            stays small for big jobs.
     """
 
     def __init__(
@@ -87,6 +90,8 @@ class Watchdog:
                         self._wait_then_exit(notice)
                         return
                 now = time.monotonic()
+                if self.hang_warning is not None:
+                    self._publish(now)
                 if self._heartbeat_every is not None and now >= self._next_heartbeat:
                     self._next_heartbeat = now + self._heartbeat_every
                     self._heartbeat(now)
@@ -107,12 +112,18 @@ class Watchdog:
             EXIT_CODE,
         )
 
-    def _heartbeat(self, now: float) -> None:
-        assert self.hang_warning is not None
+    def _publish(self, now: float) -> None:
+        """This rank's progress into the store, when it changed."""
         text = self.progress.encode()
         if text != self._published:
             self._published, self._unchanged_since, self._stack_sent = text, now, False
             self.channel.set(progress_key(self.rank), text)
+
+    def _heartbeat(self, now: float) -> None:
+        assert self.hang_warning is not None
+        text = self.progress.encode()
+        if text != self._published:
+            self._publish(now)
         elif not self._stack_sent and now - self._unchanged_since >= self.hang_warning / 2:
             # tagged with the progress it belongs to, so a stale stack is never shown
             self.channel.set(stack_key(self.rank), f"{text}\n{main_thread_stack()}")

@@ -36,6 +36,7 @@ FIXES = {
     "predict": "Give every rank the whole data to predict, and the same gather: distkit "
     "shards the data itself.",
     "save_checkpoint": COLLECTIVE + ".",
+    "rt.save": _call_tags.collective_fix("rt.save") + ".",
     "save_weights": "save_weights is collective: call it on every rank (rank 0 writes; do "
     "not guard it with `if rt.is_main:`), with the same model and max_shard_size.",
     "setup": "Set up the same model (the same shapes) with the same optimizers on every rank.",
@@ -108,7 +109,7 @@ def _gather(strategy: Strategy, mine: Message, error: Exception | None = None) -
         raise RankDisagreementError(
             f"rank {strategy.rank} waited for the other ranks in {mine.call}, but one of them "
             f"went away ({str(exc).split('. ')[0][:300]}). If only some ranks call "
-            f"{mine.call}, that is the cause: {COLLECTIVE}."
+            f"{mine.call}, that is the cause: {_call_tags.collective_fix(mine.call)}."
         ) from exc
     if error is not None:
         if all(message.error is not None and message.call == mine.call for message in messages):
@@ -122,7 +123,8 @@ def disagreement(messages: Sequence[Message]) -> str | None:
     calls = _groups([m.call for m in messages])
     if len(calls) > 1:
         where = "; ".join(f"{_ranks(ranks)} in {call}" for call, ranks in calls)
-        return f"the ranks are in different calls: {where}. {COLLECTIVE}."
+        fix = _call_tags.collective_fix(messages[0].call)
+        return f"the ranks are in different calls: {where}. {fix}."
     call = messages[0].call
     failed = _groups([m.error for m in messages])
     if any(error is not None for error, _ in failed):

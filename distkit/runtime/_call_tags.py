@@ -11,20 +11,27 @@ in a slot of its own. Whatever pair of them meets, the sum completes, every rank
 rank's call, and when they differ every rank raises the same
 :class:`~distkit.errors.RankDisagreementError`, naming the calls.
 
-What this cannot catch: a rank that has gone on into a collective of another kind, the
-gradient all-reduce of the next training step, while another rank calls ``evaluate`` from
-``on_train_step_end``. There the hang warning names the rank that waits
-(``Trainer(hang_warning=...)``).
+A rank that has gone on into a collective of another kind instead (the gradient all-reduce
+of its next step, while rank 0 alone calls ``rt.save`` or ``evaluate``) never meets the sum:
+the sums run on a gloo group of their own, so the two wait instead of pairing (on one group
+gloo aborted the process). The waiting rank then reads where every rank is (the progress the
+watchdog publishes, ``hang_warning`` on): a rank further on than this one, for longer than
+the publication's delay, has passed this call and will not join it, and this rank raises
+:class:`~distkit.errors.RankDisagreementError` naming it; its failure then stops the others.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
 
 from distkit.errors import RankDisagreementError
+from distkit.faults._channel import SideChannel, progress_key
+from distkit.faults._progress import Position
+from distkit.strategies._collectives import PendingSum
 from distkit.strategies.base import Strategy
 
 #: the calls, as messages name them (their order gives their codes: never reorder)
@@ -42,6 +49,7 @@ CALLS = {
     "predict": "predict",
     "save_weights": "save_weights",
     "preempt": "fit's preemption stop (after the agreed step)",
+    "rt.save": "rt.save",
 }
 _CODES = {call: float(code) for code, call in enumerate(CALLS, start=1)}
 _NAMES = {code: CALLS[call] for call, code in _CODES.items()}
@@ -75,18 +83,98 @@ def tagged_sum(strategy: Strategy, call: str, values: Sequence[float] = ()) -> l
     vector = torch.zeros(slots + size, dtype=torch.float64)
     vector[: len(values)] = torch.tensor([float(v) for v in values], dtype=torch.float64)
     vector[slots + rank] = _CODES[call]
-    total = strategy.all_reduce_async(vector, name=NAME).wait().tolist()
+    total = _joined(strategy, strategy.all_reduce_async(vector, name=NAME), call).tolist()
     codes = total[slots:]
     if any(code != _CODES[call] for code in codes):
         raise RankDisagreementError(_different_calls(codes))
     return total[: len(values)]
 
 
+#: a tagged sum still under way after this long starts reading where the other ranks are
+LOOK_AFTER_S = 1.0
+#: how long a rank must be seen further on before this one concludes it passed the call:
+#: longer than the watchdogs' publication delay (MAX_INTERVAL_S, 1 s) twice over, so a
+#: rank whose own progress is not published yet, or a peer that left the same sum a moment
+#: before this rank saw it done, is never taken for one gone on
+GONE_ON_S = 3.0
+
+
+def _joined(strategy: Strategy, pending: PendingSum, call: str) -> torch.Tensor:
+    """The sum, once every rank joined it; or RankDisagreementError when a rank is seen
+    further on than this one (it passed this call: see the module's docstring)."""
+    done = getattr(pending, "done", None)  # a plugin's sum may offer only wait()
+    if done is None or strategy.world_size == 1:
+        return pending.wait()
+    start = time.monotonic()
+    look_at, delay, ahead_since = start + LOOK_AFTER_S, 2e-5, None
+    channel = None
+    while not done():
+        time.sleep(delay)
+        delay = min(delay * 2, 0.01)
+        now = time.monotonic()
+        if now < look_at:
+            continue
+        look_at = now + 0.25
+        channel = channel or strategy.side_channel()
+        if channel is None:
+            return pending.wait()
+        mine, ahead = _further_on(channel, strategy.rank, strategy.world_size)
+        if not ahead:
+            ahead_since = None
+        elif ahead_since is None:
+            ahead_since = now
+        elif now - ahead_since >= GONE_ON_S and not done():
+            abandon = getattr(pending, "abandon", None)
+            if abandon is not None:
+                abandon()  # or this rank's clean-up would wait for the sum forever
+            raise RankDisagreementError(_gone_on(call, mine, ahead, now - start))
+    return pending.wait()
+
+
+def _further_on(
+    channel: SideChannel, rank: int, world_size: int
+) -> tuple[Position | None, list[tuple[int, Position]]]:
+    """This rank's published position, and the ranks published further on than it."""
+    published = channel.get_many([progress_key(r) for r in range(world_size)])
+    positions = {r: Position.decode(text) for r, text in enumerate(published) if text}
+    mine = positions.get(rank)
+    if mine is None:
+        return None, []
+    return mine, [
+        (r, p) for r, p in positions.items() if p is not None and p.key > mine.key and r != rank
+    ]
+
+
+def _gone_on(
+    call: str, mine: Position | None, ahead: list[tuple[int, Position]], waited: float
+) -> str:
+    where = "; ".join(f"rank {r} in {p.describe()}" for r, p in ahead)
+    here = "" if mine is None else f" ({mine.describe()})"
+    return (
+        f"this rank waited {waited:.0f}s in {CALLS[call]}{here} for ranks that went on past "
+        f"it: {where}. They will not join it. {collective_fix(call)}."
+    )
+
+
+def collective_fix(call: str) -> str:
+    """What to do when ranks are not all in ``call``: the Runtime's calls name the Runtime's."""
+    if call in ("rt.save", "barrier", "loader", "setup"):
+        return (
+            "rt.save, rt.barrier, rt.setup and rt.evaluate are collective: call them on every "
+            "rank at the same point of the loop (rt.save writes from rank 0 by itself: do "
+            "not guard it with `if rt.is_main:`)"
+        )
+    return COLLECTIVE
+
+
 def _different_calls(codes: Sequence[float]) -> str:
     other = "a collective of another kind (no call tag)"
     calls = rank_groups([_NAMES.get(code, other) for code in codes])
     where = "; ".join(f"{ranks_text(ranks)} in {name}" for name, ranks in calls)
-    return f"the ranks are in different calls: {where}. {COLLECTIVE}."
+    names = set(codes)
+    user_loop = {_CODES[c] for c in ("rt.save", "barrier", "loader", "setup")}
+    text = collective_fix("rt.save") if names & user_loop else COLLECTIVE
+    return f"the ranks are in different calls: {where}. {text}."
 
 
 def rank_groups(values: Sequence[Hashable]) -> list[tuple[Any, list[int]]]:

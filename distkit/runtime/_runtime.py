@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -526,8 +527,18 @@ class Runtime:
         "loader": loader, "epoch": epoch}`` (set-up models and optimizers, loaders, plain
         values). A collective: call it on every rank (rank 0 writes, atomically; a sharded
         model is gathered). Called on some ranks only, it fails there instead of hanging.
-        Save after ``optimizer.step()``: gradients mid-accumulation are not saved."""
+        Save after ``optimizer.step()``: gradients mid-accumulation are not saved (a save
+        where ``rt.sync_gradients`` is False warns so)."""
         self.require_open("save")
+        if not self.loop.sync_gradients and self.is_main:
+            warnings.warn(
+                f"rt.save({str(path)!r}) in the middle of an accumulation window (the batch "
+                "the loop holds does not end it): the gradients accumulated so far are not "
+                "saved, so a loop resumed from this file does not take the step this one "
+                "will. Save where rt.sync_gradients is True (after optimizer.step())",
+                UserWarning,
+                stacklevel=2,
+            )
         self.loop.ready()
         self.loop.check_items()
         save_state(self, path, state)

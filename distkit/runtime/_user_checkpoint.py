@@ -77,7 +77,7 @@ def save_state(runtime: Runtime, path: str | os.PathLike[str], state: object) ->
         agreed = {"entries": ", ".join(f"{k}: {v}" for k, v in kinds.items())}
         return _agreement.Proposal(agreed, kinds, shared={"rng": ckpt.rng_state()})
 
-    kinds, ranks = _agreement.exchange(strategy, "save_checkpoint", prepare)
+    kinds, ranks = _agreement.exchange(strategy, "rt.save", prepare)
     entries: dict[str, Any] = {}
     for key, value in state.items():  # every rank, in the same order: gathers are collectives
         kind = kinds[key]

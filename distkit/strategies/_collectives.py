@@ -21,7 +21,9 @@ REDUCE_OPS = ("mean", "sum")
 
 
 class PendingSum(Protocol):
-    """A sum over ranks under way; :meth:`wait` returns it (a CPU tensor)."""
+    """A sum over ranks under way; :meth:`wait` returns it (a CPU tensor). Backends may add
+    ``done() -> bool`` (whether :meth:`wait` would return at once): a caller that waits on a
+    sum some rank may never join watches the ranks meanwhile (see runtime/_call_tags)."""
 
     def wait(self) -> torch.Tensor: ...
 
@@ -34,6 +36,9 @@ class DoneSum:
 
     def wait(self) -> torch.Tensor:
         return self._total
+
+    def done(self) -> bool:
+        return True
 
 
 class Collectives:

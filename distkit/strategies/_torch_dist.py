@@ -8,6 +8,7 @@ below :class:`~distkit.strategies.base.Strategy`.
 
 from __future__ import annotations
 
+import contextlib
 from datetime import timedelta
 from typing import Any, ClassVar
 
@@ -18,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from distkit.faults._channel import SideChannel
+from distkit.faults._last_resort import end_without_teardown
 from distkit.launch._env import LaunchEnv
 from distkit.launch._registry_view import auto_strategy_name
 from distkit.strategies._collectives import PendingSum
@@ -96,12 +98,12 @@ class TorchDistributedCollectives:
 
     def _join_group(self) -> Topology:
         """Join (or create) the default group, with the resolved collective timeout."""
+        timeout = resolve_timeout(self.timeout, self.options.collective_timeout)
         topology, self._owns_group = init_process_group(
-            LaunchEnv.detect(),
-            backend=self.backend,
-            timeout=resolve_timeout(self.timeout, self.options.collective_timeout),
-            strategy=self.name,
+            LaunchEnv.detect(), backend=self.backend, timeout=timeout, strategy=self.name
         )
+        if topology.world_size > 1:  # every rank is here: the host-side sums' group now
+            self._host_group = dist.new_group(backend="gloo", timeout=timeout)
         return topology
 
     def _leave_group(self) -> None:
@@ -121,18 +123,24 @@ class TorchDistributedCollectives:
         if tensor.device.type != "cpu" or self.world_size == 1:
             return super().all_reduce_async(tensor, name=name)  # type: ignore[misc]
         work = tensor.detach().clone()
-        handle = dist.all_reduce(work, op=dist.ReduceOp.SUM, group=self._cpu_group(), async_op=True)
-        pending = _TorchPending(handle, work)
+        group = self._cpu_group()
+        handle = dist.all_reduce(work, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        pending = _TorchPending(handle, work, group)
         self._recent_sums = (*self._recent_sums[1 - KEEP_PENDING :], pending)
         return pending
 
     def _cpu_group(self) -> Any:
-        """The default group where it is gloo; else a gloo group, made on first use (every
-        rank makes its first host-side sum at the same point, so they create it together)."""
-        if dist.get_backend() == "gloo":
-            return None
+        """A gloo group of its own for host-side sums, beside the default group even where
+        that is gloo: a sum some rank never joins (a rank-0-only ``rt.save`` while the
+        others go on to their next backward) then waits instead of meeting the gradients'
+        all-reduce, whose bytes gloo cannot take for the sum's (it aborted the process with
+        ``gloo::EnforceNotMet``, no Python exception, no ``finally``); the waiting rank
+        finds the others gone on (see runtime/_call_tags). Made on first use where
+        :meth:`_join_group` did not make it (every rank makes its first host-side sum at
+        the same point, so they create it together)."""
         if self._host_group is None:
-            self._host_group = dist.new_group(backend="gloo")
+            timeout = resolve_timeout(self.timeout, self.options.collective_timeout)
+            self._host_group = dist.new_group(backend="gloo", timeout=timeout)
         return self._host_group
 
     def _broadcast(self, obj: Any, src: int) -> Any:
@@ -153,15 +161,33 @@ class TorchDistributedCollectives:
         return StoreChannel(dist.distributed_c10d._get_default_store())
 
 
+#: host-side sums given up (see _TorchPending.abandon), and their groups
+_ABANDONED: list[tuple[Any, Any, torch.Tensor]] = []
+
+
 class _TorchPending:
     """An asynchronous all-reduce on a gloo group: done in gloo's threads, read on wait."""
 
-    def __init__(self, handle: Any, tensor: torch.Tensor) -> None:
-        self._handle, self._tensor = handle, tensor
+    def __init__(self, handle: Any, tensor: torch.Tensor, group: Any) -> None:
+        self._handle, self._tensor, self._group = handle, tensor, group
+
+    def abandon(self) -> None:
+        """Give up a sum some rank will never join: abort its group, whose teardown would
+        otherwise wait for it (the failure's clean-up then never ends), and end the process
+        at exit without the native teardown that still would (gloo cannot cancel the sum)."""
+        with contextlib.suppress(Exception):
+            self._group.abort()
+        # held for the process's life: freeing the group would join its thread, which
+        # waits in the sum (the freeing rank would hang where its frames are released)
+        _ABANDONED.append((self._group, self._handle, self._tensor))
+        end_without_teardown()
 
     def wait(self) -> torch.Tensor:
         self._handle.wait()
         return self._tensor
+
+    def done(self) -> bool:
+        return bool(self._handle.is_completed())
 
 
 class StoreChannel:

@@ -4,6 +4,7 @@ fails there instead of hanging; wrong files and names are refused. Real gloo pro
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +108,61 @@ def test_a_save_on_some_ranks_only_fails_instead_of_hanging(run_on_ranks, tmp_pa
     messages = run_on_ranks(_save_on_rank_0_only, str(tmp_path / "x.pt"))
     assert all("the ranks are in different calls" in m for m in messages)
     assert not (tmp_path / "x.pt").exists()
+
+
+def _save_mid_loop_on_rank_0_only(path: str) -> dict[str, str]:
+    """``if rt.is_main: rt.save(...)`` after a step in the middle of an epoch: rank 1 goes on
+    into its next backward (the gradients' all-reduce) instead."""
+    seen: dict[str, str] = {"finally": "no"}
+    try:
+        with distkit.Runtime("ddp") as rt:
+            model = make_mlp()
+            model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+            for i, (x, y) in enumerate(rt.loader(make_dataset(64), batch_size=4)):
+                rt.backward(_loss(model(x), y))
+                optimizer.step()
+                optimizer.zero_grad()
+                if i == 3 and rt.is_main:
+                    rt.save(path, {"model": model, "optimizer": optimizer})
+    except Exception as exc:
+        seen["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        seen["finally"] = "yes"
+    return seen
+
+
+def test_a_save_on_rank_0_only_mid_loop_raises_a_distkit_error_on_every_rank(
+    run_on_ranks, tmp_path
+):
+    """Before, gloo paired rank 0's agreement with rank 1's gradient all-reduce and aborted
+    one process in C++ (``gloo::EnforceNotMet``: no exception, no ``finally``). Now rank 0
+    finds rank 1 gone on past the save and raises, naming it; its failure stops rank 1."""
+    saver, other = run_on_ranks(_save_mid_loop_on_rank_0_only, str(tmp_path / "x.pt"))
+    assert saver["finally"] == other["finally"] == "yes"
+    assert saver["error"].startswith("RankDisagreementError: this rank waited"), saver
+    assert "in rt.save" in saver["error"] and "rank 1 in epoch 1, step 5" in saver["error"]
+    assert "do not guard it with `if rt.is_main:`" in saver["error"]
+    assert other["error"].startswith("PeerFailureError"), other
+    assert not (tmp_path / "x.pt").exists()
+
+
+def test_a_save_in_the_middle_of_an_accumulation_window_warns(tmp_path):
+    """Its gradients are not in the file: a resume would not take the step this loop takes."""
+    with distkit.Runtime("dp", grad_accum_steps=2) as rt:
+        model = make_mlp()
+        model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        for i, (x, y) in enumerate(rt.loader(make_dataset(16), batch_size=4)):
+            rt.backward(_loss(model(x), y))
+            if i == 0:
+                with pytest.warns(UserWarning, match="middle of an accumulation window"):
+                    rt.save(tmp_path / "mid.pt", {"model": model})
+            optimizer.step()
+            optimizer.zero_grad()
+            if i == 1:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error")  # at the window's end: no word
+                    rt.save(tmp_path / "end.pt", {"model": model})
+                break
 
 
 def test_load_refuses_what_it_cannot_restore(tmp_path):

@@ -351,6 +351,9 @@ class _HorovodPending:
         result: torch.Tensor = self._hvd.synchronize(self._handle)
         return result
 
+    def done(self) -> bool:
+        return bool(self._hvd.poll(self._handle))
+
 
 def _collect_before_zero_grad(optimizer: Any) -> None:
     """Let ``optimizer.zero_grad()`` follow a backward that no step of it follows.
