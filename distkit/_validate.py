@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import stat
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from distkit.errors import ConfigurationError
@@ -69,3 +72,31 @@ def check_instance(
         )
     if not isinstance(value, base):
         raise ConfigurationError(f"{where} is a {type(value).__name__}, not a {name}; {fix}")
+
+
+def unwritable_reason(folder: Path) -> str | None:
+    """Why this process cannot create ``folder`` (where missing) and files in it; None if it can.
+
+    Looks at the nearest part of ``folder`` that exists and creates an unnamed file there, gone
+    at once (nothing is left behind), so a folder that is read-only, another user's or on a
+    pseudo file system (``/proc``) is found even for root, whom ``os.access`` lets through. A
+    part that is a file, or that cannot be looked at, is left to the caller's other checks and
+    to the first write.
+    """
+    for part in (folder, *folder.parents):
+        try:
+            mode = part.stat().st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # not there yet: made by the first write, if its parent allows
+        except OSError:
+            return None
+        if not stat.S_ISDIR(mode):
+            return None
+        try:
+            with tempfile.TemporaryFile(dir=part):
+                pass
+        except OSError as exc:
+            where = "" if part == folder else f" (the nearest existing folder of {str(folder)!r})"
+            return f"{str(part)!r}{where} cannot be written: {exc.strerror or exc}"
+        return None
+    return None

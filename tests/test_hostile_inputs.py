@@ -883,6 +883,14 @@ CASES: list[tuple[str, Callable[[Path], Any], type[BaseException], str]] = [
         "(CSVLogger) has strict='no' (str); it must be True (its errors end the fit) or False "
         "(they are reported and training goes on): set logger.strict = True or False",
     ),
+    # the profiler (issue 43): /proc takes no new folder, for root too
+    (
+        "profiler-dir-it-cannot-create",
+        lambda t: distkit.Profiler(dir="/proc/prof"),
+        ConfigurationError,
+        "Profiler(dir='/proc/prof'): '/proc' (the nearest existing folder of '/proc/prof') "
+        "cannot be written",
+    ),
     # callbacks (issue 23)
     (
         "callback-state-numpy-float64",

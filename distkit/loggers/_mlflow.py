@@ -6,26 +6,22 @@ logger is created, and it is imported on first use, never when ``distkit.loggers
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from importlib.util import find_spec
-from pathlib import Path
-from typing import Any
-from urllib.parse import unquote, urlparse
+from typing import Any, TypeVar
 
 from typing_extensions import override
 
 from distkit._imports import require
+from distkit._validate import check_seconds
 from distkit.errors import ConfigurationError, MissingDependencyError
-from distkit.loggers._base import (
-    Logger,
-    as_numbers,
-    check_mapping,
-    check_no_file_in_the_way,
-    check_step,
-    check_text,
-)
+from distkit.loggers._base import Logger, as_numbers, check_mapping, check_step, check_text
+from distkit.loggers._mlflow_uri import check_database_folder, check_scheme, file_store, sqlite_file
+from distkit.loggers._tracker import TrackerCalls
 
 INSTALL_HINT = (
     "Install it with: pip install 'distkit[mlflow]' (mlflow-skinny, SQLAlchemy and alembic)."
@@ -38,6 +34,15 @@ ALLOW_FILE_STORE = "MLFLOW_ALLOW_FILE_STORE"
 # MLflow's limits (mlflow.utils.validation): a batch holds at most 100 params and 1000 metrics
 PARAMS_PER_BATCH = 100
 METRICS_PER_BATCH = 1000
+
+#: MLflow's HTTP settings, read at each request; distkit's values hold during the logger's
+#: calls, for those the user has not set. MLflow's own (7 retries with a back-off of 2, 120 s
+#: a try) retry a server that is down for minutes a call.
+HTTP_RETRIES = "MLFLOW_HTTP_REQUEST_MAX_RETRIES"
+HTTP_BACKOFF = "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR"
+HTTP_TIMEOUT = "MLFLOW_HTTP_REQUEST_TIMEOUT"
+
+T = TypeVar("T")
 
 
 class MLflowLogger(Logger):
@@ -53,6 +58,13 @@ class MLflowLogger(Logger):
     again does nothing, and a changed value is refused (``ConfigurationError`` naming it) while
     the other params are still logged.
 
+    A tracker that is down does not hold training up: each call to MLflow runs on a thread of
+    the logger's own and is waited for at most ``timeout`` seconds, and during the calls MLflow
+    tries a request twice, ``timeout / 3`` seconds each (unless ``MLFLOW_HTTP_REQUEST_TIMEOUT``,
+    ``_MAX_RETRIES`` or ``_BACKOFF_FACTOR`` say otherwise). A call that cannot connect, or runs
+    past ``timeout``, raises :class:`~distkit.loggers.TrackerUnavailableError`, and so does
+    every later call, at once, until ``finalize``: the trainer reports it once and trains on.
+
     Args:
         experiment: the experiment's name.
         tracking_uri: where the runs go: ``"sqlite:///runs/mlflow.db"`` (a local database, no
@@ -66,14 +78,17 @@ class MLflowLogger(Logger):
         run_id: continue this run (e.g. the run a resumed fit started); its status is set
             back to ``RUNNING`` at the first call.
         tags: tags of a new run (names and str values).
+        timeout: the longest one call may hold up training, in seconds (the first call
+            creates a new sqlite database: a few seconds on a busy disk).
         strict: True: an error from MLflow ends the fit (see :class:`Logger`); False: it is
             reported and training goes on; None (default): the class attribute decides.
 
     Raises:
         MissingDependencyError: ``mlflow`` (or, for a ``sqlite`` URI, SQLAlchemy) is not
             installed.
-        ConfigurationError: a bad argument, or a regular file where the database's folder
-            must go (found by looking only: nothing is created here).
+        ConfigurationError: a bad argument; a ``tracking_uri`` of a scheme no tracking store
+            serves; a sqlite database whose folder is a file, or cannot be created or written
+            (found by looking, and by one unnamed file made and gone at once: nothing is left).
 
     Example:
         >>> uri = "sqlite:///runs/mlflow.db"  # a local database: no server
@@ -88,6 +103,7 @@ class MLflowLogger(Logger):
         run_name: str | None = None,
         run_id: str | None = None,
         tags: Mapping[str, str] | None = None,
+        timeout: float = 30.0,
         strict: bool | None = None,
     ) -> None:
         super().__init__(strict=strict)
@@ -98,27 +114,37 @@ class MLflowLogger(Logger):
         self.tags = check_mapping(
             "MLflowLogger", "tags", tags, meaning="a mapping of str to str", str_values=True
         )
+        check_seconds("MLflowLogger(timeout=...)", timeout, allow_none=False)
+        self.timeout = float(timeout)
         if find_spec("mlflow") is None:
             raise MissingDependencyError(
                 f"MLflowLogger needs the 'mlflow' package (mlflow-skinny is enough), which is not "
                 f"installed. {INSTALL_HINT} Or log to CSV with distkit.loggers.CSVLogger, which "
                 "needs nothing."
             )
-        self._database = _sqlite_file(self.tracking_uri)
+        call = f"MLflowLogger(tracking_uri={self.tracking_uri!r})"
+        check_scheme(call, self.tracking_uri)
+        self._database = sqlite_file(self.tracking_uri)
         if self._database is not None:
             if find_spec("sqlalchemy") is None:
                 raise MissingDependencyError(
-                    f"MLflowLogger(tracking_uri={self.tracking_uri!r}) needs SQLAlchemy and "
-                    f"alembic for MLflow's sqlite store. {INSTALL_HINT}"
+                    f"{call} needs SQLAlchemy and alembic for MLflow's sqlite store. {INSTALL_HINT}"
                 )
-            check_no_file_in_the_way(
-                f"MLflowLogger(tracking_uri={tracking_uri!r})",
-                self._database.parent,
-                "tracking_uri",
-            )
-        if _file_store(self.tracking_uri):
+            check_database_folder(call, self._database)
+        if file_store(self.tracking_uri):
             # named explicitly: MLflow 3 keeps this backend behind an opt-out of its refusal
             os.environ.setdefault(ALLOW_FILE_STORE, "true")
+        self._calls = TrackerCalls(
+            call,
+            self.timeout,
+            fix=f"Check that the tracking server runs and tracking_uri names it, or pass a "
+            f"larger MLflowLogger(timeout=...) (now {self.timeout:g} s) for a slow one",
+        )
+        self._http = {
+            HTTP_RETRIES: "1",
+            HTTP_BACKOFF: "1",
+            HTTP_TIMEOUT: str(max(1, int(self.timeout // 3))),  # MLflow reads whole seconds
+        }
         self._resume = self.run_id  # the user's run: every fit continues it
         self._client: Any = None
         self._open = False  # a run is started and not yet ended
@@ -131,21 +157,59 @@ class MLflowLogger(Logger):
             raise ConfigurationError(
                 f"params must be a mapping of names to values, got {type(params).__name__}"
             )
-        client = self._start()
-        entities = require("mlflow.entities", feature="MLflowLogger", hint=INSTALL_HINT)
-        new: dict[str, str] = {}
-        changed = []
+        texts = {}
         for key, value in params.items():
             if not isinstance(key, str):
                 raise ConfigurationError(
                     f"param names must be str, got {type(key).__name__}: {key!r} "
                     f"(value {value!r:.60})"
                 )
-            text = _param_value(value)
-            if key not in self._params:
-                new[key] = text
-            elif self._params[key] != text:
-                changed.append(f"{key!r}: {self._params[key]!r:.60} -> {text!r:.60}")
+            texts[key] = _param_value(value)
+        self._call("log_hyperparams", functools.partial(self._send_params, texts))
+
+    @override
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        """Log every value at ``step`` (one batch, with the current time)."""
+        step = check_step(step)
+        values = as_numbers(metrics)
+        now = int(time.time() * 1000)
+        send = functools.partial(self._send_metrics, values, step, now)
+        self._call(f"log_metrics at step {step}", send)
+
+    @override
+    def finalize(self, status: str) -> None:
+        """End the run: ``FINISHED``, ``FAILED`` or ``KILLED``; nothing when none is open.
+
+        Ends the logger's thread, and forgets an unavailable tracker: a later call (the
+        next fit's) tries it again.
+        """
+        try:
+            if self._open:
+                end = functools.partial(self._end, STATUSES.get(status, "FAILED"))
+                self._call(f"finalize({status!r})", end)
+        finally:
+            self._open = False  # not ended, when the tracker is down: the next call starts anew
+            self._calls.reset()
+
+    def _call(self, what: str, fn: Callable[[], T]) -> T:
+        """``fn()`` on the logger's thread, MLflow's HTTP retries bounded while it runs."""
+        # imported here, on the caller's thread: an import is no delay of the tracker's
+        require("mlflow.tracking", feature="MLflowLogger", hint=INSTALL_HINT)
+        require("mlflow.entities", feature="MLflowLogger", hint=INSTALL_HINT)
+        with _environment(self._http):
+            return self._calls.run(what, fn)
+
+    # what follows runs on the logger's thread (TrackerCalls), one call at a time
+
+    def _send_params(self, texts: dict[str, str]) -> None:
+        client = self._start()
+        entities = require("mlflow.entities", feature="MLflowLogger", hint=INSTALL_HINT)
+        new = {key: text for key, text in texts.items() if key not in self._params}
+        changed = [
+            f"{key!r}: {self._params[key]!r:.60} -> {text!r:.60}"
+            for key, text in texts.items()
+            if key in self._params and self._params[key] != text
+        ]
         items = [entities.Param(key, text) for key, text in new.items()]
         for start in range(0, len(items), PARAMS_PER_BATCH):
             client.log_batch(self.run_id, params=items[start : start + PARAMS_PER_BATCH])
@@ -158,25 +222,16 @@ class MLflowLogger(Logger):
                 "run_id)"
             )
 
-    @override
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        """Log every value at ``step`` (one batch, with the current time)."""
-        step = check_step(step)
-        values = as_numbers(metrics)
+    def _send_metrics(self, values: dict[str, int | float], step: int, now: int) -> None:
         client = self._start()
         entities = require("mlflow.entities", feature="MLflowLogger", hint=INSTALL_HINT)
-        now = int(time.time() * 1000)
         items = [entities.Metric(key, float(value), now, step) for key, value in values.items()]
         for start in range(0, len(items), METRICS_PER_BATCH):
             client.log_batch(self.run_id, metrics=items[start : start + METRICS_PER_BATCH])
 
-    @override
-    def finalize(self, status: str) -> None:
-        """End the run: ``FINISHED``, ``FAILED`` or ``KILLED``; nothing when none is open."""
-        if not self._open:
-            return
+    def _end(self, status: str) -> None:
         self._open = False
-        self._client.set_terminated(self.run_id, status=STATUSES.get(status, "FAILED"))
+        self._client.set_terminated(self.run_id, status=status)
 
     def _start(self) -> Any:
         """The client, with a run open (created, or the user's ``run_id`` set running)."""
@@ -203,36 +258,21 @@ class MLflowLogger(Logger):
         return client
 
 
+@contextlib.contextmanager
+def _environment(values: Mapping[str, str]) -> Iterator[None]:
+    """``values`` set in ``os.environ`` for the block, where the user has set none."""
+    added = [name for name in values if name not in os.environ]
+    for name in added:
+        os.environ[name] = values[name]
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
+
+
 def _param_value(value: object) -> str:
     """A param as MLflow keeps it: a string of at most 6,000 characters."""
     text = str(value)  # None -> "None", 0.1 -> "0.1", True -> "True"
     limit = 6000  # mlflow.utils.validation.MAX_PARAM_VAL_LENGTH
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _file_store(uri: str | None) -> bool:
-    """Whether ``uri`` names MLflow's file store: a ``file:`` URI or a folder path."""
-    if uri is None:
-        return False
-    scheme = urlparse(uri).scheme
-    return scheme == "file" or scheme == "" or (len(scheme) == 1 and os.name == "nt")
-
-
-def _sqlite_file(uri: str | None) -> Path | None:
-    """The database file of a ``sqlite:///`` URI (None for other URIs and in-memory ones).
-
-    ``sqlite:///runs/mlflow.db`` is relative to the working directory,
-    ``sqlite:////abs/mlflow.db`` absolute. None is MLflow's default, ``sqlite:///mlflow.db``
-    in the working directory, unless ``MLFLOW_TRACKING_URI`` says otherwise.
-    """
-    if uri is None:
-        return None
-    parsed = urlparse(uri)
-    if parsed.scheme.split("+")[0] != "sqlite":
-        return None
-    path = unquote(parsed.path)
-    if path.startswith("/"):
-        path = path[1:]  # sqlite:///x -> "x", sqlite:////x -> "/x"
-    if not path or path == ":memory:":
-        return None
-    return Path(path)

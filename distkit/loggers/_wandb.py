@@ -25,6 +25,7 @@ from distkit.loggers._base import (
     check_step,
     check_text,
 )
+from distkit.loggers._tracker import TrackerUnavailableError
 
 INSTALL_HINT = "Install it with: pip install 'distkit[wandb]' (or pip install wandb)."
 
@@ -40,6 +41,12 @@ ERROR_REPORTING = "WANDB_ERROR_REPORTING"
 # saved.
 DEFAULT_SETTINGS: dict[str, Any] = {"silent": True, "console": "off", "save_code": False}
 
+# How long wandb.init may wait for W&B, unless the user says (settings or WANDB_INIT_TIMEOUT):
+# wandb's own 90 s is spent in full on a server that is down (a refused connection is retried
+# until then), at every call, as the run never starts; distkit tries once a fit.
+INIT_TIMEOUT = 30.0
+INIT_TIMEOUT_ENV = "WANDB_INIT_TIMEOUT"
+
 
 class WandbLogger(Logger):
     """Sends the hyperparameters (the run's config) and metrics to a Weights & Biases run.
@@ -49,6 +56,11 @@ class WandbLogger(Logger):
     code: 0 finished, 1 failed, 255 interrupted), then stops wandb's service process when no
     other wandb run is open in this process. A later call starts a new run, or continues
     ``run_id``.
+
+    A ``wandb.init`` that fails (a W&B server that is down: wandb retries it until
+    ``init_timeout``, 30 s unless ``settings`` or ``WANDB_INIT_TIMEOUT`` say otherwise) raises
+    :class:`~distkit.loggers.TrackerUnavailableError`, and so does every later call, at once,
+    until ``finalize``: the trainer reports it once and trains on.
 
     ``offline=True`` writes the run under ``<save_dir>/wandb/offline-run-*`` with no network
     and no login; upload it later with ``wandb sync <folder>``. Online, the API key must
@@ -65,7 +77,7 @@ class WandbLogger(Logger):
         entity: the W&B user or team (wandb's default when None).
         tags: tags of the run.
         settings: more ``wandb.Settings`` fields, over distkit's (``{"console": "wrap"}``
-            captures the console, for example).
+            captures the console, ``{"init_timeout": 90}`` waits longer for W&B).
         strict: True: an error from wandb ends the fit (see :class:`Logger`); False: it is
             reported and training goes on; None (default): the class attribute decides.
 
@@ -119,6 +131,7 @@ class WandbLogger(Logger):
         self._run: Any = None
         self._hooks: tuple[Any, Any, Any, Any] | None = None  # sys hooks wandb replaced
         self._set_env = False  # ERROR_REPORTING set by this logger, for an offline run
+        self._init_failed: str | None = None  # why wandb.init failed in this fit
 
     @property
     def run(self) -> Any:
@@ -146,13 +159,16 @@ class WandbLogger(Logger):
         """End the run with ``status``; then stop wandb's service unless another run is open.
 
         Does nothing when no run was started (no call reached this logger) or it has ended.
+        After a ``wandb.init`` that failed, stops the service only; the next call tries again.
         """
         run, self._run = self._run, None
-        if run is None:
+        failed, self._init_failed = self._init_failed, None
+        if run is None and failed is None:
             return
         wandb = require("wandb", feature="WandbLogger", hint=INSTALL_HINT)
         try:
-            run.finish(exit_code=EXIT_CODES.get(status, 1))
+            if run is not None:
+                run.finish(exit_code=EXIT_CODES.get(status, 1))
         finally:
             if wandb.run is None:  # no other run of this process uses the service
                 wandb.teardown()
@@ -164,6 +180,11 @@ class WandbLogger(Logger):
     def _get_run(self) -> Any:
         if self._run is not None:
             return self._run
+        if self._init_failed is not None:
+            raise TrackerUnavailableError(
+                f"WandbLogger(project={self.project!r}): nothing sent: {self._init_failed}. "
+                f"{_UNTIL}"
+            )
         wandb = require("wandb", feature="WandbLogger", hint=INSTALL_HINT)
         if not self.offline and not wandb.login(prompt=False, verify=False):
             raise ConfigurationError(
@@ -178,23 +199,44 @@ class WandbLogger(Logger):
             os.environ[ERROR_REPORTING] = "false"
             self._set_env = True
         before = (sys.excepthook, sys.exit)
-        self._run = wandb.init(
-            project=self.project,
-            entity=self.entity,
-            dir=str(self.save_dir),
-            name=self.name,
-            id=self.run_id,
-            resume="allow" if self.run_id else None,
-            tags=self.tags,
-            mode="offline" if self.offline else "online",
-            reinit="create_new",  # beside a run the user opened, not instead of it
-            settings=wandb.Settings(**{**DEFAULT_SETTINGS, **self.settings}),
-        )
-        if self._hooks is None and (sys.excepthook, sys.exit) != before:
-            # starting its service, wandb replaced sys.excepthook and sys.exit with its own
-            # recorders of the exit code (not restored by wandb.teardown); put them back then
-            self._hooks = (*before, sys.excepthook, sys.exit)
+        settings = self._settings()
+        try:
+            self._run = wandb.init(
+                project=self.project,
+                entity=self.entity,
+                dir=str(self.save_dir),
+                name=self.name,
+                id=self.run_id,
+                resume="allow" if self.run_id else None,
+                tags=self.tags,
+                mode="offline" if self.offline else "online",
+                reinit="create_new",  # beside a run the user opened, not instead of it
+                settings=wandb.Settings(**settings),
+            )
+        except Exception as exc:
+            waited = settings.get("init_timeout", os.environ.get(INIT_TIMEOUT_ENV))
+            self._init_failed = f"wandb.init failed ({type(exc).__name__}: {exc})"
+            raise TrackerUnavailableError(
+                f"WandbLogger(project={self.project!r}): {self._init_failed}. {_UNTIL}. Each "
+                f"try waits up to init_timeout ({waited} s) for W&B: check that its server "
+                "(WANDB_BASE_URL) can be reached, pass settings={'init_timeout': ...} for a "
+                "slow one, or offline=True to write the run under save_dir and upload it "
+                "later with `wandb sync`"
+            ) from exc
+        finally:
+            if self._hooks is None and (sys.excepthook, sys.exit) != before:
+                # starting its service, wandb replaced sys.excepthook and sys.exit with its
+                # own recorders of the exit code (not restored by wandb.teardown); put them
+                # back then
+                self._hooks = (*before, sys.excepthook, sys.exit)
         return self._run
+
+    def _settings(self) -> dict[str, Any]:
+        """The ``wandb.Settings`` fields: distkit's, the bound on init, then the user's."""
+        settings = dict(DEFAULT_SETTINGS)
+        if INIT_TIMEOUT_ENV not in os.environ:  # wandb reads the variable when it is set
+            settings["init_timeout"] = INIT_TIMEOUT
+        return {**settings, **self.settings}
 
     def _restore_hooks(self) -> None:
         hooks, self._hooks = self._hooks, None
@@ -205,6 +247,12 @@ class WandbLogger(Logger):
             sys.excepthook = excepthook
         if sys.exit == wandb_exit:
             sys.exit = exit_
+
+
+_UNTIL = (
+    "The logger starts no run again, and raises this at once, until its finalize (the end of "
+    "the fit)"
+)
 
 
 def _check_tags(tags: object) -> list[str] | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,7 @@ from typing import Any
 
 import torch
 
-from distkit._validate import check_flags, check_ints, check_path
+from distkit._validate import check_flags, check_ints, check_path, unwritable_reason
 from distkit.errors import ConfigurationError
 
 #: what the trainer's ranges are named, ``distkit/<phase>``
@@ -67,6 +68,13 @@ class Profiler:
             raise ConfigurationError(
                 f"Profiler(dir={os.fspath(self.dir)!r}) is a file, and the traces go into a "
                 "folder there: pass another dir=..., or move the file away"
+            )
+        unwritable = unwritable_reason(Path(self.dir))
+        if unwritable is not None:  # found now, not as a raw OSError when the fit starts
+            raise ConfigurationError(
+                f"Profiler(dir={os.fspath(self.dir)!r}): {unwritable}, and each profiled rank "
+                "makes its folder there when the fit starts; pass a dir=... this process can "
+                "create and write, e.g. dir='runs/profile'"
             )
         check_ints(
             **{
@@ -163,6 +171,7 @@ class ProfileRun:
         self.enabled = settings.profiles(rank)
         self.folder = Path(settings.dir) / f"rank{rank}"
         self.traces: list[Path] = []
+        self.steps = 0  # optimizer steps run under this profiler
         self.ranges = PhaseRanges()
         self.profiler: torch.profiler.profile | None = None
         if not self.enabled:
@@ -188,6 +197,7 @@ class ProfileRun:
     def step(self) -> None:
         """One step done (call it after each optimizer step): the window moves on."""
         if self.profiler is not None:
+            self.steps += 1
             self.profiler.step()
 
     def __enter__(self) -> ProfileRun:
@@ -207,6 +217,33 @@ class ProfileRun:
         self.ranges.end()
         if self.profiler is not None:
             self.profiler.__exit__(kind, error, traceback)
+            if kind is None:  # a failing run has its own error to say
+                self._warn_if_nothing_recorded()
+
+    def _warn_if_nothing_recorded(self) -> None:
+        """A run that ended before the window's first active step: say so, not a silent
+        empty folder (torch writes a cycle cut short in its active steps, none before)."""
+        s = self.settings
+        before = s.skip_first + s.wait + s.warmup  # steps before the first recorded one
+        if self.steps > before:
+            return
+        window = (
+            f"Profiler(skip_first={s.skip_first}, wait={s.wait}, warmup={s.warmup}, "
+            f"active={s.active})"
+        )
+        written = (
+            f"its trace {str(self.traces[0])!r} holds only what ran after the last step"
+            if self.traces
+            else f"no trace was written to {str(self.folder)!r}"
+        )
+        warnings.warn(
+            f"{window} records optimizer steps {before + 1} to {before + s.active} (counted "
+            f"from 1), and this run ended after {self.steps} step(s) under it: no step was "
+            f"profiled on rank {self.rank}, and {written}. Lower skip_first, wait or warmup "
+            f"(e.g. Profiler(wait=0, warmup=1, active=1) records the second step), or "
+            "profile a longer run",
+            stacklevel=3,
+        )
 
     def _write(self, profiler: Any) -> None:
         """A finished cycle's trace, written beside its name and renamed (never half a file)."""

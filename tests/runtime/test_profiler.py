@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -39,6 +40,50 @@ def test_rt_profile_records_the_window_of_a_user_loop(tmp_path):
         )
     assert steps == [["ProfilerStep#1", "ProfilerStep#2"], ["ProfilerStep#4", "ProfilerStep#5"]]
     assert not torch.autograd.profiler._is_profiler_enabled
+
+
+def test_rt_profile_whose_window_outlasts_the_loop_warns_that_nothing_was_written(tmp_path):
+    with distkit.Runtime() as rt:
+        model = nn.Linear(4, 1)
+        model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.01))
+        window = rt.profile(skip_first=2, wait=0, warmup=1, active=1, dir=tmp_path)
+        with pytest.warns(UserWarning, match="Profiler") as caught, window as prof:
+            rt.backward(model(torch.ones(2, 4)).sum())
+            optimizer.step()
+            prof.step()
+
+    (message,) = [str(w.message) for w in caught]
+    assert message == (
+        "Profiler(skip_first=2, wait=0, warmup=1, active=1) records optimizer steps 4 to 4 "
+        "(counted from 1), and this run ended after 1 step(s) under it: no step was profiled "
+        f"on rank 0, and no trace was written to {str(tmp_path / 'rank0')!r}. Lower "
+        "skip_first, wait or warmup (e.g. Profiler(wait=0, warmup=1, active=1) records the "
+        "second step), or profile a longer run"
+    )
+    assert prof.traces == [] and list((tmp_path / "rank0").iterdir()) == []
+
+
+def test_rt_profile_that_records_its_window_says_nothing(tmp_path, recwarn):
+    with distkit.Runtime() as rt:
+        model = nn.Linear(4, 1)
+        model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.01))
+        with rt.profile(wait=0, warmup=0, active=1, dir=tmp_path) as prof:
+            rt.backward(model(torch.ones(2, 4)).sum())
+            optimizer.step()
+            prof.step()
+    assert len(prof.traces) == 1
+    assert not [w for w in recwarn if "Profiler(" in str(w.message)]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_profiler_refuses_a_dir_it_cannot_create_naming_it():
+    with pytest.raises(ConfigurationError) as info:
+        distkit.Profiler(dir="/proc/prof")  # /proc takes no new folder, for root too
+    assert str(info.value).startswith(
+        "Profiler(dir='/proc/prof'): '/proc' (the nearest existing folder of '/proc/prof') "
+        "cannot be written: "
+    )
+    assert "pass a dir=... this process can create and write" in str(info.value)
 
 
 @pytest.mark.parametrize(

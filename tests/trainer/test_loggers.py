@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import distkit.loggers
-from distkit.errors import ConfigurationError, MissingDependencyError
+from distkit.errors import ConfigurationError, DistkitError, MissingDependencyError
 from distkit.loggers import CSVLogger, Logger, TensorBoardLogger
 from tests.support.paths import ROOT
 
@@ -473,5 +473,7 @@ def test_logger_strict_that_is_not_a_bool_is_refused(tmp_path, strict):
 
 def test_loggers_public_names_are_pinned():
     assert distkit.loggers.__all__ == [
-        "CSVLogger", "Logger", "MLflowLogger", "TensorBoardLogger", "WandbLogger",
+        "CSVLogger", "Logger", "MLflowLogger", "TensorBoardLogger", "TrackerUnavailableError",
+        "WandbLogger",
     ]  # fmt: skip
+    assert issubclass(distkit.loggers.TrackerUnavailableError, (DistkitError, ConnectionError))

@@ -5,8 +5,12 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import socket
 import sys
 import tempfile
+import threading
+import time
+import warnings
 from collections.abc import Iterator
 from importlib.util import find_spec
 from pathlib import Path
@@ -16,7 +20,7 @@ import pytest
 import distkit
 import distkit.loggers
 from distkit.errors import ConfigurationError, MissingDependencyError, TrainingInterrupted
-from distkit.loggers import MLflowLogger
+from distkit.loggers import Logger, MLflowLogger, TrackerUnavailableError
 from tests.support.logger_runs import fit_with_logger
 
 pytestmark = [
@@ -221,6 +225,20 @@ def test_mlflow_logger_only_rank_zero_writes_in_a_two_rank_fit(run_on_ranks, tra
             "MLflowLogger(tags=...) must be a mapping of str to str or None",
         ),
         ({"experiment": "e", "run_id": ""}, "MLflowLogger(run_id=...) must be a non-empty str"),
+        (
+            {"experiment": "e", "timeout": 0},
+            "MLflowLogger(timeout=...) must be a positive number of seconds, got 0",
+        ),
+        (
+            {"experiment": "e", "tracking_uri": "bogus://x"},
+            "MLflowLogger(tracking_uri='bogus://x'): MLflow has no tracking store for the scheme "
+            "'bogus'; allowed: a folder path, or a URI of scheme file, http, https, databricks, "
+            "sqlite, postgresql, mysql or mssql",
+        ),
+        (
+            {"experiment": "e", "tracking_uri": "postgres://db/runs"},
+            "no tracking store for the scheme 'postgres'",
+        ),
     ],
 )
 def test_mlflow_logger_bad_arguments_are_refused_naming_them(kwargs, message):
@@ -238,6 +256,144 @@ def test_mlflow_logger_sqlite_database_under_a_regular_file_is_refused(tmp_path)
 
     assert f"{str(tmp_path / 'notes.txt')!r} is a file, not a folder" in str(info.value)
     assert "pass a tracking_uri" in str(info.value)
+
+
+MLFLOW_STORES = ["http://host:5000", "HTTPS://host", "postgresql+psycopg2://u@host/db"]
+MLFLOW_STORES += ["databricks", "file:///tmp/mlruns", "runs/mlruns", "sqlite://"]
+
+
+@pytest.mark.parametrize("uri", MLFLOW_STORES)
+def test_mlflow_logger_tracking_uris_of_mlflow_stores_are_accepted_creating_nothing(uri, tmp_path):
+    MLflowLogger(experiment="e", tracking_uri=uri).finalize("success")
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_mlflow_logger_sqlite_database_in_a_folder_it_cannot_create_is_refused():
+    # /proc takes no new file, for root too (whom os.access lets through)
+    with pytest.raises(ConfigurationError) as info:
+        MLflowLogger(experiment="e", tracking_uri="sqlite:////proc/m.db")
+
+    message = str(info.value)
+    assert message.startswith("MLflowLogger(tracking_uri='sqlite:////proc/m.db'): '/proc' cannot")
+    assert "the sqlite database '/proc/m.db' is created there at the first call" in message
+    assert "pass a tracking_uri whose folder this process can create and write" in message
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]  # closed when the block ends: nothing listens there
+
+
+class _Nothing(Logger):
+    def log_metrics(self, metrics, step):
+        pass
+
+
+HTTP_VARIABLES = [
+    "MLFLOW_HTTP_REQUEST_TIMEOUT",
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR",
+]
+
+
+@pytest.mark.timeout(60)
+def test_mlflow_logger_a_server_that_is_down_costs_the_fit_seconds_and_is_reported_once(
+    monkeypatch,
+):
+    for name in HTTP_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    uri = f"http://127.0.0.1:{_closed_port()}"
+    logger = MLflowLogger(experiment="down", tracking_uri=uri)
+
+    started = time.monotonic()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = fit_with_logger(logger)  # MLflow's own retries: 4 minutes a call, 6 calls
+    took = time.monotonic() - started
+
+    assert took < 20, f"the fit took {took:.1f} s"  # about 2 s, most of it importing mlflow
+    reports = [str(w.message) for w in caught if "(MLflowLogger)" in str(w.message)]
+    assert len(reports) == 1, reports
+    assert "failed in log_hyperparams: TrackerUnavailableError: " in reports[0]
+    assert f"MLflowLogger(tracking_uri='{uri}') could not reach its tracker" in reports[0]
+    assert "Connection refused" in reports[0] and "training goes on" in reports[0]
+    assert logger.run_id is None  # no run was created
+    expected = fit_with_logger(_Nothing())  # the same fit, with a logger that works
+    assert [row["train_loss"] for row in result.history] == [
+        row["train_loss"] for row in expected.history
+    ]
+    assert not any(name in os.environ for name in HTTP_VARIABLES)  # set for its calls only
+    for thread in threading.enumerate():  # the logger's thread ends with the fit
+        if thread.name == "distkit-MLflowLogger":
+            thread.join(timeout=5)
+            assert not thread.is_alive()
+
+
+@pytest.mark.timeout(60)
+def test_mlflow_logger_a_server_that_never_answers_is_waited_for_at_most_its_timeout():
+    with socket.socket() as silent:  # takes connections (the kernel's backlog), answers none
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        uri = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        logger = MLflowLogger(experiment="silent", tracking_uri=uri, timeout=1)
+        import mlflow.tracking  # noqa: F401  # imported before the clock starts
+
+        started = time.monotonic()
+        with pytest.raises(TrackerUnavailableError) as first:
+            logger.log_metrics({"loss": 1.0}, step=1)
+        waited = time.monotonic() - started
+        with pytest.raises(TrackerUnavailableError) as later:
+            logger.log_metrics({"loss": 0.5}, step=2)
+        at_once = time.monotonic() - started - waited
+        logger.finalize("success")
+
+    assert 1 <= waited < 5 and at_once < 0.5, (waited, at_once)
+    assert "log_metrics at step 1 did not return within 1 s" in str(first.value)
+    assert "pass a larger MLflowLogger(timeout=...) (now 1 s)" in str(first.value)
+    since = "since log_metrics at step 1 did not return within 1 s"
+    assert f"log_metrics at step 2 not sent: the tracker is unavailable {since}" in str(later.value)
+
+
+@pytest.mark.timeout(60)
+def test_mlflow_logger_bounds_mlflow_http_retries_for_its_calls_only_keeping_the_users(
+    monkeypatch,
+):
+    from mlflow.tracking import MlflowClient
+
+    for name in HTTP_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # the user's own
+    seen = []
+
+    def refused(self, name):
+        seen.append({variable: os.environ.get(variable) for variable in HTTP_VARIABLES})
+        raise ConnectionRefusedError(111, "Connection refused")
+
+    monkeypatch.setattr(MlflowClient, "get_experiment_by_name", refused)
+    logger = MLflowLogger(experiment="e", tracking_uri="http://tracker:5000")
+
+    with pytest.raises(TrackerUnavailableError, match="could not reach its tracker"):
+        logger.log_hyperparams({"lr": 0.1})
+    with pytest.raises(TrackerUnavailableError, match="not sent: the tracker is unavailable"):
+        logger.log_metrics({"loss": 1.0}, step=1)  # not tried again in this fit
+    logger.finalize("failed")  # no run was started: nothing to end
+    with pytest.raises(TrackerUnavailableError, match="could not reach its tracker"):
+        logger.log_metrics({"loss": 1.0}, step=1)  # after finalize: tried again
+    logger.finalize("failed")
+
+    during = {
+        "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",  # timeout=30 s: two tries of 10 s
+        "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
+        "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    }
+    assert seen == [during, during]
+    assert {name: os.environ.get(name) for name in HTTP_VARIABLES} == {
+        "MLFLOW_HTTP_REQUEST_TIMEOUT": None,
+        "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
+        "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": None,
+    }
 
 
 def test_mlflow_logger_without_mlflow_says_which_extra_to_install(monkeypatch):

@@ -68,6 +68,25 @@ def test_fit_profiler_that_fails_mid_window_leaves_a_whole_trace_and_stops(tmp_p
     assert not torch.autograd.profiler._is_profiler_enabled
 
 
+def test_fit_profiler_whose_window_outlasts_the_run_says_so_naming_both(tmp_path):
+    settings = distkit.Profiler(dir=tmp_path, wait=1, warmup=1, active=2)
+    model = nn.Linear(4, 1)
+    trainer = distkit.Trainer(batch_size=4, progress=False, max_steps=2, profiler=settings)
+    with trainer, pytest.warns(UserWarning) as caught:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        trainer.fit(model, optimizer, _data(), loss_fn=nn.functional.mse_loss)
+
+    (message,) = [str(w.message) for w in caught if "Profiler(" in str(w.message)]
+    (trace,) = (tmp_path / "rank0").glob("*.pt.trace.json")  # torch's, of the end of the fit
+    assert message == (
+        "Profiler(skip_first=0, wait=1, warmup=1, active=2) records optimizer steps 3 to 4 "
+        "(counted from 1), and this run ended after 2 step(s) under it: no step was profiled "
+        f"on rank 0, and its trace {str(trace)!r} holds only what ran after the last step. "
+        "Lower skip_first, wait or warmup (e.g. Profiler(wait=0, warmup=1, active=1) records "
+        "the second step), or profile a longer run"
+    )
+
+
 def test_fit_without_profiler_creates_none_and_opens_no_range(tmp_path):
     model = nn.Linear(4, 1)
     # the test's own profiler: a range distkit opened would show in it, and a profiler

@@ -6,6 +6,7 @@ import functools
 import os
 import subprocess
 import sys
+import warnings
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import torch
 import distkit
 import distkit.loggers
 from distkit.errors import ConfigurationError, MissingDependencyError, TrainingInterrupted
-from distkit.loggers import WandbLogger
+from distkit.loggers import Logger, TrackerUnavailableError, WandbLogger
 from tests.support.logger_runs import fit_with_logger
 from tests.support.paths import ROOT
 from tests.support.wandb_runs import offline_runs, read_run
@@ -173,6 +174,60 @@ def test_wandb_logger_without_wandb_says_which_extra_to_install(tmp_path, monkey
         WandbLogger(project="p", save_dir=tmp_path)
     assert "WandbLogger needs the 'wandb' package" in str(info.value)
     assert "pip install 'distkit[wandb]'" in str(info.value)
+
+
+class _Nothing(Logger):
+    def log_metrics(self, metrics, step):
+        pass
+
+
+@pytest.mark.parametrize(
+    ("environment", "settings", "init_timeout"),
+    [({}, None, 30.0), ({"WANDB_INIT_TIMEOUT": "5"}, None, None), ({}, {"init_timeout": 7}, 7.0)],
+    ids=["distkit's", "the user's variable", "the user's setting"],
+)
+def test_wandb_logger_a_failed_wandb_init_is_tried_once_a_fit_and_reported_once(
+    tmp_path, monkeypatch, environment, settings, init_timeout
+):
+    import wandb
+
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)  # online: the key is there, the server is not
+    monkeypatch.setenv("WANDB_SILENT", "true")  # else wandb.login asks the server who it is (5 s)
+    monkeypatch.delenv("WANDB_INIT_TIMEOUT", raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    tries = []
+
+    def server_down(**kwargs):
+        chosen = kwargs["settings"]
+        tries.append(chosen.init_timeout if "init_timeout" in chosen.model_fields_set else None)
+        # what wandb 0.31 raises once init_timeout (90 s by default) has passed, each call
+        raise wandb.errors.CommError('Timed out while retrying: Post "http://127.0.0.1:9/graphql"')
+
+    monkeypatch.setattr(wandb, "init", server_down)
+    logger = WandbLogger(project="p", save_dir=tmp_path, settings=settings)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = fit_with_logger(logger)  # hyperparams, 3 log points, the epoch's row
+
+    assert tries == [init_timeout]  # not tried again in this fit
+    reports = [str(w.message) for w in caught if "(WandbLogger)" in str(w.message)]
+    assert len(reports) == 1, reports
+    assert (
+        "failed in log_hyperparams: TrackerUnavailableError: WandbLogger(project='p'): "
+        "wandb.init failed (CommError: Timed out while retrying" in reports[0]
+    )
+    assert "pass settings={'init_timeout': ...} for a slow one, or offline=True" in reports[0]
+    expected = fit_with_logger(_Nothing())
+    assert [row["train_loss"] for row in result.history] == [
+        row["train_loss"] for row in expected.history
+    ]
+    assert _wandb_children() == [] and logger.run is None
+    with pytest.raises(TrackerUnavailableError, match=r"wandb\.init failed"):
+        logger.log_metrics({"loss": 1.0}, step=1)  # after finalize: tried again
+    logger.finalize("success")
+    assert tries == [init_timeout, init_timeout]
 
 
 def test_wandb_logger_online_without_an_api_key_raises_instead_of_prompting(tmp_path):
