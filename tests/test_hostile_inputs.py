@@ -997,6 +997,13 @@ CASES: list[tuple[str, Callable[[Path], Any], type[BaseException], str]] = [
         "target): return super().batch_state(output['logits'], target)`",
     ),
     (
+        "step_fn-returns-a-dict-without-loss",
+        lambda t: _fit(loss_fn=None, step_fn=lambda m, b: {"logits": m(b[0])}),
+        ConfigurationError,
+        "step_fn returned a dict with keys ['logits'] and no loss: the model computes no loss "
+        "of its own here (a transformers model needs labels= for that). Return the loss",
+    ),
+    (
         "loss-count-negative-tensor",
         lambda t: _fit(loss_fn=None, step_fn=_negative_count_step),
         ConfigurationError,

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from distkit.errors import ConfigurationError
 from distkit.loss import Loss
 from distkit.runtime._arguments import check_loss
 
@@ -34,5 +35,18 @@ def training_loss(result: Any, source: str) -> tuple[torch.Tensor, int | torch.T
     if isinstance(result, Loss):
         check_loss(result.total, f"{source} (its Loss.total)")
         return result.total, result.count
+    if isinstance(result, Mapping) or (result is not None and hasattr(result, "logits")):
+        keys = list(result) if isinstance(result, Mapping) else None
+        given = (
+            f"a {type(result).__name__} with keys {keys}"
+            if keys is not None
+            else f"a {type(result).__name__} whose .loss is None"
+        )
+        raise ConfigurationError(
+            f"{source} returned {given} and no loss: the model computes no loss of its own "
+            "here (a transformers model needs labels= for that). Return the loss: compute "
+            "it from the output (F.cross_entropy(out['logits'], labels)), pass the labels to "
+            "the model, or return distkit.Loss(total, count) for a token-exact loss"
+        )
     check_loss(result, source)
     return result, None
