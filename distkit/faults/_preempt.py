@@ -342,10 +342,13 @@ def _users_own(handler: Handler) -> bool:
     return not str(getattr(handler, "__module__", "") or "").startswith("distkit.")
 
 
-def finish(preempt: Preemption, stop: Stop, *, rank: int) -> NoReturn:
+def finish(
+    preempt: Preemption, stop: Stop, *, rank: int, resume: str = "with resume='auto'"
+) -> NoReturn:
     """After the preemption checkpoint: the timeline (rank 0), the signal's previous handler
     (a user's own, on every rank), the requeue (rank 0), then
-    :class:`~distkit.errors.TrainingPreempted` with status 128 + the signal's number."""
+    :class:`~distkit.errors.TrainingPreempted` with status 128 + the signal's number.
+    ``resume``: how the next start continues (the Trainer's option, or a loop's rt.load)."""
     request = stop.request
     code = 128 + request.signum
     where = f" in {stop.checkpoint}" if stop.checkpoint else ""
@@ -368,8 +371,8 @@ def finish(preempt: Preemption, stop: Stop, *, rank: int) -> NoReturn:
             say(f"distkit: {requeue()}")
     raise TrainingPreempted(
         f"training preempted by {request.name} (rank {request.rank}): every rank stopped after "
-        f"step {stop.step} and the run was saved{where}; start the job again with "
-        "resume='auto' to continue",
+        f"step {stop.step} and the run was saved{where}; start the job again {resume} to "
+        "continue",
         code=code,
         signal=request.signum,
         step=stop.step,

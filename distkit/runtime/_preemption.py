@@ -65,4 +65,9 @@ class LoopPreemption:
             )
         self.stop.saved_at = time.time()
         self.stop.checkpoint = None if checkpoint is None else os.fspath(checkpoint)
-        finish(self.preempt, self.stop, rank=rank)
+        finish(
+            self.preempt,
+            self.stop,
+            rank=rank,
+            resume="and rt.load that checkpoint before the loop (rt.load(path, state))",
+        )

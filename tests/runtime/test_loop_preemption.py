@@ -55,7 +55,8 @@ def preempt_loop(out: str, signal_at: dict[int, int]) -> dict[str, Any]:
                         rt.save(path, {**state, "epoch": epoch})
                         rt.finish_preemption(path)
         except TrainingPreempted as exc:
-            return {"step": exc.step, "code": exc.code, "checkpoint": exc.checkpoint}
+            return {"step": exc.step, "code": exc.code, "checkpoint": exc.checkpoint,
+                    "message": str(exc)}  # fmt: skip
         return {"state": rt.full_state_dict(model)}
 
 
@@ -66,6 +67,9 @@ def test_a_user_loop_is_preempted_at_one_step_and_resumes_exactly(run_on_ranks, 
     stopped = run_on_ranks(partial(preempt_loop, str(out), {1: 2}), world_size=2)
     assert stopped[0]["step"] == stopped[1]["step"] >= 2, stopped
     assert stopped[0]["code"] == 143 and stopped[0]["checkpoint"] == str(out / "ckpt.pt")
+    # a loop's way back is its own rt.load, not the Trainer's resume= option
+    assert "rt.load(path, state)" in stopped[0]["message"]
+    assert "resume=" not in stopped[0]["message"]
     resumed = run_on_ranks(partial(preempt_loop, str(out), {1: 2}), world_size=2)
     # the same steps at the same world size, resumed exactly: bitwise (measured 0.0)
     assert max_abs_diff(resumed[0]["state"], plain[0]["state"]) == 0.0
