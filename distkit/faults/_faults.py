@@ -184,7 +184,11 @@ class _Failure:
         rank = self.strategy.rank
         notice, reachable = self._read_notice(seen)
         peer = notice if notice is not None and notice.get("rank") != rank else None
-        if isinstance(exc, Terminated) or (terminated and peer is None):
+        # a SIGTERM explains a collective's failure after it (the launcher stopping this
+        # rank), not an error of distkit's own: that is the cause, said as itself (a
+        # preempting SIGTERM that met a RankDisagreementError, say)
+        own = isinstance(exc, DistkitError) and not isinstance(exc, PeerFailureError)
+        if isinstance(exc, Terminated) or (terminated and peer is None and not own):
             if peer is not None:  # stopped by the launcher because that peer failed
                 self._release(first=False)
                 return _peer_failure_error(rank, peer)

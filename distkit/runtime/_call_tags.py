@@ -158,6 +158,12 @@ def _gone_on(
 
 def collective_fix(call: str) -> str:
     """What to do when ranks are not all in ``call``: the Runtime's calls name the Runtime's."""
+    if call == "preempt":
+        return (
+            "the ranks agree on the preemption stop at the same optimizer step: in your own "
+            "loop call rt.preempted() exactly once per optimizer step on every rank (not "
+            "under a condition that differs between ranks)"
+        )
     if call in ("rt.save", "barrier", "loader", "setup"):
         return (
             "rt.save, rt.barrier, rt.setup and rt.evaluate are collective: call them on every "

@@ -91,3 +91,40 @@ def test_runtime_preemption_needs_the_with_block_and_refuses_a_lone_requeue():
     off = distkit.Runtime("dp")
     assert off.preempted() is False  # off: always False, anywhere
     off.close()
+
+
+def sparse_poll_loop() -> dict[str, str]:
+    """Rank 1 asks rt.preempted() only every other step: the ranks reach the agreed step at
+    different batches. Rank 0 signals itself after its 2nd step."""
+    seen = {"finally": "no"}
+    try:
+        with distkit.Runtime("ddp", seed=3, preempt_signals=(signal.SIGTERM,)) as rt:
+            model = make_mlp()
+            model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+            for step, (x, y) in enumerate(rt.loader(make_dataset(96), batch_size=4), start=1):
+                rt.backward(nn.functional.cross_entropy(model(x), y))
+                optimizer.step()
+                optimizer.zero_grad()
+                if rt.rank == 0 and step == 2:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    time.sleep(0.8)
+                if (rt.rank == 0 or step % 2 == 0) and rt.preempted():
+                    rt.finish_preemption()
+    except BaseException as exc:  # the test reads what each rank raised
+        seen["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        seen["finally"] = "yes"
+    return seen
+
+
+def test_a_rank_that_polls_preempted_less_often_fails_every_rank_with_a_distkit_error(
+    run_on_ranks,
+):
+    """Before, rank 0's agreement met rank 1's gradient all-reduce and gloo aborted rank 0 in
+    C++ (SIGABRT). Now each rank raises a distkit error and runs its finally blocks."""
+    results = run_on_ranks(sparse_poll_loop, world_size=2)
+    assert all(r["finally"] == "yes" for r in results), results
+    errors = [r.get("error", "") for r in results]
+    assert any(e.startswith("RankDisagreementError") for e in errors), errors
+    assert all(e.split(":")[0] in ("RankDisagreementError", "PeerFailureError") for e in errors)
+    assert all("rt.preempted() exactly once per optimizer step on every rank" in e for e in errors)
