@@ -50,6 +50,7 @@ CALLS = {
     "save_weights": "save_weights",
     "preempt": "fit's preemption stop (after the agreed step)",
     "rt.save": "rt.save",
+    "full_state_dict": "full_state_dict",
 }
 _CODES = {call: float(code) for code, call in enumerate(CALLS, start=1)}
 _NAMES = {code: CALLS[call] for call, code in _CODES.items()}
@@ -164,11 +165,12 @@ def collective_fix(call: str) -> str:
             "loop call rt.preempted() exactly once per optimizer step on every rank (not "
             "under a condition that differs between ranks)"
         )
-    if call in ("rt.save", "barrier", "loader", "setup"):
+    if call in ("rt.save", "barrier", "loader", "setup", "full_state_dict"):
         return (
-            "rt.save, rt.barrier, rt.setup and rt.evaluate are collective: call them on every "
-            "rank at the same point of the loop (rt.save writes from rank 0 by itself: do "
-            "not guard it with `if rt.is_main:`)"
+            "rt.save, rt.barrier, rt.setup, rt.evaluate and (for a sharded model) "
+            "full_state_dict are collective: call them on every rank at the same point of "
+            "the loop (rt.save writes from rank 0 by itself: do not guard it with "
+            "`if rt.is_main:`)"
         )
     return COLLECTIVE
 

@@ -638,7 +638,14 @@ class Runtime:
             )
         if isinstance(model, SetUpModel):
             model = model.module
-        return self.strategy.state_io.model_state_dict(self.strategy.unwrap(model))
+        strategy = self.strategy
+        if strategy.state_io.collective and strategy.world_size > 1:
+            # a gather: every rank agrees first, so one that calls it alone fails at once
+            agreed = {"model": _agreement.describe_model(model)}
+            _agreement.exchange(
+                strategy, "full_state_dict", lambda: _agreement.Proposal(agreed, None)
+            )
+        return strategy.state_io.model_state_dict(strategy.unwrap(model))
 
     def save_weights(
         self,

@@ -38,6 +38,11 @@ class StateIO:
             collectives).
     """
 
+    #: whether reading the model's full state is a collective (the model is sharded over the
+    #: ranks): a read then starts with the ranks' agreement, so a rank that reads alone fails
+    #: with a distkit error instead of gloo's raw one
+    collective = False
+
     def __init__(self, strategy: _HasPlace) -> None:
         self.strategy = strategy
 

@@ -315,3 +315,32 @@ def test_agreement_a_fit_right_after_a_fit_finds_the_checkpoint_it_saved_last(
     # rank 0 writes the last checkpoint; no rank may look for it before the write is done
     results = run_on_ranks(_fit_twice_with_auto_resume, str(tmp_path), timeout=TIMEOUT)
     assert results == [[1, 2], [1, 2]], results
+
+
+def _full_state_on_rank_zero_only(others: str) -> str:
+    """fsdp x2: rank 0 gathers the full weights; rank 1 does ``others`` instead."""
+    with distkit.Runtime("fsdp") as rt:
+        model = make_mlp()
+        model, _ = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        try:
+            if rt.rank == 0:
+                rt.full_state_dict(model)
+            elif others == "barrier":
+                rt.barrier()
+        except RankDisagreementError as exc:
+            return f"RankDisagreementError: {exc}"
+    return "returned"
+
+
+@pytest.mark.parametrize("others", ["close", "barrier"])
+def test_agreement_full_state_dict_on_one_rank_of_a_sharded_model_fails_naming_it(
+    others, run_on_ranks
+):
+    """Before: gloo's raw 'Connection closed by peer' (rank 1 closed) or a wait on the
+    gathers. Now a distkit error on rank 0 (and on rank 1 where it is in a distkit call),
+    naming full_state_dict as a collective."""
+    results = run_on_ranks(_full_state_on_rank_zero_only, others, timeout=TIMEOUT)
+    assert results[0].startswith("RankDisagreementError"), results
+    assert "full_state_dict" in results[0] and "collective" in results[0]
+    if others == "barrier":
+        assert "rank 0 in full_state_dict; rank 1 in rt.barrier" in results[1], results

@@ -115,6 +115,8 @@ def set_full_weight(param: nn.Parameter, value: torch.Tensor) -> None:
 class DeepSpeedStateIO(StateIO):
     """Full weights and optimizer state in torch's form, gathered from ZeRO's partitions."""
 
+    collective = True  # the full state is gathered from every rank's shard
+
     strategy: DeepSpeedStrategy
 
     @override

@@ -28,6 +28,8 @@ class FSDPStateIO(StateIO):
     is a collective), loaded by each rank into its shards; checkpoints either gathered into
     the file (``checkpoint="full"``) or written by every rank as shards beside it."""
 
+    collective = True  # the full state is gathered from every rank's shard
+
     strategy: FSDPStrategy
 
     def __init__(self, strategy: FSDPStrategy) -> None:
