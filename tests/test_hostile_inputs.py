@@ -1004,6 +1004,13 @@ CASES: list[tuple[str, Callable[[Path], Any], type[BaseException], str]] = [
         "of its own here (a transformers model needs labels= for that). Return the loss",
     ),
     (
+        "fsdp-keyword-fully-shard-does-not-take",
+        lambda t: distkit.FSDPStrategy(offload_polcy=None),
+        ConfigurationError,
+        "FSDPStrategy(offload_polcy=...): neither FSDPStrategy nor torch's fully_shard takes "
+        "'offload_polcy'. Did you mean 'offload_policy'?",
+    ),
+    (
         "loss-count-negative-tensor",
         lambda t: _fit(loss_fn=None, step_fn=_negative_count_step),
         ConfigurationError,

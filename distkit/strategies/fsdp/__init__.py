@@ -115,6 +115,7 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
                 f"checkpoint={checkpoint!r}; allowed: {', '.join(CHECKPOINTS)} ('sharded' "
                 "for models whose full state does not fit one process)"
             )
+        _check_fully_shard_keywords(fsdp_kwargs)
         reserved = {"mesh", "module"} & set(fsdp_kwargs)
         if reserved:
             raise ConfigurationError(
@@ -367,3 +368,30 @@ def _name_of(param: Any, names: dict[int, str]) -> str:
         "the optimizer holds a parameter that is not the model's: pass the model's own "
         "parameters (optimizer = SGD(model.parameters(), ...)) to the optimizer"
     )
+
+
+def _check_fully_shard_keywords(given: dict[str, Any]) -> None:
+    """Refuse, at construction, a keyword ``fully_shard`` does not take (before, a typo
+    failed only at set-up, inside ``fully_shard``), naming the nearest it does."""
+    if not given:
+        return
+    import difflib
+    import inspect
+
+    from torch.distributed.fsdp import fully_shard
+
+    taken = [
+        name
+        for name, parameter in inspect.signature(fully_shard).parameters.items()
+        if parameter.kind is inspect.Parameter.KEYWORD_ONLY
+    ]
+    own = ["shard", "reshard_after_forward", "checkpoint", "backend", "timeout", "replicate"]
+    for name in given:
+        if name not in taken and name not in ("mesh", "module"):  # those: refused below
+            near = difflib.get_close_matches(name, taken + own, n=1)
+            hint = f" Did you mean {near[0]!r}?" if near else ""
+            raise ConfigurationError(
+                f"FSDPStrategy({name}=...): neither FSDPStrategy nor torch's fully_shard "
+                f"takes {name!r}.{hint} FSDPStrategy takes {', '.join(own)}, and passes on to "
+                f"fully_shard: {', '.join(n for n in taken if n != 'mesh')}"
+            )
