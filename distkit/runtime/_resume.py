@@ -228,7 +228,7 @@ def check_fits(
                 "from (write checkpoints with Trainer.save_checkpoint or checkpoint_dir=...)"
             )
     io = io or StateIO(_AsTheyAre())
-    _check_model_fits(found, io.shapes(model))
+    _check_model_fits(found, io.shapes(model), model)
     _check_optimizer_fits(found, optimizer, [len(g) for g in io.param_groups(optimizer)])
     if train_samples is None:
         return
@@ -253,12 +253,45 @@ class _AsTheyAre:
     is_main = True
 
 
-def _check_model_fits(found: LoadedCheckpoint, current: dict[str, torch.Size | None]) -> None:
+def _check_model_fits(
+    found: LoadedCheckpoint, current: dict[str, torch.Size | None], model: nn.Module
+) -> None:
     saved = ckpt.strip_wrapper_prefix(found.payload["model"])
+    problems = model_misfits(saved, current, model)
+    if problems:
+        raise ckpt.CheckpointError(
+            f"{found.label} does not fit this model: {'; '.join(problems[:5])}. Resume with the "
+            "model it was saved from (same layers and sizes)"
+        )
+
+
+def model_misfits(
+    saved: dict[str, Any], current: dict[str, torch.Size | None], model: nn.Module
+) -> list[str]:
+    """Why ``saved`` (a model state) cannot load into ``model`` whose entries have the full
+    shapes ``current``: other shapes, missing or extra keys, an integer tensor for a
+    floating-point entry (torch would cast it without a word). Checked before anything is
+    loaded, so a refusal leaves the model as it was. Pure."""
     problems = [
         f"{key}: checkpoint {tuple(saved[key].shape)}, model {tuple(shape)}"
         for key, shape in current.items()
-        if key in saved and shape is not None and saved[key].shape != shape
+        if key in saved
+        and shape is not None
+        and isinstance(saved[key], torch.Tensor)
+        and saved[key].shape != shape
+    ]
+    mine = model.state_dict(keep_vars=True)
+    problems += [
+        f"{key}: checkpoint {saved[key].dtype}, model {mine[key].dtype} (an integer tensor "
+        "does not load into a floating-point one)"
+        for key in current
+        if key in saved
+        and key in mine
+        and isinstance(saved[key], torch.Tensor)
+        and isinstance(mine[key], torch.Tensor)
+        and mine[key].is_floating_point()
+        and not saved[key].is_floating_point()
+        and not saved[key].is_complex()
     ]
     missing = [key for key in current if key not in saved]
     unexpected = [key for key in saved if key not in current]
@@ -266,11 +299,7 @@ def _check_model_fits(found: LoadedCheckpoint, current: dict[str, torch.Size | N
         problems.append(f"not in the checkpoint: {', '.join(missing[:5])}")
     if unexpected:
         problems.append(f"not in the model: {', '.join(unexpected[:5])}")
-    if problems:
-        raise ckpt.CheckpointError(
-            f"{found.label} does not fit this model: {'; '.join(problems[:5])}. Resume with the "
-            "model it was saved from (same layers and sizes)"
-        )
+    return problems
 
 
 def _check_optimizer_fits(

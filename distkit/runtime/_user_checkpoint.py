@@ -24,6 +24,7 @@ from distkit._version import __version__
 from distkit.errors import CheckpointError, ConfigurationError
 from distkit.runtime import _agreement
 from distkit.runtime._loader import RuntimeLoader
+from distkit.runtime._resume import model_misfits
 from distkit.runtime._saving import write_on_rank_zero
 from distkit.runtime._set_up import SetUpModel, SetUpOptimizer
 from distkit.strategies.capabilities import fp32
@@ -120,6 +121,7 @@ def load_state(runtime: Runtime, path: str | os.PathLike[str], state: object) ->
             "trainer.load_checkpoint(path) (or Trainer(resume=path))"
         )
     kinds, entries = saved.get("kinds", {}), saved["entries"]
+    # every entry checked before any is loaded: a refusal leaves the loop's objects as they were
     for key, value in state.items():
         kind = kind_of(value)
         if key not in entries:
@@ -131,6 +133,18 @@ def load_state(runtime: Runtime, path: str | os.PathLike[str], state: object) ->
             raise CheckpointError(
                 f"{path} saved {key!r} as a {kinds.get(key)}, and rt.load was given a {kind} for it"
             )
+        if kind == MODEL:
+            module = value.module
+            found = ckpt.strip_wrapper_prefix(entries[key])
+            problems = model_misfits(found, strategy.state_io.shapes(module), module)
+            if problems:
+                raise CheckpointError(
+                    f"{path}: {key!r} does not fit this model: {'; '.join(problems[:5])}. "
+                    "Nothing was loaded. Load it into the model it was saved from (same "
+                    "layers, sizes and dtypes)"
+                )
+    for key, value in state.items():
+        kind = kind_of(value)
         if kind == MODEL:
             strategy.state_io.load_model_state_dict(value.module, entries[key])
         elif kind == OPTIMIZER:

@@ -14,6 +14,7 @@ from torch import nn
 
 import distkit
 from distkit.errors import CheckpointError, RankDisagreementError
+from distkit.runtime._resume import model_misfits
 from tests.support.exactness import DTYPE, TOL  # the runs compared train in float64
 from tests.support.workloads import make_dataset, make_mlp, max_abs_diff
 
@@ -163,6 +164,27 @@ def test_a_save_in_the_middle_of_an_accumulation_window_warns(tmp_path):
                     warnings.simplefilter("error")  # at the window's end: no word
                     rt.save(tmp_path / "end.pt", {"model": model})
                 break
+
+
+def test_load_into_a_model_it_does_not_fit_changes_nothing(tmp_path):
+    """Before: the tensors that fit were loaded, then the refusal came (a half-loaded model).
+    Now it is refused before anything is loaded, naming the entries; so is an integer tensor
+    for a floating-point entry (torch casts it)."""
+    path = tmp_path / "ckpt.pt"
+    with distkit.Runtime("dp") as rt:
+        saved = rt.setup(make_mlp(seed=1))
+        rt.save(path, {"model": saved})
+        wider = rt.setup(make_mlp(classes=5, seed=2))
+        before = {k: v.clone() for k, v in wider.module.state_dict().items()}
+        with pytest.raises(CheckpointError, match=r"2.weight: checkpoint \(3, 16\), model "
+                           r"\(5, 16\).*Nothing was loaded"):  # fmt: skip
+            rt.load(path, {"model": wider})
+        assert all(torch.equal(before[k], v) for k, v in wider.module.state_dict().items())
+        # an int64 tensor for a float parameter: torch would cast it without a word
+        ints = {k: v.long() if k == "0.weight" else v for k, v in saved.module.state_dict().items()}
+        shapes = {k: v.shape for k, v in saved.module.state_dict().items()}
+        (problem,) = model_misfits(ints, shapes, saved.module)
+        assert problem.startswith("0.weight: checkpoint torch.int64, model torch.float32")
 
 
 def test_load_refuses_what_it_cannot_restore(tmp_path):
