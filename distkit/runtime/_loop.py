@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from distkit.data import MicroBatch
-from distkit.errors import ConfigurationError
+from distkit.errors import ConfigurationError, TrainerClosedError
 from distkit.faults._progress import Progress
 from distkit.loss import check_count, check_total, mean_of
 from distkit.runtime._arguments import check_loss
@@ -79,10 +79,10 @@ class LoopState:
         else:
             inners = [self.setups.setup(model, opt, placement)[1] for opt in optimizers]
             wrapped = self.setups.wrapped(model)
-            set_up = SetUpModel(strategy, model, wrapped, self.current_micro)
+            set_up = SetUpModel(strategy, model, wrapped, self.current_micro, self.ready)
             wrappers = [
                 SetUpOptimizer(
-                    strategy, opt, inner, self.current_micro, backwards=self.backwards_done
+                    strategy, opt, inner, self.current_micro, self.ready, self.backwards_done
                 )
                 for opt, inner in zip(optimizers, inners, strict=True)
             ]
@@ -104,9 +104,11 @@ class LoopState:
         They are this runtime's running fit until :meth:`end_fit`."""
         wrapped, inner = self.setups.setup(model, optimizer, placement)
         forward = self.setups.compiled(model, compiler)
-        set_up = SetUpModel(self.strategy, model, wrapped, self.current_micro, forward=forward)
+        set_up = SetUpModel(
+            self.strategy, model, wrapped, self.current_micro, self.ready, forward=forward
+        )
         opt = SetUpOptimizer(
-            self.strategy, optimizer, inner, self.current_micro, backwards=self.backwards_done
+            self.strategy, optimizer, inner, self.current_micro, self.ready, self.backwards_done
         )
         self.fit = (set_up, opt)
         return set_up, opt
@@ -122,8 +124,17 @@ class LoopState:
         self.micro = micro
 
     def ready(self) -> None:
-        """Set the pending models up, where the backend sets every model up together
-        (legacy apex: one ``amp.initialize`` for all): at the loop's first use of any."""
+        """Before a set-up model's forward or optimizer's step: refuse them once the Runtime
+        closed (their backend's state is gone: a DDP forward would meet a destroyed group,
+        or run as a plain module without a word); set the pending models up, where the
+        backend sets every model up together (legacy apex: one ``amp.initialize`` for all)."""
+        if self.setups.closed:
+            raise TrainerClosedError(
+                "a set-up model or optimizer was used on a closed Runtime: the Runtime was "
+                "closed (close(), the end of its with-block, or a failed multi-process run) "
+                "and its backend state with it. Use the model you passed to rt.setup (its "
+                "weights are the trained ones), or set it up again on a new distkit.Runtime"
+            )
         if not self._pending:
             return
         pending, self._pending = self._pending, []

@@ -12,11 +12,35 @@ import weakref
 import torch
 from torch import nn
 
+from distkit.errors import ConfigurationError
 from distkit.runtime._checkpointing import Policy, apply_checkpointing, remove_checkpointing
 from distkit.runtime._compile import Compiler
 from distkit.strategies._placement import Placement, place, state_follows_parameters
 from distkit.strategies.base import Strategy
 from distkit.strategies.precision import check_model_dtype
+
+#: the open set-up of each module, process-wide: one module is set up by one Runtime at a
+#: time (two would hook its parameters twice: DDP's and Horovod's hooks cannot be removed)
+_OWNER: weakref.WeakKeyDictionary[nn.Module, weakref.ref[SetupCache]] = weakref.WeakKeyDictionary()
+
+
+def _claim(model: nn.Module, cache: SetupCache) -> None:
+    """Refuse ``model`` if another open Runtime set it up (after collecting: a Trainer that
+    was dropped without close() is no owner), else record ``cache`` as its owner."""
+    owner = _OWNER.get(model)
+    other = owner() if owner is not None else None
+    if other is not None and other is not cache and not other.closed:
+        gc.collect()  # a dropped Runtime's finalizer closes it
+        other = owner() if owner is not None else None
+    if other is not None and other is not cache and not other.closed:
+        raise ConfigurationError(
+            f"this {type(model).__name__} is set up by another Runtime (or Trainer) that is "
+            "still open: its backend's hooks are on the model's parameters, and a second "
+            "set-up would add its own (gradients averaged twice, or not at all). Close the "
+            "first (rt.close(), trainer.close(), or leave its with-block) before setting the "
+            "model up again, or keep using the first"
+        )
+    _OWNER[model] = weakref.ref(cache)
 
 
 class SetupCache:
@@ -36,6 +60,8 @@ class SetupCache:
         # parts of it (FSDP's CPU offload keeps parameters on the CPU, buffers on the GPU)
         self._placements: weakref.WeakKeyDictionary[nn.Module, Placement]
         self._placements = weakref.WeakKeyDictionary()
+        #: whether shutdown ran: what this cache set up runs no more (see LoopState.ready)
+        self.closed = False
         #: the user's modules whose forward this set-up checkpointed (given back at shutdown)
         self._checkpointed: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
@@ -46,6 +72,7 @@ class SetupCache:
         ``placement``: where the model is before (the fit found it while preparing)."""
         wrapped = self._models.get(model)
         if wrapped is None:
+            _claim(model, self)
             check_model_dtype(self.strategy.options.precision, model)
             self._placements[model] = placement
             self._checkpoint(model)
@@ -64,6 +91,7 @@ class SetupCache:
         """Set several models (each with its optimizers) up in one strategy call, for a
         backend that sets up everything at once (legacy apex's ``amp.initialize``)."""
         for model, _, _ in entries:
+            _claim(model, self)
             check_model_dtype(self.strategy.options.precision, model)
         for model, _, _ in entries:
             self._checkpoint(model)
@@ -104,6 +132,7 @@ class SetupCache:
         interpreter shutdown) aborts the process with "terminate called without an active
         exception"; collecting it first avoids that.
         """
+        self.closed = True
         remove_checkpointing(list(self._checkpointed))
         self._models.clear()
         self._optimizers.clear()

@@ -38,6 +38,43 @@ def test_a_runtime_alone_says_where_it_runs_and_closes():
         rt.barrier()
 
 
+def test_a_closed_runtimes_model_and_optimizer_say_it_is_closed():
+    """Before, they ran on as if set up (a DDP forward would meet a destroyed group)."""
+    with distkit.Runtime("dp") as rt:
+        plain = make_mlp()
+        model, optimizer = rt.setup(plain, torch.optim.SGD(plain.parameters(), lr=0.1))
+        x, y = make_dataset(4).tensors
+        rt.backward(_loss(model(x), y))
+        optimizer.step()
+    with pytest.raises(distkit.errors.TrainerClosedError, match="used on a closed Runtime"):
+        model(x)
+    with pytest.raises(distkit.errors.TrainerClosedError, match="used on a closed Runtime"):
+        optimizer.step()
+    plain(x)  # the user's own module is theirs again
+
+
+def test_a_module_is_set_up_by_one_open_runtime_at_a_time():
+    """A second open Runtime setting the same module up (with an optimizer: the set-up that
+    hooks its parameters) would hook them twice."""
+    plain = make_mlp()
+    first = distkit.Runtime("dp")
+    first.setup(plain, torch.optim.SGD(plain.parameters(), lr=0.1))
+    second = distkit.Runtime("dp")
+    with pytest.raises(distkit.ConfigurationError, match="set up by another Runtime"):
+        second.setup(plain, torch.optim.SGD(plain.parameters(), lr=0.1))
+    first.close()
+    second.setup(
+        plain, torch.optim.SGD(plain.parameters(), lr=0.1)
+    )  # the first is closed: the module is free
+    second.close()
+    third = distkit.Runtime("dp")
+    third.setup(plain, torch.optim.SGD(plain.parameters(), lr=0.1))
+    del third  # dropped without close(), as a sweep drops its last Trainer
+    fourth = distkit.Runtime("dp")
+    fourth.setup(plain, torch.optim.SGD(plain.parameters(), lr=0.1))
+    fourth.close()
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
