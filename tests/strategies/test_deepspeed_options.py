@@ -136,3 +136,15 @@ def test_deepspeed_fp16_on_the_cpu_is_refused_leaving_no_group_or_local_rank_beh
         distkit.Trainer(distkit.DeepSpeedStrategy(stage=2), precision="fp16")
     assert not torch.distributed.is_initialized()
     assert "LOCAL_RANK" not in os.environ
+
+
+@needs("deepspeed")
+def test_deepspeed_config_key_it_does_not_read_is_refused_naming_the_nearest():
+    """A misspelt zero_optimization: DeepSpeed ignored it and trained at its default stage,
+    without a word. Refused at the set-up, before anything trains."""
+    strategy = distkit.DeepSpeedStrategy(config={"zero_optimisation": {"stage": 3}})
+    with distkit.Runtime(strategy) as rt:
+        model = torch.nn.Linear(3, 2)
+        with pytest.raises(ConfigurationError, match="Did you mean 'zero_optimization'"):
+            rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert not torch.distributed.is_initialized()

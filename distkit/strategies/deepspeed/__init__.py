@@ -28,7 +28,7 @@ from distkit.strategies._steps import GradientClip, StepOutcome
 from distkit.strategies.base import Strategy, Topology
 from distkit.strategies.capabilities import StateIO
 from distkit.strategies.deepspeed import _doctor, _lifecycle, _meta, _shards, _steps
-from distkit.strategies.deepspeed._config import engine_config, resolve_stage
+from distkit.strategies.deepspeed._config import check_known_keys, engine_config, resolve_stage
 from distkit.strategies.deepspeed._state import DeepSpeedStateIO, Engine, load_into_engine
 from distkit.strategies.precision import Precision, float64_parameters
 
@@ -211,6 +211,7 @@ class DeepSpeedStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
             parameters=sum(p.numel() for p in model.parameters()),  # meta ones too
             world_size=self.world_size,
         )
+        check_known_keys(config, deepspeed.runtime.config.DeepSpeedConfig)
         if meta:  # stage 3 (else refused before): partitioned module by module
             rng = self.broadcast(torch.get_rng_state() if self.is_main else None, src=0)
             _meta.partition(model, config, self.device, rng, main=self.is_main)

@@ -11,6 +11,7 @@ refused, naming the distkit argument that says the same thing.
 from __future__ import annotations
 
 import copy
+import difflib
 from collections.abc import Mapping
 from typing import Any
 
@@ -123,3 +124,47 @@ def resolve_stage(stage: int | None, configured: Any) -> int:
     if stage is not None:
         return stage
     return int(configured) if configured is not None else 2
+
+
+class _Reads(dict[str, Any]):
+    """A config dict that remembers which top-level keys were looked up."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__(config)
+        self.read: set[str] = set()
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key: Any) -> Any:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key: object) -> bool:
+        self.read.add(str(key))
+        return super().__contains__(key)
+
+
+def check_known_keys(config: dict[str, Any], config_class: Any) -> None:
+    """Refuse a top-level key DeepSpeed does not read (``zero_optimisation``: DeepSpeed
+    ignores it and trains at its default stage, without a word), naming the nearest it
+    reads. ``config_class``: the installed ``deepspeed.runtime.config.DeepSpeedConfig``,
+    which looks up every key it knows (its nested sections already refuse unknown keys).
+    Parsing errors are left to ``deepspeed.initialize``, which reports them."""
+    reads = _Reads(config)
+    try:
+        config_class(reads)
+    except Exception:
+        return
+    unknown = sorted(key for key in config if key not in reads.read)
+    if unknown:
+        key = unknown[0]
+        near = difflib.get_close_matches(key, sorted(reads.read), n=1)
+        hint = f" Did you mean {near[0]!r}?" if near else ""
+        raise ConfigurationError(
+            f"DeepSpeedStrategy(config=...) has the key {key!r}, which this DeepSpeed does "
+            f"not read: it would be ignored without a word (a misspelt zero_optimization "
+            f"trains at another ZeRO stage).{hint} Correct or remove it"
+            + (f" (and {', '.join(map(repr, unknown[1:]))})" if len(unknown) > 1 else "")
+        )
