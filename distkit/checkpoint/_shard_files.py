@@ -31,6 +31,9 @@ from distkit.errors import CheckpointError
 KEY = "shards"
 #: the payload key of ``{shard file name: digest}`` (checked by distkit.checkpoint.load)
 DIGESTS = "shard_digests"
+#: files a backend puts beside its shards that no resume reads (DeepSpeed's conversion
+#: script): never hashed, and one that is gone does not make the checkpoint damaged
+HELPERS = frozenset({"zero_to_fp32.py"})
 #: the payload key marking a shards folder of DeepSpeed's own format (``DeepSpeedStrategy(
 #: checkpoint="sharded")``), which torch.distributed.checkpoint cannot read
 DEEPSPEED = "deepspeed_shards"

@@ -73,6 +73,8 @@ def _digests(folder: Path, rank: int) -> dict[str, str]:
     rank 0 all the others too (the module's file, DeepSpeed's script)."""
     names = []
     for file in sorted(p for p in folder.rglob("*") if p.is_file()):
+        if file.name in _shard_files.HELPERS:
+            continue  # DeepSpeed's conversion script: a resume never reads it
         match = _OPTIMIZER_FILE.fullmatch(file.name)
         if (match is not None and int(match["rank"]) == rank) or (match is None and rank == 0):
             names.append(str(file.relative_to(folder)))
