@@ -181,11 +181,13 @@ def first_difference(per_rank: Sequence[Sequence[tuple[str, str]]]) -> str:
 
 
 def describe_model(model: nn.Module) -> str:
-    """Tensor and parameter counts and a digest of the state's names and shapes."""
+    """Its class, tensor and parameter counts and a digest of the state's names and shapes
+    (the class too: two models of the same shapes set up in another order on some rank)."""
     shapes = named_shapes(model)
     digest = hashlib.sha1(repr(shapes).encode()).hexdigest()[:10]
     values = sum(p.numel() for p in model.parameters())
-    return f"{len(shapes)} tensors, {values:,} parameter values, shapes #{digest}"
+    kind = type(model).__qualname__
+    return f"a {kind}: {len(shapes)} tensors, {values:,} parameter values, shapes #{digest}"
 
 
 def named_shapes(model: nn.Module) -> list[tuple[str, str]]:

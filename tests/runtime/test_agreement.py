@@ -204,8 +204,8 @@ def test_agreement_a_dataset_of_another_length_on_one_rank_fails_every_rank(run_
 def test_agreement_a_model_of_other_shapes_on_one_rank_fails_every_rank(run_on_ranks):
     results = run_on_ranks(partial(_fit_on_rank, hidden=[16, 17]), timeout=TIMEOUT)
     for result in results:
-        assert "model: rank 0: 4 tensors, 163 parameter values" in result, result
-        assert "rank 1: 4 tensors, 173 parameter values" in result
+        assert "model: rank 0: a Sequential: 4 tensors, 163 parameter values" in result, result
+        assert "rank 1: a Sequential: 4 tensors, 173 parameter values" in result
         assert "first difference: rank 0: 0.weight (16, 6); rank 1: 0.weight (17, 6)" in result
 
 
@@ -344,3 +344,30 @@ def test_agreement_full_state_dict_on_one_rank_of_a_sharded_model_fails_naming_i
     assert "full_state_dict" in results[0] and "collective" in results[0]
     if others == "barrier":
         assert "rank 0 in full_state_dict; rank 1 in rt.barrier" in results[1], results
+
+
+class _Generator(nn.Linear):
+    pass
+
+
+class _Discriminator(nn.Linear):
+    pass
+
+
+def _setup_in_rank_order() -> str:
+    """Two models of the same shapes; rank 1 sets them up in the other order."""
+    with distkit.Runtime("ddp") as rt:
+        models = [_Generator(4, 4), _Discriminator(4, 4)]
+        try:
+            for model in models if rt.rank == 0 else models[::-1]:
+                rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        except RankDisagreementError as exc:
+            return str(exc)
+    return "set up"
+
+
+def test_agreement_models_set_up_in_another_order_on_one_rank_fail_every_rank(run_on_ranks):
+    """Before: accepted (the same shapes), and each rank's gradients averaged with the other
+    model's. The set-up's agreement now names the class too."""
+    for result in run_on_ranks(_setup_in_rank_order, timeout=TIMEOUT):
+        assert "rank 0: a _Generator" in result and "rank 1: a _Discriminator" in result, result
