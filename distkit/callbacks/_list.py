@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -106,10 +107,22 @@ class CallbackList:
         return states
 
     def load_state_dict(self, states: Mapping[str, Any]) -> None:
-        """Each callback's saved state (callbacks the checkpoint does not know keep theirs)."""
+        """Each callback's saved state (callbacks the checkpoint does not know keep theirs).
+        A saved state that no callback of this fit takes (an EMA's averages, resumed without
+        the EMA callback) is said once, as a warning: it is dropped from the run."""
         for callback, key in zip(self.callbacks, self.keys, strict=True):
             if key in states:
                 callback.load_state_dict(states[key])
+        left = [key for key, state in states.items() if key not in self.keys and state]
+        if left:
+            warnings.warn(
+                f"the checkpoint holds the state of callbacks this fit does not have: "
+                f"{', '.join(left)} (their state is not carried on: a resumed EMA without "
+                "its callback starts no averages, and the next checkpoint drops them). Pass "
+                "the same callbacks to the Trainer to keep it",
+                UserWarning,
+                stacklevel=3,
+            )
 
 
 def _unique_keys(callbacks: list[Callback]) -> list[str]:

@@ -278,3 +278,20 @@ def test_ema_checkpoint_of_another_model_is_refused_naming_the_mismatch():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
     with pytest.raises(distkit.errors.CheckpointError, match=r"0\.weight \(2, 2\)"):
         trainer.fit(model, optimizer, make_dataset(48), loss_fn=nn.functional.cross_entropy)
+
+
+def test_resuming_without_the_ema_callback_says_its_averages_are_dropped(tmp_path):
+    """Before: the saved averages were dropped without a word."""
+
+    def fit(epochs: int, callbacks: list) -> None:
+        model = make_mlp()
+        trainer = distkit.Trainer("dp", batch_size=8, max_epochs=epochs, progress=False,
+                                  checkpoint_dir=tmp_path, resume="auto",
+                                  callbacks=callbacks)  # fmt: skip
+        trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), make_dataset(16),
+                    loss_fn=nn.functional.cross_entropy)  # fmt: skip
+        trainer.close()
+
+    fit(1, [EMA(decay=0.9)])
+    with pytest.warns(UserWarning, match=r"does not have: EMA.*Pass the same callbacks"):
+        fit(2, [])
