@@ -189,6 +189,16 @@ def _unwritable_dir_below_a_file(tmp: Path) -> Any:
     return _fit_untrained(trainer=_trainer(checkpoint_dir=tmp / "occupied" / "ckpt"))
 
 
+class _Ragged(torch.utils.data.Dataset):
+    """Token sequences of different lengths, as a tokenizer gives them (no padding)."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": torch.arange(3 + i), "labels": torch.tensor(i % 2)}
+
+
 class _DictModel(nn.Module):
     """Returns {"logits": ...}, as transformers models do; no training step may run before
     the metric that cannot read it is named."""
@@ -1009,6 +1019,13 @@ CASES: list[tuple[str, Callable[[Path], Any], type[BaseException], str]] = [
         ConfigurationError,
         "FSDPStrategy(offload_polcy=...): neither FSDPStrategy nor torch's fully_shard takes "
         "'offload_polcy'. Did you mean 'offload_policy'?",
+    ),
+    (
+        "ragged-dict-samples-without-a-collate_fn",
+        lambda t: _fit_untrained(train_data=_Ragged()),
+        ConfigurationError,
+        "the samples of a batch cannot be stacked into one tensor (field 'input_ids'): stack "
+        "expects each tensor to be equal size",
     ),
     (
         "loss-count-negative-tensor",

@@ -35,9 +35,11 @@ from torch.utils.data import (
     RandomSampler,
     Sampler,
     SequentialSampler,
+    default_collate,
 )
 from typing_extensions import override
 
+from distkit.data._collate import explained_collate
 from distkit.errors import ConfigurationError
 from distkit.faults._preempt import active_signals, shield_worker
 
@@ -244,7 +246,11 @@ class LoaderSpec:
         _require_sized(data, what)
         # workers are not persistent: each epoch seeds them afresh (see reseed_workers), so a
         # resumed run draws the same augmentations as an uninterrupted one
-        kwargs = {"num_workers": num_workers, "pin_memory": pin_memory}
+        kwargs = {
+            "num_workers": num_workers,
+            "pin_memory": pin_memory,
+            "collate_fn": explained_collate,  # torch's, its ragged-samples error explained
+        }
         return cls(data, batch_size, shuffle, False, kwargs)
 
     @classmethod
@@ -252,7 +258,9 @@ class LoaderSpec:
         _require_sized(loader.dataset, what)
         kwargs: dict[str, Any] = {
             "num_workers": loader.num_workers,
-            "collate_fn": loader.collate_fn,
+            "collate_fn": explained_collate
+            if loader.collate_fn is default_collate
+            else loader.collate_fn,
             "pin_memory": loader.pin_memory,
             "timeout": loader.timeout,
             "worker_init_fn": loader.worker_init_fn,

@@ -21,6 +21,7 @@ from torch.utils.data import (
 from torch.utils.data.distributed import DistributedSampler
 
 from distkit.data import GlobalBatchPlan, LoaderSpec, ShardSampler
+from distkit.data._collate import explained_collate
 from distkit.errors import ConfigurationError
 
 pytestmark = pytest.mark.timeout(60)
@@ -297,7 +298,7 @@ def test_loader_spec_from_dataset_uses_given_settings(shuffle):
 
     assert spec.dataset is dataset
     assert (spec.batch_size, spec.shuffle, spec.drop_last) == (3, shuffle, False)
-    assert spec.kwargs == {"num_workers": 0, "pin_memory": False}
+    assert spec.kwargs == {"num_workers": 0, "pin_memory": False, "collate_fn": explained_collate}
     assert len(spec) == 10
 
 
