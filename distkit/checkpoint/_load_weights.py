@@ -127,16 +127,23 @@ def _indexed(index: Path) -> dict[Path, list[str] | None]:
     return files
 
 
-def _headers(files: dict[Path, list[str] | None]) -> dict[str, tuple[Path, tuple[int, ...]]]:
-    """Every saved name with its file and shape, read from the headers (no data)."""
+class _Header(NamedTuple):
+    file: Path
+    shape: tuple[int, ...]
+    dtype: str  # safetensors' name: "F32", "BF16", "I64", "BOOL", ...
+
+
+def _headers(files: dict[Path, list[str] | None]) -> dict[str, _Header]:
+    """Every saved name with its file, shape and dtype, read from the headers (no data)."""
     safe_open = st.safetensors_torch(FEATURE).safe_open
-    saved: dict[str, tuple[Path, tuple[int, ...]]] = {}
+    saved: dict[str, _Header] = {}
     for file, listed in files.items():
         try:
             with safe_open(str(file), framework="pt") as handle:
                 names = list(handle.keys())
                 for name in names:
-                    saved[name] = (file, tuple(handle.get_slice(name).get_shape()))
+                    part = handle.get_slice(name)
+                    saved[name] = _Header(file, tuple(part.get_shape()), part.get_dtype())
         except Exception as exc:  # safetensors raises its own SafetensorError
             raise CheckpointError(
                 f"{file} is not a readable safetensors file ({type(exc).__name__}: {exc}): "
@@ -173,9 +180,9 @@ def _load(model: nn.Module, files: dict[Path, list[str] | None], path: Path, str
     if strict and (missing or unexpected):
         raise CheckpointError(_mismatch(path, missing, unexpected))
     wrong = [
-        f"{name}: file {list(shape)}, model {list(state[name].shape)}"
-        for name, (_, shape) in saved.items()
-        if name in state and tuple(state[name].shape) != shape
+        f"{name}: file {list(header.shape)}, model {list(state[name].shape)}"
+        for name, header in saved.items()
+        if name in state and tuple(state[name].shape) != header.shape
     ]
     if wrong:
         raise CheckpointError(
@@ -183,13 +190,54 @@ def _load(model: nn.Module, files: dict[Path, list[str] | None], path: Path, str
             f"{' ...' if len(wrong) > 5 else ''}. Build the model with the configuration the "
             "weights were saved from"
         )
+    integers = [
+        f"{name}: file {header.dtype}, model {state[name].dtype}"
+        for name, header in saved.items()
+        if name in state
+        and state[name].is_floating_point()
+        and (header.dtype.startswith(("I", "U")) or header.dtype == "BOOL")
+    ]
+    if integers:  # load_state_dict would cast them without a word
+        raise CheckpointError(
+            f"{path} holds integer tensors where the model has floating-point ones: "
+            f"{'; '.join(integers[:5])}. Those are not weights of this model (a file of "
+            "token ids or counts?): save the weights as floats, or load them yourself with "
+            "the cast you mean"
+        )
     load_file = st.safetensors_torch(FEATURE).load_file
+    # every file's digest verified before any tensor is copied: a damaged shard leaves the
+    # model as it was (one file: read once; several: a verifying read, then the loading one)
+    held: dict[str, torch.Tensor] | None = None
+    if len(files) == 1:
+        held = _verified(next(iter(files)), load_file)  # read once: verified, then loaded
+    else:
+        for file in files:  # a verifying read each, let go: one shard in memory at a time
+            _verified(file, load_file)
     for file in files:
-        chunk = {k: v for k, v in load_file(str(file)).items() if k in state}
+        tensors = held if held is not None else load_file(str(file))
+        chunk = {k: v for k, v in tensors.items() if k in state}
         model.load_state_dict(chunk, strict=False)  # names checked above
-        del chunk
+        del chunk, tensors
     loaded = [name for name in state if name not in missing]
     return LoadedWeights(loaded, missing, unexpected)
+
+
+def _verified(file: Path, load_file: Any) -> dict[str, torch.Tensor] | None:
+    """``file``'s tensors, checked against the digest save_weights recorded; None for a file
+    without one (written elsewhere: taken as it is, not read here)."""
+    safe_open = st.safetensors_torch(FEATURE).safe_open
+    with safe_open(str(file), framework="pt") as handle:
+        recorded = (handle.metadata() or {}).get(st.DIGEST_KEY)
+    if recorded is None:
+        return None
+    tensors: dict[str, torch.Tensor] = load_file(str(file))
+    if st.tensors_digest(tensors) != recorded:
+        raise CheckpointError(
+            f"{file} is damaged: its tensors do not match the digest save_weights recorded "
+            "(a changed bit, or a partial copy). Nothing was loaded. Copy the file again from "
+            "where it was saved, or save the weights again"
+        )
+    return tensors
 
 
 def _is_sharded(value: object) -> bool:

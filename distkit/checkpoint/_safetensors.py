@@ -19,6 +19,7 @@ folder because it may hold such files of the user's.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -39,6 +40,9 @@ WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 METADATA = {"format": "pt"}
 HINT = "pip install 'distkit[safetensors]'"
+#: the metadata key of a file's digest: sha256 over its tensors' names, dtypes, shapes and
+#: bytes in name order (load_weights verifies it where present; other writers' files have none)
+DIGEST_KEY = "distkit_sha256"
 #: file extensions a path to a weights folder is unlikely to have (a mistyped file name)
 FILE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".safetensor", ".json", ".h5", ".npz")
 _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
@@ -235,7 +239,8 @@ class ShardWriter:
             def write(handle: Any) -> None:
                 # safetensors writes by name; the fsync of publish's own handle (the same
                 # file) makes the bytes durable before the rename
-                self._st.save_file(tensors, str(tmp.path), metadata=METADATA)
+                metadata = {**METADATA, DIGEST_KEY: tensors_digest(tensors)}
+                self._st.save_file(tensors, str(tmp.path), metadata=metadata)
 
             tmp.publish(path, write)
 
@@ -288,3 +293,14 @@ def _writing(path: Path) -> Iterator[None]:
             f"cannot write the weights file {path} ({type(exc).__name__}: "
             f"{exc.strerror or exc}): check that the folder is writable and the disk has room"
         ) from exc
+
+
+def tensors_digest(tensors: Mapping[str, torch.Tensor]) -> str:
+    """The digest :data:`DIGEST_KEY` records: a flipped bit in any tensor changes it."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().cpu().contiguous()
+        digest.update(f"{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode())
+        if tensor.numel():
+            digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()

@@ -77,7 +77,8 @@ def test_save_weights_one_file_holds_the_state_dict_with_its_dtypes(tmp_path):
     _assert_same(saved, model.state_dict())
     assert saved["b.weight"].dtype == torch.bfloat16 and saved["steps"].dtype == torch.int64
     with safetensors_torch.safe_open(str(tmp_path / "w.safetensors"), framework="pt") as f:
-        assert f.metadata() == {"format": "pt"}
+        # transformers needs format=pt; the digest is of the file's tensors
+        assert f.metadata() == {"format": "pt", st.DIGEST_KEY: st.tensors_digest(saved)}
     assert [p.name for p in tmp_path.iterdir()] == ["w.safetensors"], "a temp file was left"
 
 
@@ -109,7 +110,7 @@ def test_save_weights_shards_a_folder_at_max_shard_size_with_a_hugging_face_inde
         size = sum(nbytes[k] for k in names)
         assert size <= limit or len(names) == 1, (shard, names, size)
         with safetensors_torch.safe_open(str(tmp_path / "out" / shard), framework="pt") as f:
-            assert sorted(f.keys()) == sorted(names) and f.metadata() == {"format": "pt"}
+            assert sorted(f.keys()) == sorted(names) and f.metadata()["format"] == "pt"
     _assert_same(_read(tmp_path / "out"), model.state_dict())
 
 
@@ -206,6 +207,48 @@ def test_load_weights_refuses_other_shapes_and_leaves_the_model_unchanged(tmp_pa
         distkit.load_weights(target, tmp_path / "w", strict=False)
     for name, value in target.state_dict().items():
         assert torch.equal(value, before[name]), f"{name} changed by a refused load"
+
+
+def _flip_a_data_bit(file: Path) -> None:
+    data = bytearray(file.read_bytes())
+    data[-3] ^= 0x10  # in the tensors' bytes (after the header), not the header
+    file.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_load_weights_refuses_a_damaged_file_before_loading_any(tmp_path, shards):
+    """save_weights records a digest of each file's tensors in its metadata; before, one
+    flipped bit loaded without a word. Every file is verified before any tensor is copied."""
+    model = Mixed()
+    with distkit.Runtime("dp") as rt:
+        written = rt.save_weights(
+            model, tmp_path / "w", max_shard_size=600 if shards > 1 else "1GB"
+        )
+    files = sorted(p for p in written if p.suffix == ".safetensors")
+    assert len(files) == shards
+    _flip_a_data_bit(files[-1])  # the last shard: the earlier ones would load first
+    fresh = Mixed(seed=9)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(CheckpointError, match=r"is damaged: its tensors do not match the digest"):
+        distkit.load_weights(fresh, tmp_path / "w")
+    assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())
+
+
+def test_load_weights_takes_a_file_other_tools_wrote_without_a_digest(tmp_path):
+    model = nn.Linear(4, 2)
+    safetensors_torch.save_file(model.state_dict(), str(tmp_path / "w.safetensors"))
+    fresh = nn.Linear(4, 2)
+    distkit.load_weights(fresh, tmp_path / "w.safetensors")
+    assert torch.equal(fresh.weight, model.weight)
+
+
+def test_load_weights_refuses_integer_tensors_for_float_weights(tmp_path):
+    """torch's load_state_dict casts an int64 tensor into a float parameter without a word."""
+    ids = {"weight": torch.arange(8).reshape(2, 4), "bias": torch.zeros(2)}
+    safetensors_torch.save_file(ids, str(tmp_path / "w.safetensors"))
+    fresh = nn.Linear(4, 2)
+    with pytest.raises(CheckpointError, match=r"weight: file I64, model torch.float32"):
+        distkit.load_weights(fresh, tmp_path / "w.safetensors")
 
 
 def test_load_weights_refuses_paths_it_cannot_read_saying_what_is_allowed(tmp_path):
