@@ -120,11 +120,10 @@ class Watchdog:
             self.channel.set(progress_key(self.rank), text)
 
     def _heartbeat(self, now: float) -> None:
+        """The stuck rank's stack, and rank 0's look at every rank (after :meth:`_publish`)."""
         assert self.hang_warning is not None
-        text = self.progress.encode()
-        if text != self._published:
-            self._publish(now)
-        elif not self._stack_sent and now - self._unchanged_since >= self.hang_warning / 2:
+        text = self._published  # what _publish just put in the store
+        if not self._stack_sent and now - self._unchanged_since >= self.hang_warning / 2:
             # tagged with the progress it belongs to, so a stale stack is never shown
             self.channel.set(stack_key(self.rank), f"{text}\n{main_thread_stack()}")
             self._stack_sent = True

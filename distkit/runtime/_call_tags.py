@@ -157,6 +157,10 @@ def _gone_on(
     )
 
 
+#: the Runtime's own collectives: a mismatch among them names the Runtime's calls
+_RUNTIME_CALLS = ("rt.save", "barrier", "loader", "setup", "full_state_dict")
+
+
 def collective_fix(call: str) -> str:
     """What to do when ranks are not all in ``call``: the Runtime's calls name the Runtime's."""
     if call == "preempt":
@@ -165,7 +169,7 @@ def collective_fix(call: str) -> str:
             "loop call rt.preempted() exactly once per optimizer step on every rank (not "
             "under a condition that differs between ranks)"
         )
-    if call in ("rt.save", "barrier", "loader", "setup", "full_state_dict"):
+    if call in _RUNTIME_CALLS:
         return (
             "rt.save, rt.barrier, rt.setup, rt.evaluate and (for a sharded model) "
             "full_state_dict are collective: call them on every rank at the same point of "
@@ -180,7 +184,7 @@ def _different_calls(codes: Sequence[float]) -> str:
     calls = rank_groups([_NAMES.get(code, other) for code in codes])
     where = "; ".join(f"{ranks_text(ranks)} in {name}" for name, ranks in calls)
     names = set(codes)
-    user_loop = {_CODES[c] for c in ("rt.save", "barrier", "loader", "setup")}
+    user_loop = {_CODES[c] for c in _RUNTIME_CALLS}
     text = collective_fix("rt.save") if names & user_loop else COLLECTIVE
     return f"the ranks are in different calls: {where}. {text}."
 
