@@ -5,6 +5,11 @@ a folder with ``model.safetensors``, or a sharded folder with ``model.safetensor
 Every name and shape is checked from the files' headers before any weight is copied, so a
 refused load leaves the model as it was; then the files are read one at a time (the memory
 of one shard).
+
+A model built on the meta device (``distkit.init_empty()``) has no storage to copy into: its
+weights are checked the same way, then recorded on it and read when the set-up gives it
+storage (see :mod:`distkit.checkpoint._pending_weights`); they are reported as ``pending``,
+never as ``loaded``.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from distkit.checkpoint import _pending_weights
 from distkit.checkpoint import _safetensors as st
 from distkit.errors import CheckpointError, ConfigurationError
 
@@ -25,12 +31,15 @@ FEATURE = "load_weights"
 
 class LoadedWeights(NamedTuple):
     """What :func:`load_weights` did: the names it loaded, the model's names the files lack
-    (``strict=False`` only), and the files' names the model lacks (``strict=False`` only).
-    Tied aliases of a loaded tensor count as loaded."""
+    (``strict=False`` only), the files' names the model lacks (``strict=False`` only), and
+    the names it recorded for a model on the meta device, to be read when ``fit`` or
+    ``rt.setup`` gives them storage (``loaded`` is then empty: nothing is in the model yet).
+    Tied aliases of a loaded (or pending) tensor count as loaded (or pending)."""
 
     loaded: list[str]
     missing_keys: list[str]
     unexpected_keys: list[str]
+    pending: list[str]
 
 
 def load_weights(
@@ -38,6 +47,10 @@ def load_weights(
 ) -> LoadedWeights:
     """Load safetensors weights into ``model`` (a plain ``nn.Module``, before ``rt.setup`` or
     ``fit``: fine-tuning then starts from them).
+
+    A model built on the meta device (``distkit.init_empty()``, a model larger than one
+    process) is checked the same way, and its weights are read at the set-up, each rank its
+    own slices under fsdp: they come back as ``pending``, not ``loaded``.
 
     Args:
         model: the module; its own ``state_dict()`` keys are matched (no ``module.`` prefix).
@@ -48,11 +61,13 @@ def load_weights(
             partner is loaded. Shapes must match either way.
 
     Returns:
-        :class:`LoadedWeights` (``loaded``, ``missing_keys``, ``unexpected_keys``).
+        :class:`LoadedWeights` (``loaded``, ``missing_keys``, ``unexpected_keys``,
+        ``pending``).
 
     Raises:
         CheckpointError: no such file or folder, a file of another format, a folder without
             weights, a damaged index, names or shapes that do not match.
+        ConfigurationError: a model set up for fsdp, or one partly on the meta device.
     """
     if not isinstance(model, nn.Module):
         raise ConfigurationError(
@@ -166,6 +181,7 @@ def _load(model: nn.Module, files: dict[Path, list[str] | None], path: Path, str
             "load_weights got a model whose weights are sharded (set up for fsdp): load the "
             "weights into the model you built, before rt.setup / fit, which then shard them"
         )
+    meta = _on_meta(model)
     aliases = st.shared_aliases(state)
     groups: dict[str, list[str]] = {}
     for name in state:
@@ -205,6 +221,9 @@ def _load(model: nn.Module, files: dict[Path, list[str] | None], path: Path, str
             "the cast you mean"
         )
     load_file = st.safetensors_torch(FEATURE).load_file
+    if meta:  # no storage to copy into: checked now, read at the set-up
+        pending = _record(model, files, saved, state, groups, aliases, missing, load_file)
+        return LoadedWeights([], missing, unexpected, pending)
     # every file's digest verified before any tensor is copied: a damaged shard leaves the
     # model as it was (one file: read once; several: a verifying read, then the loading one)
     held: dict[str, torch.Tensor] | None = None
@@ -218,8 +237,58 @@ def _load(model: nn.Module, files: dict[Path, list[str] | None], path: Path, str
         chunk = {k: v for k, v in tensors.items() if k in state}
         model.load_state_dict(chunk, strict=False)  # names checked above
         del chunk, tensors
+    _pending_weights.forget(model)  # one recorded on meta tensors that are gone since
     loaded = [name for name in state if name not in missing]
-    return LoadedWeights(loaded, missing, unexpected)
+    return LoadedWeights(loaded, missing, unexpected, [])
+
+
+def _on_meta(model: nn.Module) -> bool:
+    """Whether ``model`` is wholly on the meta device; refused when it is partly."""
+    tensors = [(n, t) for n, t in (*model.named_parameters(), *model.named_buffers())]
+    meta = [name for name, tensor in tensors if tensor.is_meta]
+    if meta and len(meta) < len(tensors):
+        held = [name for name, tensor in tensors if not tensor.is_meta]
+        raise ConfigurationError(
+            f"load_weights got a model partly on the meta device ({', '.join(meta[:3])} on "
+            f"meta; {', '.join(held[:3])} with values): a copy into a meta tensor is lost, and "
+            "distkit materialises only a model wholly on meta. Build it wholly under "
+            "distkit.init_empty() (its weights are then read at the set-up), or wholly on the "
+            "CPU"
+        )
+    return bool(meta)
+
+
+def _record(
+    model: nn.Module,
+    files: dict[Path, list[str] | None],
+    saved: dict[str, _Header],
+    state: dict[str, Any],
+    groups: dict[str, list[str]],
+    aliases: dict[str, str],
+    missing: list[str],
+    load_file: Any,
+) -> list[str]:
+    """Where each of the meta ``model``'s tensors is in the files, recorded on it; the names
+    recorded. Every file's digest is verified first, as for a model with values (one file in
+    memory at a time); a file changed after that is refused when it is read."""
+    stamps = {file: _pending_weights.file_stamp(file) for file in files}
+    for file in files:
+        _verified(file, load_file)
+    chosen: dict[str, _pending_weights.StoredTensor] = {}
+    for name in state:
+        if name in missing:
+            continue
+        key = (
+            name
+            if name in saved
+            else next(other for other in groups[aliases.get(name, name)] if other in saved)
+        )  # a tied alias the files lack: its partner's tensor
+        header = saved[key]
+        chosen[name] = _pending_weights.StoredTensor(
+            header.file, key, header.shape, stamps[header.file]
+        )
+    _pending_weights.record(model, chosen)
+    return list(chosen)
 
 
 def _verified(file: Path, load_file: Any) -> dict[str, torch.Tensor] | None:

@@ -14,6 +14,8 @@ from collections.abc import Iterator
 
 import torch
 
+from distkit.strategies._tied_weights import recording_makers
+
 
 @contextlib.contextmanager
 def init_empty() -> Iterator[None]:
@@ -27,7 +29,12 @@ def init_empty() -> Iterator[None]:
     The weights then equal those of the same model built normally after the same
     ``torch.manual_seed`` (each module's ``reset_parameters()`` runs at the set-up, in the
     order the modules were built, from rank 0's random state at that moment: draw nothing
-    from torch's global generator between building and fitting).
+    from torch's global generator between building and fitting). A weight two modules share
+    (``head.weight = emb.weight``) stays one, with the values of the module that made it.
+
+    To fine-tune pretrained weights, ``distkit.load_weights(model, path)`` after the build:
+    they are checked at once and read at the set-up (each rank its own slices under fsdp),
+    in place of the initial values.
     """
-    with torch.device("meta"):
+    with torch.device("meta"), recording_makers():
         yield

@@ -11,26 +11,37 @@ tensors, and the weights equal those of the same model built normally after the 
 
 A module whose ``reset_parameters()`` does not set all of its own tensors (or that has none)
 cannot be initialised so: it is refused, naming it, rather than trained from uninitialised
-memory. A tensor two modules share (tied weights) takes the values of the first module that
-holds it, in ``model.modules()`` order.
+memory. A tensor two modules share (tied weights) is given its values once, those of the
+module that made it (see :mod:`distkit.strategies._tied_weights`), and stays one tensor.
+
+Weights ``load_weights`` recorded for the meta model (:mod:`distkit.checkpoint.
+_pending_weights`) are its values instead: each recorded tensor is read from its file, and a
+module whose tensors all come from the files is not initialised at all (no
+``reset_parameters()``, no random draws; it needs neither, and a layer without one, such as
+transformers' ``Conv1D``, loads). A module with tensors the files lack (``strict=False``, a
+new head) is initialised for those.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
 
+from distkit.checkpoint._pending_weights import StoredTensor
 from distkit.errors import ConfigurationError
+from distkit.strategies import _tied_weights
 
 #: what an integer buffer holds until reset_parameters() sets it
 _UNSET_INT = -(2**31) + 7
 
+#: a tensor's initial value: made by ``reset_parameters()``, or where it is in a weights file
+Value = torch.Tensor | StoredTensor
 #: ``keep(module, own, values)``: store a module's full initial ``values`` (by name) into its
 #: ``own`` tensors (by name; meta, or this rank's storage), keeping this rank's part
-Keep = Callable[[nn.Module, dict[str, torch.Tensor], dict[str, torch.Tensor]], None]
+Keep = Callable[[nn.Module, dict[str, torch.Tensor], dict[str, Value]], None]
 
 
 def on_meta(model: nn.Module) -> bool:
@@ -39,24 +50,71 @@ def on_meta(model: nn.Module) -> bool:
     return bool(tensors) and all(t.is_meta for t in tensors)
 
 
-def initialise(model: nn.Module, rng_state: torch.Tensor, keep: Keep, *, main: bool) -> None:
+def initialise(
+    model: nn.Module,
+    rng_state: torch.Tensor,
+    keep: Keep,
+    *,
+    main: bool,
+    stored: Mapping[str, StoredTensor] | None = None,
+) -> None:
     """Each module's initial values, module by module in build order, from ``rng_state``
     (rank 0's), handed to ``keep``. Rank 0 (``main``) advances its own random state as the
-    normal build did; the others keep theirs."""
-    given: set[int] = set()  # a tensor two modules hold (tied) takes the first one's values
+    normal build did; the others keep theirs. ``stored``: the tensors ``load_weights``
+    recorded, by the model's names, handed to ``keep`` as they are (each keeper reads what it
+    keeps); a module whose tensors they all are is not initialised."""
+    given: set[int] = set()  # a tensor two modules hold (tied) is given its values once
+    home = _tied_weights.homes(model)
     with _random_state(rng_state, keep=main):
-        for module in model.modules():
+        for prefix, module in model.named_modules():
             own = {
                 **{n: p for n, p in module._parameters.items() if p is not None},
                 **{n: b for n, b in module._buffers.items() if b is not None},
             }
             if not own:
                 continue
-            values = _initial_values(module, own)  # draws for every tensor, as the build did
-            fresh = {n: v for n, v in values.items() if id(own[n]) not in given}
+            new = [
+                n
+                for n in own
+                if id(own[n]) not in given and home.get(id(own[n]), id(module)) == id(module)
+            ]
+            values: dict[str, Value]
+            if stored is None:  # draws for every tensor, as the build did
+                values = dict(_initial_values(module, own))
+            else:
+                dot = f"{prefix}." if prefix else ""
+                values = {n: stored[dot + n] for n in new if dot + n in stored}
+                unset = [n for n in new if n not in values]
+                if unset:  # the files lack some: those are initialised
+                    made = _initial_values(module, own, check=unset)
+                    values.update({n: made[n] for n in unset})
+            fresh = {n: values[n] for n in new}
             given.update(id(own[n]) for n in fresh)
             if fresh:
                 keep(module, {n: own[n] for n in fresh}, fresh)
+
+
+def full(value: Value) -> torch.Tensor:
+    """``value`` as a full tensor: read from its file where it is stored."""
+    return value.read() if isinstance(value, StoredTensor) else value
+
+
+def materialise(model: nn.Module, device: torch.device, stored: Mapping[str, StoredTensor]) -> None:
+    """The whole meta ``model`` given storage on ``device`` and its values: the ``stored``
+    weights, any tensor they lack by its module's ``reset_parameters()`` from this process's
+    random state. Each parameter and buffer stays the object it was (ties, and the optimizer
+    built over the meta parameters, hold)."""
+
+    def keep(module: nn.Module, own: dict[str, torch.Tensor], values: dict[str, Value]) -> None:
+        with torch.no_grad():
+            for name, value in values.items():
+                target = own[name]
+                made = full(value).to(device, target.dtype)
+                if name in module._parameters:
+                    made = nn.Parameter(made, requires_grad=target.requires_grad)
+                torch.utils.swap_tensors(target, made)
+
+    initialise(model, torch.get_rng_state(), keep, main=True, stored=stored)
 
 
 @contextlib.contextmanager
@@ -70,19 +128,24 @@ def _random_state(state: torch.Tensor, *, keep: bool) -> Iterator[None]:
         yield
 
 
-def _initial_values(module: nn.Module, own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _initial_values(
+    module: nn.Module, own: dict[str, torch.Tensor], check: Iterable[str] | None = None
+) -> dict[str, torch.Tensor]:
     """``module.reset_parameters()`` run on full-size CPU stand-ins for its ``own`` tensors;
-    the module is left holding ``own`` again."""
+    the module is left holding ``own`` again. ``check``: the names it must set (default:
+    all; the others come from weights files)."""
+    needed = sorted(own if check is None else check)
     reset = getattr(module, "reset_parameters", None)
     if not callable(reset):
+        lacking = "" if check is None else " (not in the weights load_weights recorded)"
         raise ConfigurationError(
             f"the model was built on the meta device, and its {type(module).__name__} holds "
-            f"{', '.join(sorted(own))} but has no reset_parameters(): distkit cannot give them "
-            "their initial values. Give the module a reset_parameters() that sets them, or "
-            "build the model on the CPU"
+            f"{', '.join(needed)}{lacking} but has no reset_parameters(): distkit cannot give "
+            "them their initial values. Give the module a reset_parameters() that sets them, "
+            "load weights that hold them, or build the model on the CPU"
         )
-    full = {name: _unset(tensor) for name, tensor in own.items()}
-    for name, blank in full.items():
+    blanks = {name: _unset(tensor) for name, tensor in own.items()}
+    for name, blank in blanks.items():
         if name in module._parameters:
             module._parameters[name] = nn.Parameter(blank, requires_grad=own[name].requires_grad)
         else:
@@ -91,7 +154,7 @@ def _initial_values(module: nn.Module, own: dict[str, torch.Tensor]) -> dict[str
         with torch.no_grad():
             reset()
         tables = (module._parameters, module._buffers)
-        made = {name: next(t[name] for t in tables if name in t) for name in full}
+        made = {name: next(t[name] for t in tables if name in t) for name in blanks}
     finally:
         for name, tensor in own.items():
             if name in module._parameters:
@@ -100,6 +163,8 @@ def _initial_values(module: nn.Module, own: dict[str, torch.Tensor]) -> dict[str
                 module._buffers[name] = tensor
     values: dict[str, torch.Tensor] = {}
     for name, value in made.items():
+        if name not in needed:
+            continue
         if value is None or _still_unset(value):
             raise ConfigurationError(
                 f"the model was built on the meta device, and {type(module).__name__}"

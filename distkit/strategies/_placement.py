@@ -22,8 +22,10 @@ import torch
 from torch import nn
 
 from distkit.batch import to_device
+from distkit.checkpoint import _pending_weights
 from distkit.errors import ConfigurationError
 from distkit.launch._registry_view import registry
+from distkit.strategies import _meta_init
 
 CPU = torch.device("cpu")
 #: why a strategy cannot train a model built on meta (its ``meta_refusal`` default)
@@ -44,13 +46,16 @@ class Placement:
     target: torch.device
     #: ``Trainer(input_device=...)``: where inputs go instead of the first parameter's device
     override: torch.device | None = None
+    #: whether ``load_weights`` recorded weights for the model on meta, read at its set-up
+    weights_pending: bool = False
 
     @classmethod
     def of(cls, model: nn.Module, target: torch.device) -> Placement:
         found: dict[torch.device, None] = {}
         for tensor in (*model.parameters(), *model.buffers()):
             found.setdefault(_plain(tensor.device), None)
-        return cls(tuple(found), _plain(target))
+        pending = bool(_pending_weights.recorded(model))
+        return cls(tuple(found), _plain(target), weights_pending=pending)
 
     @functools.cached_property
     def user_placed(self) -> bool:
@@ -86,17 +91,29 @@ class Placement:
         """Raise when the model cannot train here: meta tensors (no values) where
         ``meta_refusal`` says why the strategy cannot materialise them (None: it can, for a
         model wholly on meta), or a user-placed model under a strategy that refuses one
-        (``refusal`` says why)."""
-        if torch.device("meta") in self.devices and (meta_refusal or not self.on_meta):
+        (``refusal`` says why). A model wholly on meta with weights ``load_weights``
+        recorded is materialised whole by :func:`place` where the strategy does not."""
+        if self.weights_pending and not self.on_meta:
+            raise ConfigurationError(
+                "load_weights recorded weights for this model while it was on the meta device, "
+                f"and it has values now (on {self.describe()}: materialised since, by "
+                "to_empty() or .to()?), so they were never read into it. Call load_weights "
+                "again on the model as it is now, or leave it on meta and let the set-up read "
+                "them"
+            )
+        materialised_here = self.on_meta and self.weights_pending
+        meta = torch.device("meta") in self.devices and not materialised_here
+        if meta and (meta_refusal or not self.on_meta):
             why = meta_refusal if self.on_meta else "only a model wholly on meta can be"
             raise ConfigurationError(
                 f"the model has parameters or buffers on the meta device (found on: "
                 f"{self.describe()}); meta tensors hold no values to train, and strategy "
                 f"{strategy_name!r} does not materialise them here ({why}). Use "
                 "strategy='fsdp' or DeepSpeedStrategy(stage=3), which materialise each rank's "
-                "shard of a model built wholly on meta, or materialise it first: "
-                "model.to_empty(device='cpu'), then initialise the weights (e.g. "
-                "reset_parameters()) or load a state dict"
+                "shard of a model built wholly on meta; load its weights with "
+                "distkit.load_weights(model, path), which this strategy reads at the set-up; "
+                "or materialise it first: model.to_empty(device='cpu'), then initialise the "
+                "weights (e.g. reset_parameters()) or load a state dict"
             )
         if self.user_placed and refusal is not None:
             keepers = " or ".join(  # those that keep such a model, plugins included
@@ -176,9 +193,15 @@ def place(
     meta_refusal: str | None = NO_META,
 ) -> None:
     """Move ``model`` to ``target`` unless the user placed it (and the strategy keeps that),
-    or it is wholly on meta and the strategy materialises it (``meta_refusal`` None)."""
+    or it is wholly on meta and the strategy materialises it (``meta_refusal`` None). One
+    wholly on meta with weights ``load_weights`` recorded, under a strategy that does not
+    materialise it, is given them here, whole on ``target`` (a tensor they lack by its
+    module's ``reset_parameters()``: see ``_meta_init``)."""
     placement = Placement.of(model, target)
     placement.check(strategy_name, refusal, meta_refusal)
+    if placement.on_meta and placement.weights_pending and meta_refusal is not None:
+        _meta_init.materialise(model, target, _pending_weights.take(model))
+        return
     if not placement.user_placed and not placement.on_meta:
         model.to(target)
 

@@ -22,6 +22,10 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from distkit.checkpoint import _pending_weights
+from distkit.errors import ConfigurationError
+from distkit.strategies import _meta_init
+
 
 class _HasPlace(Protocol):
     @property
@@ -76,6 +80,7 @@ class StateIO:
     def load_model_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
         """Load a full state (as :meth:`model_state_dict` returns) into the user's ``model``,
         set up or not. Every rank holds ``state``; no collective."""
+        self._given_values(model, "a checkpoint's model state")
         model.load_state_dict(state)
 
     def load_optimizer_state_dict(
@@ -95,7 +100,28 @@ class StateIO:
         does."""
         from distkit.checkpoint import _shard_files
 
+        self._given_values(model, "a sharded checkpoint")
         _shard_files.load(payload, model, optimizer)
+
+    def _given_values(self, model: nn.Module, what: str) -> None:
+        """A model with tensors on the meta device has none to load into (torch's copy into
+        one is a no-op, lost without a word): wholly on meta with weights ``load_weights``
+        recorded, it is materialised from them on the CPU first (the set-up then moves it);
+        else refused. (fsdp and DeepSpeed stage 3 keep the state aside until they have
+        materialised the model.)"""
+        if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+            return
+        if _meta_init.on_meta(model) and _pending_weights.recorded(model):
+            _meta_init.materialise(model, torch.device("cpu"), _pending_weights.take(model))
+            return
+        name = getattr(self.strategy, "name", type(self.strategy).__name__)
+        raise ConfigurationError(
+            f"{what} was to be loaded into a model on the meta device under strategy "
+            f"{name!r}: meta tensors hold no values to load into, and this strategy does not "
+            "keep the state until the set-up has materialised the model. Build the model on "
+            "the CPU, or use strategy='fsdp' or DeepSpeedStrategy(stage=3), which load it "
+            "into the slices they materialise"
+        )
 
     def shapes(self, model: nn.Module) -> dict[str, torch.Size | None]:
         """The full shape of each entry of the user's ``model``'s state (None: not a

@@ -6,6 +6,7 @@ Built and trained in float64 (tests/support/exactness.py): the runs compared hol
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 from typing import Any
 
@@ -93,6 +94,66 @@ def test_a_meta_model_resumes_from_a_checkpoint(run_on_ranks, tmp_path, kind):
         assert rank["steps"] == whole["steps"]
         assert max_abs_diff({k: rank["state"][k] for k in params},
                             {k: whole["state"][k] for k in params}) <= TOL  # fmt: skip
+
+
+class TiedLM(nn.Module):
+    """An embedding, a hidden layer, and an output layer sharing the embedding's weight, tied
+    as GPT-style models tie it (``head.weight = emb.weight``), or the other way round
+    (``reverse``: the output layer's weight handed to the embedding)."""
+
+    def __init__(self, reverse: bool = False) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(11, 8, dtype=DTYPE)
+        self.hidden = nn.Linear(8, 8, dtype=DTYPE)
+        self.head = nn.Linear(8, 11, bias=False, dtype=DTYPE)
+        if reverse:
+            self.emb.weight = self.head.weight
+        else:
+            self.head.weight = self.emb.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.hidden(self.emb(tokens))))
+
+
+def root_only(name: str, module: nn.Module) -> bool:
+    return False  # no unit but the root, which holds every parameter
+
+
+def fit_tied(world: int) -> list[dict[str, Any]]:
+    """A TiedLM each way, built normally and under init_empty(), fit 2 steps (SGD, lr 0.1)
+    under fsdp with the default units (and, sharded, with the root alone); the weights and
+    whether the two modules still hold one parameter."""
+    g = torch.Generator().manual_seed(5)
+    data = torch.utils.data.TensorDataset(torch.randint(0, 11, (16,), generator=g),
+                                          torch.randint(0, 11, (16,), generator=g))  # fmt: skip
+    out = []
+    for reverse in (False, True):
+        for shard in (None, root_only) if world > 1 else (None,):
+            for meta in (False, True):
+                torch.manual_seed(0)
+                with distkit.init_empty() if meta else contextlib.nullcontext():
+                    model = TiedLM(reverse)
+                trainer = distkit.Trainer(distkit.FSDPStrategy(shard=shard), batch_size=4,
+                                          seed=3, max_epochs=1, progress=False)  # fmt: skip
+                optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+                trainer.fit(model, optimizer, data, loss_fn=nn.functional.cross_entropy)
+                out.append({"case": (reverse, shard is None, meta),
+                            "state": trainer.full_state_dict(),
+                            "tied": model.head.weight is model.emb.weight})  # fmt: skip
+                trainer.close()
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_tied_model_built_on_meta_stays_tied_and_equals_the_normal_build(run_on_ranks, world):
+    """Bitwise, tied (one parameter object after the fit), either way the tie is made, with
+    the default units and (sharded) the root alone. Before, the materialisation gave each
+    module its own parameter in a world of one, and the reversed tie took the embedding's
+    initial values, where the normal build keeps those of the layer that made it."""
+    for rank in run_on_ranks(fit_tied, world, world_size=world):
+        for normal, built in zip(rank[0::2], rank[1::2], strict=True):
+            assert normal["tied"] and built["tied"], built["case"]
+            assert max_abs_diff(built["state"], normal["state"]) == 0.0, built["case"]
 
 
 def test_a_meta_module_without_reset_parameters_is_refused_naming_it(run_on_ranks):

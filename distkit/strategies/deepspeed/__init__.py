@@ -19,6 +19,7 @@ from torch import nn
 from typing_extensions import override
 
 from distkit._imports import require
+from distkit.checkpoint import _pending_weights
 from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ConfigurationError, UnsupportedFeatureError
 from distkit.launch.families import TORCH_LAUNCHERS
@@ -214,7 +215,8 @@ class DeepSpeedStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         check_known_keys(config, deepspeed.runtime.config.DeepSpeedConfig)
         if meta:  # stage 3 (else refused before): partitioned module by module
             rng = self.broadcast(torch.get_rng_state() if self.is_main else None, src=0)
-            _meta.partition(model, config, self.device, rng, main=self.is_main)
+            stored = _pending_weights.take(model)  # load_weights' into the meta model
+            _meta.partition(model, config, self.device, rng, main=self.is_main, stored=stored)
         engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=config, dist_init_required=False
         )

@@ -2,9 +2,10 @@
 
 Each module is given the initial values of the normal build (:mod:`distkit.strategies.
 _meta_init`): its own tensors, full size for a moment, filled by its ``reset_parameters()``
-from rank 0's random state. Its parameters are then handed to ZeRO stage 3's partitioner (what
-``deepspeed.zero.Init`` does to each module built inside it), which keeps this rank's slice
-and frees the rest before the next module: no rank holds the whole model. The parameter
+from rank 0's random state, or read from the weights ``load_weights`` recorded for it. Its
+parameters are then handed to ZeRO stage 3's partitioner (what ``deepspeed.zero.Init`` does
+to each module built inside it), which keeps this rank's slice and frees the rest before the
+next module: no rank holds the whole model. The parameter
 objects stay those the user's optimizer holds (``torch.utils.swap_tensors``).
 
 ``deepspeed.initialize`` then finds a model that ZeRO already partitioned and takes it as it
@@ -13,11 +14,13 @@ is, as it takes one built inside ``deepspeed.zero.Init``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from distkit.checkpoint._pending_weights import StoredTensor
 from distkit.strategies import _meta_init
 
 
@@ -28,10 +31,13 @@ def partition(
     rng_state: torch.Tensor,
     *,
     main: bool,
+    stored: Mapping[str, StoredTensor] | None = None,
 ) -> None:
     """Materialise and partition every module of the meta ``model`` (a collective: every rank
     in the same order). ``config`` is the engine's (its precision picks the parameters'
-    dtype, as ``deepspeed.zero.Init`` would); ``rng_state`` is rank 0's."""
+    dtype, as ``deepspeed.zero.Init`` would); ``rng_state`` is rank 0's; ``stored``: the
+    weights load_weights recorded (each rank reads a module's whole tensors, as
+    ``deepspeed.zero.Init`` holds a module's whole parameters, and keeps its partition)."""
     import deepspeed
 
     partitioner = deepspeed.zero.Init(config_dict_or_path=config)
@@ -46,10 +52,11 @@ def partition(
 
     def keep(module: nn.Module, own: dict[str, torch.Tensor], values: dict[str, Any]) -> None:
         params = []
-        for name, value in values.items():
+        for name, stored_or_made in values.items():
+            value = _meta_init.full(stored_or_made)
             target = own[name]
             if name not in module._parameters:  # a buffer: never partitioned, kept whole
-                module._buffers[name] = value.to(device)
+                module._buffers[name] = value.to(device, target.dtype)
                 continue
             cast = dtype if value.is_floating_point() else value.dtype
             made = nn.Parameter(value.to(device, cast), requires_grad=target.requires_grad)
@@ -57,4 +64,4 @@ def partition(
             params.append(target)
         convert(params)
 
-    _meta_init.initialise(model, rng_state, keep, main=main)
+    _meta_init.initialise(model, rng_state, keep, main=main, stored=stored or None)

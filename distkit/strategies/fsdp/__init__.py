@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from distkit.checkpoint import _shard_files
+from distkit.checkpoint import _pending_weights, _shard_files
 from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ConfigurationError, MissingDependencyError, RankDisagreementError
 from distkit.launch.families import TORCH_LAUNCHERS
@@ -230,11 +230,13 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
     def _materialize(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, originals: dict[str, Any]
     ) -> None:
-        """A meta model: this rank's slices made and initialised from rank 0's random state
-        (see _meta); the optimizer pointed at them; a checkpoint loaded before the set-up
-        (kept aside: meta tensors hold no values) loaded into them."""
+        """A meta model: this rank's slices made and initialised from rank 0's random state,
+        or read from the weights load_weights recorded (see _meta); the optimizer pointed at
+        them; a checkpoint loaded before the set-up (kept aside: meta tensors hold no values)
+        loaded into them."""
         state = self.broadcast(torch.get_rng_state() if self.is_main else None, src=0)
-        _meta.materialize(model, self.device, state, main=self.is_main)
+        stored = _pending_weights.take(model)
+        _meta.materialize(model, self.device, state, main=self.is_main, stored=stored)
         current = dict(model.named_parameters())
         names = {id(p): name for name, p in originals.items()}
         for group in optimizer.param_groups:  # the meta parameters it was built with
