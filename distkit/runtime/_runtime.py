@@ -49,6 +49,7 @@ from distkit.runtime._profiler import Profiler, ProfileRun, user_profile
 from distkit.runtime._set_up import SetUpModel, SetUpOptimizer
 from distkit.runtime._setups import SetupCache
 from distkit.runtime._user_checkpoint import load_state, save_state
+from distkit.strategies import _group_lease
 from distkit.strategies._placement import Placement
 from distkit.strategies._steps import GradientClip
 from distkit.strategies.base import Strategy, Topology, TrainOptions
@@ -285,8 +286,16 @@ class Runtime:
             )
 
     def close(self) -> None:
-        """Tear the strategy down (destroys a process group distkit created). Idempotent."""
-        self._finalizer()
+        """Tear the strategy down (and the process group distkit created, unless another
+        Trainer or Runtime of this process still uses it). Idempotent.
+
+        A Runtime dropped without close() is torn down when the garbage collector takes
+        it; its process group, when it was the last to use it, is then kept for the next
+        Runtime of the process (or the process's end): the collector runs at another point
+        on each rank, and a group destroyed on one rank only would split the job (see
+        ``strategies/_group_lease``)."""
+        with _group_lease.explicit_close():
+            self._finalizer()
 
     def close_after_failure(self) -> None:
         """Close, keeping the side channel alive while this runtime lives.

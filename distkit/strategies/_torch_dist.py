@@ -9,6 +9,7 @@ below :class:`~distkit.strategies.base.Strategy`.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, ClassVar
 
@@ -24,8 +25,8 @@ from distkit.launch._env import LaunchEnv
 from distkit.launch._registry_view import auto_strategy_name
 from distkit.strategies._collectives import PendingSum
 from distkit.strategies._torch_group import (
-    destroy_process_group,
     init_process_group,
+    leave_process_group,
     resolve_timeout,
 )
 from distkit.strategies.base import Topology, TrainOptions
@@ -91,7 +92,7 @@ class TorchDistributedCollectives:
     rank: int
     world_size: int
     device: torch.device
-    _owns_group: bool = False  # distkit created the default group (and destroys it)
+    _owns_group: bool = False  # holds a lease on distkit's default group (see _group_lease)
     _host_group: Any = None  # a gloo group for host-side sums beside an nccl default group
     #: the last host-side sums, kept past their use (see :data:`KEEP_PENDING`)
     _recent_sums: tuple[_TorchPending, ...] = ()
@@ -106,15 +107,17 @@ class TorchDistributedCollectives:
             self._host_group = dist.new_group(backend="gloo", timeout=timeout)
         return topology
 
-    def _leave_group(self) -> None:
-        """Destroy the default group if :meth:`_join_group` created it."""
+    def _leave_group(self, before_destroy: Callable[[], None] | None = None) -> bool:
+        """Give back the lease :meth:`_join_group` took on distkit's default group; the last
+        one destroys it (``before_destroy`` first). Whether it was destroyed."""
         if self._host_group is not None and dist.is_initialized():
             dist.destroy_process_group(self._host_group)
         self._host_group = None
         self._recent_sums = ()
-        if self._owns_group:
-            destroy_process_group()
-            self._owns_group = False
+        if not self._owns_group:
+            return False
+        self._owns_group = False
+        return leave_process_group(before_destroy=before_destroy)
 
     def _all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         return all_reduce(tensor, op, self.world_size, self.device)

@@ -15,7 +15,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import torch
@@ -24,16 +24,20 @@ import torch.distributed as dist
 from distkit.errors import ConfigurationError, LauncherMismatchError
 from distkit.launch._env import LaunchEnv
 from distkit.launch._registry_view import auto_strategy_name
+from distkit.strategies import _group_lease
 from distkit.strategies.base import Topology
 
 
 def init_process_group(
     env: LaunchEnv, *, backend: str | None, timeout: timedelta, strategy: str
 ) -> tuple[Topology, bool]:
-    """Join (or create) the default process group; returns the topology and whether we own it.
+    """Join (or create) the default process group; returns the topology and whether a lease
+    on it was taken (give it back with :func:`leave_process_group`).
 
-    A group the user already created is reused and left alone at teardown. Without a launcher a
-    world of one is formed on an in-process store, so the same code runs under ``python``.
+    A group distkit made for an earlier strategy in this process (a sweep) is joined, with
+    this strategy's timeout; a group the user already created is reused and left alone at
+    teardown. Without a launcher a world of one is formed on an in-process store, so the same
+    code runs under ``python``.
     """
     if env.launcher == "horovodrun":
         raise LauncherMismatchError(
@@ -47,7 +51,12 @@ def init_process_group(
         rank, world_size = dist.get_rank(), dist.get_world_size()
         own_local_rank = env.is_torch_launcher or env.launcher == "kubeflow"  # 0: one per pod
         local_rank = env.local_rank if own_local_rank else rank
-        return _topology(rank, local_rank, world_size, use_cuda, strategy), False
+        _check_backend(backend, strategy)
+        topology = _topology(rank, local_rank, world_size, use_cuda, strategy)
+        leased = _group_lease.join()
+        if leased:  # distkit's own, made for an earlier strategy: this one's timeout now
+            dist.distributed_c10d._set_pg_timeout(timeout)
+        return topology, leased
     chosen = backend or ("nccl" if use_cuda else "gloo")
     if chosen not in dist.Backend.backend_list and chosen not in ("nccl", "gloo", "mpi"):
         raise ConfigurationError(
@@ -71,7 +80,30 @@ def init_process_group(
         dist.init_process_group(
             chosen, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
         )
+    _group_lease.made(dist.get_world_size())
     return topology, True
+
+
+def leave_process_group(*, before_destroy: Callable[[], None] | None = None) -> bool:
+    """Give back the lease :func:`init_process_group` took; the last one destroys the group
+    (see :mod:`distkit.strategies._group_lease`). Whether it was destroyed."""
+    return _group_lease.release(before_destroy=before_destroy)
+
+
+def _check_backend(backend: str | None, strategy: str) -> None:
+    """A backend asked for by name must be the one the existing group runs."""
+    if backend is None:
+        return
+    running = str(dist.get_backend())
+    if backend.lower() not in running.lower().split(":") and backend.lower() != running.lower():
+        raise ConfigurationError(
+            f"strategy={strategy!r} was given backend={backend!r}, but this process already "
+            f"has a process group on {running!r} (made by an earlier Trainer or Runtime, or by "
+            "you), which it would join: one process has one default group. Give every "
+            f"Trainer of the process the same backend (or backend=None to join {running!r}), "
+            "or close the earlier ones first (close() or a with-block), which destroys "
+            "distkit's group"
+        )
 
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)
@@ -279,9 +311,3 @@ def _topology(
     else:
         device = torch.device("cpu")
     return Topology(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
-
-
-def destroy_process_group() -> None:
-    """Destroy the default group if it still exists."""
-    if dist.is_initialized():
-        dist.destroy_process_group()

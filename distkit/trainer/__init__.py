@@ -375,7 +375,8 @@ class Trainer:
         return self._closed or self.runtime.closed
 
     def close(self) -> None:
-        """Tear the strategy down (destroys a process group distkit created); a Runtime you
+        """Tear the strategy down (and the process group distkit created, once no other
+        Trainer or Runtime of the process uses it: see ``Runtime.close``); a Runtime you
         gave (``Trainer(runtime=rt)``) stays open for your next Trainer. Idempotent."""
         self._closed = True
         if self._owns_runtime:

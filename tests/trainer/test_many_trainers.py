@@ -69,3 +69,40 @@ def test_many_trainers_in_one_horovodrun_worker_all_run(tmp_path):
     results = _run_job(launcher, "horovod", tmp_path, RUNS)
 
     assert results == [{"runs": RUNS, "identical": True}] * 2
+
+
+PAIRS = str(ROOT / "tests" / "support" / "job_scripts" / "sweep_pairs_job.py")
+#: every backend pair the sweep issue named, and same-backend sweeps: ddp->ddp, ddp->fsdp,
+#: fsdp->fsdp, fsdp->deepspeed2, deepspeed2->deepspeed3, deepspeed3->ddp
+CHAIN = ["ddp", "ddp", "fsdp", "fsdp", "deepspeed2", "deepspeed3", "ddp"]
+
+
+def _run_pairs(mode: str, chain: list[str], out: Path) -> list[dict]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    for key in LAUNCHER_VARS:
+        env.pop(key, None)
+    proc = subprocess.run([*TORCHRUN, PAIRS, mode, ",".join(chain), str(out)],
+                          capture_output=True, text=True, env=env, timeout=280)  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+@pytest.mark.parametrize("mode", ["trainers", "runtimes", "cycles"])
+def test_a_sweep_that_makes_each_trainer_before_dropping_the_last_runs_every_fit(tmp_path, mode):
+    """torchrun x2, one worker each: every fit runs its 3 steps (24 samples, 4 a rank), the
+    ranks end with the same weights, a strategy's repeated fits end bitwise alike (the reused
+    group trains as a fresh one), and the explicit close at the end leaves no process group.
+    ``cycles``: the dropped Trainers are freed by the garbage collector at other points on
+    each rank, which must not split the job."""
+    pytest.importorskip("deepspeed")
+    chain = CHAIN if mode != "cycles" else ["ddp", "fsdp", "ddp", "deepspeed2", "ddp"]
+    ranks = _run_pairs(mode, chain, tmp_path)
+    for rank in ranks:
+        assert [fit["strategy"] for fit in rank["fits"]] == chain
+        assert all(fit["steps"] == 3 for fit in rank["fits"]), rank["fits"]
+        assert rank["group_left"] is False
+    assert ranks[0]["fits"] == ranks[1]["fits"]
+    by_strategy: dict[str, set[str]] = {}
+    for fit in ranks[0]["fits"]:
+        by_strategy.setdefault(fit["strategy"], set()).add(fit["digest"])
+    assert all(len(digests) == 1 for digests in by_strategy.values()), by_strategy

@@ -135,7 +135,7 @@ class DeepSpeedStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         #: optimizer: loaded once the set-up has given it values
         self._before_setup: dict[int, dict[str, Any]] = {}
         self.meta_refusal = None if self.stage == 3 else STAGES_NEED_VALUES
-        self._set_local_rank = False  # whether LOCAL_RANK is ours to remove at teardown
+        self._holds_local_rank = False  # whether it holds the LOCAL_RANK distkit may set
 
     @override
     def agreed_options(self) -> str:
@@ -150,11 +150,8 @@ class DeepSpeedStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         require("deepspeed", feature="strategy='deepspeed'", hint=HINT)
         topology = self._join_group()
-        if "LOCAL_RANK" not in os.environ:
-            # DeepSpeed reads it at its set-up and, at stage 3, in each forward; plain
-            # `python` (a world of one) does not set it. Removed at teardown, as it was.
-            os.environ["LOCAL_RANK"] = str(topology.local_rank)
-            self._set_local_rank = True
+        _lifecycle.hold_local_rank(topology.local_rank)
+        self._holds_local_rank = True
         return topology
 
     @override
@@ -177,12 +174,11 @@ class DeepSpeedStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
                 destroy()
         self._engines.clear()
         self._before_setup.clear()
-        if self._owns_group:  # the world goes: DeepSpeed's clones of it with it
-            _lifecycle.forget_groups()
-        self._leave_group()
-        if self._set_local_rank:
-            os.environ.pop("LOCAL_RANK", None)
-            self._set_local_rank = False
+        # when the world goes (the last lease on it), DeepSpeed's clones of it go with it
+        self._leave_group(before_destroy=_lifecycle.forget_groups)
+        if self._holds_local_rank:
+            _lifecycle.release_local_rank()
+            self._holds_local_rank = False
         super().teardown()
 
     # ------------------------------------------------------------------ set-up
