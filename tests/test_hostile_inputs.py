@@ -268,6 +268,72 @@ def test_hostile_trainer_argument_is_refused_by_name(argument, value, phrase):
         _trainer(**{argument: value})
 
 
+# ---------------------------------------------------------------- weights, Runtimes, trackers
+def _int_weights(tmp: Path) -> Any:
+    from safetensors import torch as safetensors_torch
+
+    ids = {"weight": torch.arange(6).reshape(2, 3), "bias": torch.zeros(2)}
+    safetensors_torch.save_file(ids, str(tmp / "ids.safetensors"))
+    return distkit.load_weights(_model(), tmp / "ids.safetensors")
+
+
+def _flipped_weights(tmp: Path) -> Any:
+    with distkit.Runtime("dp") as rt:
+        rt.save_weights(_model(), tmp / "w")
+    file = tmp / "w" / "model.safetensors"
+    data = bytearray(file.read_bytes())
+    data[-3] ^= 0x10  # a bit of the tensors (after the header)
+    file.write_bytes(bytes(data))
+    return distkit.load_weights(_model(), tmp / "w")
+
+
+def _rt_load_other_shapes(tmp: Path) -> Any:
+    with distkit.Runtime("dp") as rt:
+        model = _model()
+        model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        rt.save(tmp / "c.pt", {"model": model, "optimizer": optimizer})
+    with distkit.Runtime("dp") as rt:
+        other = nn.Linear(3, 5)
+        model, optimizer = rt.setup(other, torch.optim.SGD(other.parameters(), lr=0.1))
+        before = other.weight.detach().clone()
+        try:
+            return rt.load(tmp / "c.pt", {"model": model, "optimizer": optimizer})
+        finally:
+            assert torch.equal(other.weight, before), "a refused rt.load changed the model"
+
+
+def _closed_runtimes_model(tmp: Path) -> Any:
+    with distkit.Runtime("dp") as rt:
+        model = _model()
+        model, _ = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    return model(torch.randn(2, 3))
+
+
+def _one_module_two_runtimes(tmp: Path) -> Any:
+    model = _model()
+    with distkit.Runtime("dp") as first, distkit.Runtime("dp") as second:
+        first.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        return second.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def _mlflow(uri: str) -> Any:
+    pytest.importorskip("mlflow")
+    from distkit.loggers import MLflowLogger
+
+    return MLflowLogger("e", tracking_uri=uri)
+
+
+def _pending_weights_removed(tmp: Path) -> Any:
+    with distkit.Runtime("dp") as rt:
+        rt.save_weights(_model(), tmp / "w")
+    with distkit.init_empty():
+        model = nn.Linear(3, 2)
+    distkit.load_weights(model, tmp / "w")  # recorded, to be read at the set-up
+    (tmp / "w" / "model.safetensors").unlink()
+    with distkit.Runtime("fsdp") as rt:
+        return rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
 # (case id, what to do with a tmp folder, the error type, a phrase of its message)
 CASES: list[tuple[str, Callable[[Path], Any], type[BaseException], str]] = [
     # Trainer(strategy) (the other Trainer arguments: TRAINER_ARGUMENTS)
@@ -1033,6 +1099,67 @@ CASES: list[tuple[str, Callable[[Path], Any], type[BaseException], str]] = [
         ConfigurationError,
         "Loss.count (rt.backward count=) must be >= 0 (a number of items), but 2 optimizer "
         "steps had a negative tensor count on some rank (this rank's lowest was -4)",
+    ),
+    (
+        "load_weights-integer-tensors-into-float-weights",
+        _int_weights,
+        ckpt.CheckpointError,
+        "holds integer tensors where the model has floating-point ones: weight: file I64, "
+        "model torch.float32. Those are not weights of this model (a file of token ids or "
+        "counts?): save the weights as floats, or load them yourself with the cast you mean",
+    ),
+    (
+        "load_weights-one-flipped-bit",
+        _flipped_weights,
+        ckpt.CheckpointError,
+        "model.safetensors is damaged: its tensors do not match the digest save_weights "
+        "recorded (a changed bit, or a partial copy). Nothing was loaded. Copy the file again",
+    ),
+    (
+        "rt.load-into-a-model-of-other-shapes",
+        _rt_load_other_shapes,
+        ckpt.CheckpointError,
+        "'model' does not fit this model: weight: checkpoint (2, 3), model (5, 3); bias: "
+        "checkpoint (2,), model (5,). Nothing was loaded. Load it into the model it was saved "
+        "from",
+    ),
+    (
+        "closed-runtimes-model-called",
+        _closed_runtimes_model,
+        TrainerClosedError,
+        "a set-up model or optimizer was used on a closed Runtime: the Runtime was closed "
+        "(close(), the end of its with-block, or a failed multi-process run) and its backend "
+        "state with it. Use the model you passed to rt.setup",
+    ),
+    (
+        "one-module-set-up-by-two-open-runtimes",
+        _one_module_two_runtimes,
+        ConfigurationError,
+        "this Linear is set up by another Runtime (or Trainer) that is still open: its "
+        "backend's hooks are on the model's parameters, and a second set-up would add its own "
+        "(gradients averaged twice, or not at all). Close the first",
+    ),
+    (
+        "mlflow-tracking-uri-of-no-scheme-mlflow-has",
+        lambda t: _mlflow("bogus://x"),
+        ConfigurationError,
+        "MLflowLogger(tracking_uri='bogus://x'): MLflow has no tracking store for the scheme "
+        "'bogus'; allowed: a folder path, or a URI of scheme file, http, https, databricks, "
+        "sqlite, postgresql, mysql or mssql",
+    ),
+    (
+        "mlflow-sqlite-store-in-a-folder-it-cannot-write",
+        lambda t: _mlflow("sqlite:////proc/m.db"),
+        ConfigurationError,
+        "MLflowLogger(tracking_uri='sqlite:////proc/m.db'): '/proc' cannot be written",
+    ),
+    (
+        "meta-model-pending-weights-removed-before-the-set-up",
+        _pending_weights_removed,
+        ckpt.CheckpointError,
+        "model.safetensors is gone (FileNotFoundError: No such file or directory): load_weights "
+        "recorded it for a model on the meta device, to be read at the set-up. Keep the weights "
+        "where they were until fit / rt.setup has run, or call load_weights again",
     ),
 ]
 
