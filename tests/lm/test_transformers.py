@@ -15,7 +15,7 @@ import torch
 
 import distkit
 from tests.support.exactness import DTYPE, TOL
-from tests.support.token_workloads import N, Sequences, V
+from tests.support.token_workloads import N, Sequences, V, causal_lm_step
 from tests.support.workloads import max_abs_diff
 
 transformers = pytest.importorskip("transformers")
@@ -40,16 +40,6 @@ def make_gpt2(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     return transformers.GPT2LMHeadModel(config).to(dtype)
 
 
-def step(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> distkit.Loss:
-    """Labels are already the next token (-100 where none): no shift inside."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    labels = batch["labels"]
-    total = torch.nn.functional.cross_entropy(
-        logits.reshape(-1, V), labels.reshape(-1), ignore_index=-100, reduction="sum"
-    )
-    return distkit.Loss(total, (labels != -100).sum(), output=logits)
-
-
 def fit_gpt2(strategy: str, batch: int, accum: int, folder: str | None = None,
              patience: int | None = None, sgd: float | None = None,
              dtype: torch.dtype = torch.float32, **settings: Any) -> dict[str, Any]:  # fmt: skip
@@ -64,7 +54,7 @@ def fit_gpt2(strategy: str, batch: int, accum: int, folder: str | None = None,
         if sgd is None
         else torch.optim.SGD(model.parameters(), lr=sgd, momentum=0.9)
     )
-    result = trainer.fit(model, optimizer, Masked(), step_fn=step,
+    result = trainer.fit(model, optimizer, Masked(), step_fn=causal_lm_step,
                          val_data=Masked(n=9, seed=4))  # fmt: skip
     if folder is not None:
         trainer.save_weights(folder)

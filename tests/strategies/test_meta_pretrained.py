@@ -27,7 +27,7 @@ from tests.support.exactness import DTYPE, TOL
 from tests.support.gates import needs
 from tests.support.horovod_runner import RankError, run_with_horovodrun
 from tests.support.meta_models import build
-from tests.support.token_workloads import Sequences, V
+from tests.support.token_workloads import Sequences, V, causal_lm_step
 from tests.support.workloads import max_abs_diff
 
 transformers = pytest.importorskip("transformers")
@@ -81,15 +81,6 @@ def pretrained(folder: Path, dtype: torch.dtype = DTYPE, seed: int = 7) -> dict[
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def step(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> distkit.Loss:
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    labels = batch["labels"]
-    total = torch.nn.functional.cross_entropy(
-        logits.reshape(-1, V), labels.reshape(-1), ignore_index=-100, reduction="sum"
-    )
-    return distkit.Loss(total, (labels != -100).sum(), output=logits)
-
-
 def mean_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """The model's own next-token loss, a mean (for DeepSpeed, and for a checkpoint: one of
     a fit with distkit.Loss's token counts does not resume yet, its samples saved as a
@@ -120,7 +111,7 @@ def fine_tune(strategy: Any, batch: int, folder: str, *, meta: bool, lr: float,
         trainer = distkit.Trainer(strategy, batch_size=batch, seed=3, max_epochs=1,
                                   progress=False, **settings)  # fmt: skip
         optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-        data, loss = (Full(n=24), mean_loss) if mean else (Masked(), step)
+        data, loss = (Full(n=24), mean_loss) if mean else (Masked(), causal_lm_step)
         trainer.fit(model, optimizer, data, step_fn=loss)
     finally:
         StoredTensor.read = original  # type: ignore[method-assign]

@@ -81,6 +81,17 @@ def token_step(model: nn.Module, batch: dict[str, torch.Tensor], count: str = "t
     return distkit.Loss(total, given_count(n, count))
 
 
+def causal_lm_step(model: nn.Module, batch: dict[str, torch.Tensor]) -> distkit.Loss:
+    """A transformers causal LM's token-exact loss (labels are already the next token, -100
+    where none: no shift inside), its logits kept as the output."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    labels = batch["labels"]
+    total = F.cross_entropy(
+        logits.reshape(-1, V), labels.reshape(-1), ignore_index=-100, reduction="sum"
+    )
+    return distkit.Loss(total, (labels != -100).sum(), output=logits)
+
+
 def given_count(n: torch.Tensor, count: str) -> Any:
     """The count a step gives for its ``n`` items (see token_step)."""
     if count == "int":
