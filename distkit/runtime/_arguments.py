@@ -16,6 +16,7 @@ from distkit._validate import (
     check_seconds,
 )
 from distkit.errors import ConfigurationError
+from distkit.runtime._set_up import SetUpOptimizer
 
 SCHEDULER_INTERVALS = ("epoch", "step")
 NONFINITE_POLICIES = ("raise", "skip")
@@ -37,6 +38,7 @@ def check_setup_args(model: object, optimizers: tuple[object, ...]) -> None:
                 f"rt.setup's optimizer #{position + 1} must be a torch.optim.Optimizer, got "
                 f"{type(optimizer).__name__}"
             )
+        _check_not_set_up(optimizer, f"rt.setup's optimizer #{position + 1}")
         foreign = sum(
             1 for group in optimizer.param_groups for p in group["params"] if id(p) not in owned
         )
@@ -46,6 +48,16 @@ def check_setup_args(model: object, optimizers: tuple[object, ...]) -> None:
                 "of the model; set up each model with its own optimizers: "
                 "rt.setup(model, torch.optim.SGD(model.parameters(), ...))"
             )
+
+
+def _check_not_set_up(optimizer: torch.optim.Optimizer, what: str) -> None:
+    if isinstance(optimizer, SetUpOptimizer):
+        raise ConfigurationError(
+            f"{what} is one that rt.setup returned (a {type(optimizer).__name__}): it is set "
+            "up already. "
+            "Pass the optimizer you built (set up once), or keep using the set-up one in "
+            "your loop"
+        )
 
 
 def check_fit_args(
@@ -62,6 +74,7 @@ def check_fit_args(
         raise ConfigurationError(
             f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
         )
+    _check_not_set_up(optimizer, "fit's optimizer")
     for name, fn in (("loss_fn", loss_fn), ("step_fn", step_fn)):
         if fn is not None and not callable(fn):
             raise ConfigurationError(f"{name} must be callable, got {type(fn).__name__}")

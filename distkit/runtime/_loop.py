@@ -69,7 +69,13 @@ class LoopState:
             set_up = SetUpModel(strategy, model, model, self.current_micro, self.ready)
             wrappers = [
                 SetUpOptimizer(
-                    strategy, opt, opt, self.current_micro, self.ready, self.backwards_done
+                    strategy,
+                    opt,
+                    opt,
+                    self.current_micro,
+                    self.ready,
+                    self.backwards_done,
+                    model=model,
                 )
                 for opt in optimizers
             ]
@@ -82,7 +88,13 @@ class LoopState:
             set_up = SetUpModel(strategy, model, wrapped, self.current_micro, self.ready)
             wrappers = [
                 SetUpOptimizer(
-                    strategy, opt, inner, self.current_micro, self.ready, self.backwards_done
+                    strategy,
+                    opt,
+                    inner,
+                    self.current_micro,
+                    self.ready,
+                    self.backwards_done,
+                    model=model,
                 )
                 for opt, inner in zip(optimizers, inners, strict=True)
             ]
@@ -108,7 +120,13 @@ class LoopState:
             self.strategy, model, wrapped, self.current_micro, self.ready, forward=forward
         )
         opt = SetUpOptimizer(
-            self.strategy, optimizer, inner, self.current_micro, self.ready, self.backwards_done
+            self.strategy,
+            optimizer,
+            inner,
+            self.current_micro,
+            self.ready,
+            self.backwards_done,
+            model=model,
         )
         self.fit = (set_up, opt)
         return set_up, opt

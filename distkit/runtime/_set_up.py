@@ -14,14 +14,14 @@ from __future__ import annotations
 import collections
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, SupportsIndex
 
 import torch
 from torch import nn
 from typing_extensions import override
 
 from distkit.data import MicroBatch
-from distkit.errors import ConfigurationError
+from distkit.errors import ConfigurationError, UnsupportedFeatureError
 from distkit.runtime._items import ItemWindow
 from distkit.strategies._legacy_hooks import takes_before_step
 from distkit.strategies._steps import GradientClip, StepOutcome
@@ -152,14 +152,41 @@ class SetUpModel(nn.Module):
             return getattr(module, name)  # the user's own attributes
 
 
-class SetUpOptimizer:
+class SetUpOptimizer(torch.optim.Optimizer):
     """The user's optimizer as the strategy set it up, for a user's own loop.
 
+    It **is** a ``torch.optim.Optimizer``, and an instance of the user's optimizer's class
+    (``isinstance(opt, torch.optim.AdamW)`` holds, as for Horovod's ``DistributedOptimizer``):
+    torch's, transformers' and timm's LR schedulers take it. Its ``param_groups``, ``state``
+    and ``defaults`` are the user's optimizer's own objects, so a scheduler, a warm-up that
+    writes ``param_groups[i]["lr"]`` or ``defaults["lr"]``, or hooks registered on it act on
+    the optimizer that steps. Any other attribute is read from, and written to, the user's
+    optimizer too (a method of the user's class runs against the same state).
+
     ``step()`` steps only where the loop's current micro-batch ends its accumulation window
-    (always, outside ``rt.loader``'s batches); ``zero_grad()`` clears only there. Its
-    ``param_groups`` and ``state`` are the user's optimizer's (LR schedulers built on the
-    user's optimizer keep working).
+    (always, outside ``rt.loader``'s batches); ``zero_grad()`` clears only there.
     """
+
+    # set in __init__, in the instance's own dict (see __setattr__)
+    _strategy: Strategy
+    optimizer: torch.optim.Optimizer
+    _inner: torch.optim.Optimizer
+    _micro: Callable[[], MicroBatch | None]
+    _ready: Callable[[], None]
+    _backwards: Callable[[], int]
+    _backwards_at_step: int
+    _clip: GradientClip | None
+    last_outcome: StepOutcome | None
+    last_grad_norm: torch.Tensor | None
+    items: ItemWindow
+    _takes_before_step: bool | None
+    _model: nn.Module | None
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> SetUpOptimizer:
+        optimizer = kwargs.get("optimizer", args[1] if len(args) > 1 else None)
+        if cls is SetUpOptimizer and isinstance(optimizer, torch.optim.Optimizer):
+            cls = _set_up_class(type(optimizer))
+        return object.__new__(cls)
 
     def __init__(
         self,
@@ -169,39 +196,99 @@ class SetUpOptimizer:
         micro: Callable[[], MicroBatch | None],
         ready: Callable[[], None] = lambda: None,
         backwards: Callable[[], int] = lambda: 0,
+        model: nn.Module | None = None,
     ) -> None:
-        self._strategy = strategy
-        self.optimizer = optimizer  # the user's
+        # (torch.optim.Optimizer.__init__ is not called: the state is the user's optimizer's)
+        own = self.__dict__
+        own["_strategy"] = strategy
+        own["optimizer"] = optimizer  # the user's
         #: the strategy's (Horovod's DistributedOptimizer, ...); the user's until a backend
         #: that sets everything up together (legacy apex) did so at the first use
-        self._inner = inner
-        self._micro = micro
-        self._ready = ready
-        self._backwards = backwards  # how many rt.backward calls the runtime made so far
-        self._backwards_at_step = 0  # ... when this optimizer last stepped
-        self._clip: GradientClip | None = None
+        own["_inner"] = inner
+        own["_micro"] = micro
+        own["_ready"] = ready
+        own["_backwards"] = backwards  # how many rt.backward calls the runtime made so far
+        own["_backwards_at_step"] = 0  # ... when this optimizer last stepped
+        own["_clip"] = None  # GradientClip | None: rt.clip_gradients's, for the next step
         #: what the last step did (stepped, or skipped on an fp16 overflow)
-        self.last_outcome: StepOutcome | None = None
+        own["last_outcome"] = None
         #: the total norm of the averaged gradients before the last clipping (a device
         #: tensor), when ``rt.clip_gradients`` asked for clipping
-        self.last_grad_norm: torch.Tensor | None = None
+        own["last_grad_norm"] = None
         #: the items its window's token-exact losses sum (see distkit.runtime._items)
-        self.items = ItemWindow()
-        self._takes_before_step: bool | None = None  # whether the strategy's step takes it
+        own["items"] = ItemWindow()
+        own["_takes_before_step"] = None  # whether the strategy's step takes it
+        own["_model"] = model  # the user's module it steps (None: not known)
+        _share_step_hooks(optimizer, inner)
+
+    # -- the user's optimizer's state, shared ------------------------------------------------
+
+    def __getattr__(self, name: str) -> Any:
+        # only for what the wrapper lacks: param_groups, state, defaults, hooks, the user's
+        # own attributes. (Not while copying or unpickling: nothing is set yet.)
+        optimizer = self.__dict__.get("optimizer")
+        if optimizer is None:
+            raise AttributeError(name)
+        return getattr(optimizer, name)
+
+    @override
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self.__dict__ or name in _OWN:
+            object.__setattr__(self, name, value)
+        else:  # defaults, param_groups, the user's attributes: where the step reads them
+            setattr(self.__dict__["optimizer"], name, value)
+
+    @override
+    def __delattr__(self, name: str) -> None:
+        if name in self.__dict__:
+            object.__delattr__(self, name)
+        else:
+            delattr(self.__dict__["optimizer"], name)
+
+    @override
+    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
+        raise TypeError(
+            "a set-up optimizer cannot be copied or pickled (it holds the strategy and its "
+            "process group): save its state with rt.save(path, {'optimizer': optimizer}) or "
+            "optimizer.state_dict(), and copy the user's optimizer before rt.setup"
+        )
+
+    @override
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group to the user's optimizer (its parameters must be the model's, set up
+        already); refused where the strategy's optimizer is another object (Horovod's
+        all-reduce hooks and DeepSpeed's partitions cover only the groups given at set-up)."""
+        inner: torch.optim.Optimizer = self.__dict__["_inner"]
+        optimizer: torch.optim.Optimizer = self.__dict__["optimizer"]
+        if inner is not optimizer:
+            raise UnsupportedFeatureError(
+                f"add_param_group on an optimizer set up by {type(self._strategy).__name__}: "
+                "its optimizer covers only the parameter groups given at rt.setup. Build the "
+                "optimizer with every group before rt.setup (a group with lr=0 can be "
+                "unfrozen later by writing its lr)"
+            )
+        model = self._model
+        params = param_group.get("params") if isinstance(param_group, Mapping) else None
+        if model is not None and params is not None:
+            given = [params] if isinstance(params, torch.Tensor) else list(params)
+            owned = {id(p) for p in model.parameters()}
+            foreign = sum(1 for p in given if id(p) not in owned)
+            if foreign:
+                raise ConfigurationError(
+                    f"add_param_group: {foreign} of the group's {len(given)} tensor(s) are "
+                    "not parameters of the set-up model (the strategy synchronises only the "
+                    "model's gradients); add the model's own parameters, e.g. "
+                    "optimizer.add_param_group({'params': model.head.parameters()})"
+                )
+            param_group = {**param_group, "params": given}
+        optimizer.add_param_group(param_group)
 
     @property
     def strategy_optimizer(self) -> torch.optim.Optimizer:
         """The strategy's optimizer (Horovod's DistributedOptimizer, amp's, ...), which
         :meth:`Runtime.propagate` and the strategy's step take."""
-        return self._inner
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    @property
-    def state(self) -> Any:
-        return self.optimizer.state
+        inner: torch.optim.Optimizer = self.__dict__["_inner"]
+        return inner
 
     def _window_open(self) -> bool:
         micro = self._micro()
@@ -211,7 +298,8 @@ class SetUpOptimizer:
         """Clip the averaged, unscaled gradients at the next real step (``rt.clip_gradients``)."""
         self._clip = clip
 
-    def step(self, closure: Callable[[], Any] | None = None) -> None:
+    @override
+    def step(self, closure: None = None) -> None:  # type: ignore[override]
         """Step at the end of an accumulation window (mid-window: nothing, the gradients
         keep accumulating)."""
         if closure is not None:
@@ -320,13 +408,15 @@ class SetUpOptimizer:
         else:
             self._inner.zero_grad()  # Horovod's takes no argument (it sets to None)
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         self._ready()
         return self.optimizer.state_dict()
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._ready()
-        self.optimizer.load_state_dict(state)
+        self.optimizer.load_state_dict(state_dict)
         self.follow_loaded_state()
 
     def follow_loaded_state(self) -> None:
@@ -340,6 +430,35 @@ class SetUpOptimizer:
     @override
     def __repr__(self) -> str:
         return f"SetUpOptimizer({self.optimizer!r})"
+
+
+#: what a set-up optimizer keeps as its own (all else is the user's optimizer's). ``step``
+#: and ``_opt_called``: an LR scheduler built on it wraps its step to record the call
+_OWN = frozenset({"step", "_opt_called"})
+#: per user optimizer class, its set-up class (a subclass of both)
+_CLASSES: dict[type[torch.optim.Optimizer], type[SetUpOptimizer]] = {}
+
+
+def _set_up_class(kind: type[torch.optim.Optimizer]) -> type[SetUpOptimizer]:
+    """The class of a set-up ``kind``: SetUpOptimizer's methods first, then ``kind``'s (so
+    ``isinstance(opt, kind)`` holds and class attributes of ``kind`` read as usual)."""
+    made = _CLASSES.get(kind)
+    if made is None:
+        namespace = {"__module__": SetUpOptimizer.__module__, "__doc__": SetUpOptimizer.__doc__}
+        made = type(f"SetUp{kind.__name__}", (SetUpOptimizer, kind), namespace)
+        _CLASSES[kind] = made
+    return made
+
+
+def _share_step_hooks(optimizer: torch.optim.Optimizer, inner: torch.optim.Optimizer) -> None:
+    """Hooks registered on the set-up optimizer (so on the user's) run where the strategy's
+    own optimizer object steps (Horovod's ``DistributedOptimizer`` is a second instance)."""
+    if inner is optimizer or not isinstance(inner, torch.optim.Optimizer):
+        return
+    for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"):
+        hooks = getattr(optimizer, name, None)
+        if hooks is not None and hasattr(inner, name):
+            setattr(inner, name, hooks)
 
 
 _REDUCED = (torch.float16, torch.bfloat16)
