@@ -40,6 +40,7 @@ from torch.utils.data import (
 from typing_extensions import override
 
 from distkit.data._collate import explained_collate
+from distkit.data._rank_view import refuse_rank_loader
 from distkit.errors import ConfigurationError
 from distkit.faults._preempt import active_signals, shield_worker
 
@@ -131,6 +132,11 @@ class GlobalBatchPlan:
     def samples_per_epoch(self) -> int | None:
         """Samples in an epoch's order (None: it varies from epoch to epoch)."""
         return self.num_samples
+
+    @property
+    def local_batch_size(self) -> int | None:
+        """Samples per rank and micro-batch (None: a batch sampler's, whose sizes vary)."""
+        return self.batch_size
 
     @property
     def steps_per_epoch(self) -> int:
@@ -234,6 +240,7 @@ class LoaderSpec:
         what: str,
     ) -> LoaderSpec:
         """Read a Dataset (with the trainer's settings) or a user's DataLoader (with its own)."""
+        refuse_rank_loader(data, what)
         if isinstance(data, DataLoader):
             return cls._from_loader(data, what)
         if isinstance(data, (str, bytes)) or (

@@ -345,3 +345,8 @@ class BatchSamplerPlan(GlobalBatchPlan):
     @property
     def samples_per_epoch(self) -> int | None:
         return None
+
+    @override
+    @property
+    def local_batch_size(self) -> int | None:
+        return None

@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from distkit.data import _WorkerSeeder
+from distkit.data._rank_view import refuse_rank_loader
 from distkit.data._stream_share import DigestCollate, RankShare, ShareRule, stream_seed
 from distkit.data.streams import ShardedStream
 from distkit.errors import ConfigurationError
@@ -54,6 +55,7 @@ class StreamSpec:
     def from_data(
         cls, data: Any, *, batch_size: int, num_workers: int, pin_memory: bool, what: str
     ) -> StreamSpec:
+        refuse_rank_loader(data, what)
         kwargs: dict[str, Any] = {"num_workers": num_workers, "pin_memory": pin_memory}
         drop_last = False
         if isinstance(data, DataLoader):
