@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import torch
 
+from distkit.strategies._meta_init import recording_rng
 from distkit.strategies._tied_weights import recording_makers
 
 
@@ -28,13 +29,14 @@ def init_empty() -> Iterator[None]:
 
     The weights then equal those of the same model built normally after the same
     ``torch.manual_seed`` (each module's ``reset_parameters()`` runs at the set-up, in the
-    order the modules were built, from rank 0's random state at that moment: draw nothing
-    from torch's global generator between building and fitting). A weight two modules share
+    order the modules were built, from rank 0's random state where this block began: what
+    draws from torch's generator between the build and the set-up changes nothing). A
+    weight two modules share
     (``head.weight = emb.weight``) stays one, with the values of the module that made it.
 
     To fine-tune pretrained weights, ``distkit.load_weights(model, path)`` after the build:
     they are checked at once and read at the set-up (each rank its own slices under fsdp),
     in place of the initial values.
     """
-    with torch.device("meta"), recording_makers():
+    with torch.device("meta"), recording_makers(), recording_rng():
         yield

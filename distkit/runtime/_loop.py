@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -25,6 +25,7 @@ from distkit.faults._progress import Progress
 from distkit.loss import check_count, check_total, mean_of
 from distkit.runtime._arguments import check_loss
 from distkit.runtime._compile import Compiler
+from distkit.runtime._input_check import SameBatchCheck
 from distkit.runtime._set_up import SetUpModel, SetUpOptimizer
 from distkit.runtime._setups import SetupCache
 from distkit.strategies._graph import graph_leaves
@@ -36,8 +37,19 @@ class LoopState:
     """The set-up models and optimizers of a runtime's loop, the micro-batch it holds, and
     the backward of its losses (see the module's docstring)."""
 
-    def __init__(self, strategy: Strategy, setups: SetupCache, progress: Progress) -> None:
+    def __init__(
+        self,
+        strategy: Strategy,
+        setups: SetupCache,
+        progress: Progress,
+        *,
+        same_batches: SameBatchCheck | None = None,
+        first_backward: Callable[[], None] = lambda: None,
+    ) -> None:
         self.strategy = strategy
+        #: the ranks' first batches outside rt.loader, compared at the first backward
+        self.same_batches = same_batches or SameBatchCheck(strategy, enabled=False)
+        self._first_backward: Callable[[], None] | None = first_backward
         self.setups = setups
         self.progress = progress  # where this rank is, for the watchdog's hang reports
         self.micro: MicroBatch | None = None  # the micro-batch the loop holds now
@@ -66,7 +78,9 @@ class LoopState:
         optimizers."""
         strategy = self.strategy
         if strategy.sets_up_together:  # legacy apex: every model at the first use
-            set_up = SetUpModel(strategy, model, model, self.current_micro, self.ready)
+            set_up = SetUpModel(
+                strategy, model, model, self.current_micro, self.ready, observe=self.observe
+            )
             wrappers = [
                 SetUpOptimizer(
                     strategy,
@@ -85,7 +99,9 @@ class LoopState:
         else:
             inners = [self.setups.setup(model, opt, placement)[1] for opt in optimizers]
             wrapped = self.setups.wrapped(model)
-            set_up = SetUpModel(strategy, model, wrapped, self.current_micro, self.ready)
+            set_up = SetUpModel(
+                strategy, model, wrapped, self.current_micro, self.ready, observe=self.observe
+            )
             wrappers = [
                 SetUpOptimizer(
                     strategy,
@@ -203,6 +219,10 @@ class LoopState:
                 "rt.loader(...): it knows where each accumulation window ends. Iterate "
                 "rt.loader(data) (or create the Runtime with grad_accum_steps=1)"
             )
+        if self._first_backward is not None:  # the loop's first: every rank's, alike
+            first, self._first_backward = self._first_backward, None
+            self.same_batches.settle(outside_loader=micro is None)
+            first()
         self.ready()
         owners = self._owners_of(loss, optimizer, items=count is not None)
         if owners:
@@ -322,6 +342,11 @@ class LoopState:
 
     def current_micro(self) -> MicroBatch | None:
         return self.micro
+
+    def observe(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A set-up model's training forward outside rt.loader's batches (see SetUpModel)."""
+        if self.same_batches.pending and self.micro is None and self.fit is None:
+            self.same_batches.observe(args, kwargs)
 
     def enter(self, micro: MicroBatch | None, epoch: int) -> None:
         progress = self.progress  # where this rank is, for the watchdog's hang reports

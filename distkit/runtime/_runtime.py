@@ -40,12 +40,14 @@ from distkit.runtime._checkpointing import ActivationCheckpointing, checkpoint_p
 from distkit.runtime._determinism import Determinism, apply_determinism, check_deterministic
 from distkit.runtime._empty import init_empty
 from distkit.runtime._evaluation import EvalStepFn, LossFn, Metrics, as_score, evaluate_shard
+from distkit.runtime._input_check import SameBatchCheck
 from distkit.runtime._loader import RuntimeLoader
 from distkit.runtime._loop import LoopState
 from distkit.runtime._predict import PredictFn, PredictPlan, prepare_predict, run_predict
 from distkit.runtime._preemption import LoopPreemption
 from distkit.runtime._preparation import checked_placement, prepare_evaluate
 from distkit.runtime._profiler import Profiler, ProfileRun, user_profile
+from distkit.runtime._seeding import RankSeeding
 from distkit.runtime._set_up import SetUpModel, SetUpOptimizer
 from distkit.runtime._setups import SetupCache
 from distkit.runtime._user_checkpoint import load_state, save_state
@@ -79,7 +81,11 @@ class Runtime:
         strategy: ``"auto"``, a registered name or a :class:`~distkit.Strategy` instance.
         precision: ``"32"``, ``"bf16"`` or ``"fp16"``.
         grad_accum_steps: micro-batches per optimizer step.
-        seed: the data order is seeded with ``seed + epoch`` (the same on every rank).
+        seed: seeds torch, numpy and random here, alike on every rank (a model built next
+            starts from the same weights on one process and on N), and with ``seed + rank``
+            from the loop's first :meth:`backward` on (each rank's own dropout and
+            augmentations; a generator you seed yourself in between is left alone); the data
+            order is seeded with ``seed + epoch`` (the same on every rank).
         sync_batchnorm: BatchNorm statistics over the global batch.
         find_unused_parameters: for models whose forward skips some parameters (DDP).
         fault_timeout: seconds within which every rank stops after one fails.
@@ -95,6 +101,11 @@ class Runtime:
             your loop calls :meth:`preempted` after each optimizer step and, once it is True
             (on every rank at the same step), saves and calls :meth:`finish_preemption`.
         requeue: :meth:`finish_preemption` asks SLURM to requeue the job (rank 0).
+        same_data_on_every_rank: True: the loop feeds every rank the same batches on purpose
+            (a replicated rollout, one synthetic batch). Off (False), the first
+            :meth:`backward` of a batch that is not :meth:`loader`'s compares the ranks'
+            first batches once and stops every rank when they are all the same: a plain
+            DataLoader gives each rank all the data, N times the samples per step.
         deterministic: True or ``"warn"``: torch's deterministic algorithms, cuDNN and
             cuBLAS settings while this Runtime is open, put back as they were at
             :meth:`close`; False (default) leaves them as they are.
@@ -118,7 +129,9 @@ class Runtime:
         preempt_signals: Any = None,
         requeue: bool = False,
         deterministic: bool | str = False,
+        same_data_on_every_rank: bool = False,
     ) -> None:
+        check_flags(same_data_on_every_rank=same_data_on_every_rank)
         checkpointing = checkpoint_policy(activation_checkpointing)
         check_deterministic(deterministic)
         #: the signals that preempt a ``with rt:`` block (off unless given: see preempted())
@@ -173,7 +186,15 @@ class Runtime:
         self._finalizer = weakref.finalize(self, _shutdown, self.setups, before)
         #: what the loop over this runtime holds (a user's loop, or the Trainer's fit): its
         #: set-up models and optimizers, its micro-batch, its losses' backward
-        self.loop = LoopState(self.strategy, self.setups, self.progress)
+        #: torch, numpy and random: seeded alike now, per rank from the first rt.backward on
+        seeding = RankSeeding(seed)
+        self.loop = LoopState(
+            self.strategy,
+            self.setups,
+            self.progress,
+            same_batches=SameBatchCheck(self.strategy, enabled=not same_data_on_every_rank),
+            first_backward=lambda: seeding.split(self.rank),
+        )
         self._block_guard: contextlib.AbstractContextManager[None] | None = None
         self._preempt_rounds = 0  # guarded blocks with preemption so far (same on every rank)
 

@@ -46,6 +46,7 @@ class SetUpModel(nn.Module):
         ready: Callable[[], None] = lambda: None,
         *,
         forward: nn.Module | None = None,
+        observe: Callable[[tuple[Any, ...], dict[str, Any]], None] | None = None,
     ) -> None:
         super().__init__()
         #: a submodule: .train()/.eval()/.to() reach it. The user's module itself until a
@@ -60,6 +61,9 @@ class SetUpModel(nn.Module):
         self.__dict__["_forward"] = forward
         self.__dict__["_wrapped_now"] = wrapped  # ``wrapped``, for the per-step lookup
         self.__dict__["_unsynced"] = False  # inside unsynced() (see there)
+        #: sees a training forward's inputs outside rt.loader's batches (the loop's check
+        #: that the ranks do not all train the same batch)
+        self.__dict__["_observe"] = observe
 
     @property
     def module(self) -> nn.Module:
@@ -70,6 +74,9 @@ class SetUpModel(nn.Module):
     @override
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.__dict__["_ready"]()
+        observe = self.__dict__["_observe"]
+        if observe is not None and self.training and torch.is_grad_enabled():
+            observe(args, kwargs)
         strategy: Strategy = self.__dict__["_strategy"]
         with self.local_context(), strategy.autocast():
             output = self.forward_module(*args, **kwargs)

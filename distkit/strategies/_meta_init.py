@@ -7,7 +7,9 @@ every torch layer's constructor makes), in the order the modules were built, fro
 random state. A strategy that shards (fsdp, DeepSpeed stage 3) keeps this rank's part of each
 module's values and drops the rest before the next module, so the peak is one module's
 tensors, and the weights equal those of the same model built normally after the same
-``torch.manual_seed``.
+``torch.manual_seed``. The random state is the one the build started from (recorded by
+:func:`recording_rng` inside ``distkit.init_empty()``), so what draws from torch's generator
+between the build and the set-up (a Runtime's or Trainer's seeding) changes nothing.
 
 A module whose ``reset_parameters()`` does not set all of its own tensors (or that has none)
 cannot be initialised so: it is refused, naming it, rather than trained from uninitialised
@@ -114,7 +116,43 @@ def materialise(model: nn.Module, device: torch.device, stored: Mapping[str, Sto
                     made = nn.Parameter(made, requires_grad=target.requires_grad)
                 torch.utils.swap_tensors(target, made)
 
-    initialise(model, torch.get_rng_state(), keep, main=True, stored=stored)
+    initialise(model, rng_at_build(model), keep, main=True, stored=stored)
+
+
+#: a module's attribute: torch's random state where the ``init_empty()`` block that built it
+#: began (what the normal build would have drawn its initial values from)
+_BUILT_FROM = "_distkit_rng_at_build"
+
+
+@contextlib.contextmanager
+def recording_rng() -> Iterator[None]:
+    """Inside it (``distkit.init_empty()``), each module that registers a parameter or a
+    buffer records the random state at the block's start. torch's public hooks, removed on
+    exit."""
+    state = torch.get_rng_state()
+
+    def hook(module: nn.Module, name: str, value: torch.Tensor | None) -> None:
+        module.__dict__.setdefault(_BUILT_FROM, state)
+
+    handles = [
+        nn.modules.module.register_module_parameter_registration_hook(hook),
+        nn.modules.module.register_module_buffer_registration_hook(hook),
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def rng_at_build(model: nn.Module) -> torch.Tensor:
+    """The random state ``model``'s meta build began from (its first module's that recorded
+    one), else torch's current state."""
+    for module in model.modules():
+        state = module.__dict__.get(_BUILT_FROM)
+        if state is not None:
+            return state
+    return torch.get_rng_state()
 
 
 @contextlib.contextmanager

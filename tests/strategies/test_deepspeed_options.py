@@ -67,7 +67,9 @@ def test_deepspeed_buckets_hold_one_ranks_share_unless_the_user_says():
 
 
 def _one_step_of_a_model_larger_than_the_smallest_bucket() -> int:
-    with distkit.Runtime(distkit.DeepSpeedStrategy(stage=2), seed=0) as rt:
+    # (one step on random inputs, alike on every rank: meant so)
+    strategy = distkit.DeepSpeedStrategy(stage=2)
+    with distkit.Runtime(strategy, seed=0, same_data_on_every_rank=True) as rt:
         net = torch.nn.Linear(1501, 1499)  # 2,251,498 parameters: a share of 1,125,749 (odd)
         model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
         rt.backward(model(torch.randn(4, 1501)).square().mean())

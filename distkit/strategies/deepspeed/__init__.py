@@ -210,7 +210,7 @@ class DeepSpeedStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         )
         check_known_keys(config, deepspeed.runtime.config.DeepSpeedConfig)
         if meta:  # stage 3 (else refused before): partitioned module by module
-            rng = self.broadcast(torch.get_rng_state() if self.is_main else None, src=0)
+            rng = self.broadcast(_meta_init.rng_at_build(model) if self.is_main else None, src=0)
             stored = _pending_weights.take(model)  # load_weights' into the meta model
             _meta.partition(model, config, self.device, rng, main=self.is_main, stored=stored)
         engine, _, _, _ = deepspeed.initialize(

@@ -17,7 +17,7 @@ from distkit.checkpoint import _pending_weights, _shard_files
 from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ConfigurationError, MissingDependencyError, RankDisagreementError
 from distkit.launch.families import TORCH_LAUNCHERS
-from distkit.strategies import _torch_dist, _torch_group
+from distkit.strategies import _meta_init, _torch_dist, _torch_group
 from distkit.strategies._steps import GradientClip, clip_, local_norm, scale_, step_gradients
 from distkit.strategies.base import StepOutcome, Strategy, Topology
 from distkit.strategies.capabilities import StateIO
@@ -234,7 +234,7 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         or read from the weights load_weights recorded (see _meta); the optimizer pointed at
         them; a checkpoint loaded before the set-up (kept aside: meta tensors hold no values)
         loaded into them."""
-        state = self.broadcast(torch.get_rng_state() if self.is_main else None, src=0)
+        state = self.broadcast(_meta_init.rng_at_build(model) if self.is_main else None, src=0)
         stored = _pending_weights.take(model)
         _meta.materialize(model, self.device, state, main=self.is_main, stored=stored)
         current = dict(model.named_parameters())

@@ -1,0 +1,95 @@
+"""A plain DataLoader in a Runtime loop under N ranks: every rank trains on all the data.
+
+Each step then trains on N times the samples one process's step takes, and each epoch on the
+data N times over: a wrong result that nothing else reports (the loss looks fine). The
+training forwards of set-up models outside ``rt.loader``'s batches before the loop's first
+``rt.backward`` note a fingerprint of their inputs (the tensors, their elements, the sum and
+the sum of squares of their values in float64, left on the device: a GAN's noise and its real
+batch together); that backward compares every rank's (one small gather, once: nothing
+afterwards) and stops every rank, before any gradient, when all are the same.
+
+Every rank draws from the same random stream until then (see ``_seeding``), so a shuffled
+DataLoader draws the same first batch everywhere too. A loop that shards its data itself (a
+``DistributedSampler``) gives each rank other samples and passes; one that means every rank
+to see the same batches says so with ``Runtime(same_data_on_every_rank=True)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from distkit.errors import ConfigurationError
+from distkit.strategies.base import Strategy
+
+#: a fingerprint's numbers: tensors, elements, sum, sum of squares
+_WIDTH = 4
+
+
+class SameBatchCheck:
+    """The fingerprint of this rank's first training batch outside rt.loader, compared once."""
+
+    def __init__(self, strategy: Strategy, *, enabled: bool) -> None:
+        self._strategy = strategy
+        #: still to compare (never in a world of one, under an elastic backend, or opted out)
+        self.pending = enabled and strategy.world_size > 1 and not strategy.elastic
+        #: the first batch's tensors and elements, and its sums (on the device)
+        self._print: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def observe(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A set-up model's training forward outside rt.loader's batches, before the first
+        backward: its inputs added to the fingerprint (no host sync)."""
+        if not self.pending:
+            return
+        tensors = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        if not tensors:
+            return
+        with torch.no_grad():
+            parts = []
+            for x in tensors:
+                x = x.detach()
+                x = torch.view_as_real(x) if x.is_complex() else x
+                x = x.to(torch.float64)
+                parts.append(torch.stack([x.sum(), x.square().sum()]))
+            sums = torch.stack(parts).sum(dim=0)  # on the device until compared
+        sizes = torch.tensor(
+            [float(len(tensors)), float(sum(x.numel() for x in tensors))], dtype=torch.float64
+        )
+        if self._print is not None:  # another forward before the first backward: added
+            sizes, sums = sizes + self._print[0], sums + self._print[1]
+        self._print = (sizes, sums)
+
+    def settle(self, *, outside_loader: bool) -> None:
+        """The loop's first ``rt.backward``: compare the ranks' fingerprints when it backs a
+        batch outside rt.loader (a collective, every rank at its first backward), else end
+        the check (rt.loader's batches are each rank's own share)."""
+        if not self.pending:
+            return
+        self.pending = False
+        if not outside_loader:
+            return
+        if self._print is None:  # no tensor inputs: nothing to compare, on this rank
+            mine = torch.full((_WIDTH,), float("nan"), dtype=torch.float64)
+        else:
+            sizes, sums = self._print
+            mine = torch.cat([sizes, sums.cpu()])  # (the one host sync)
+        self._print = None
+        everyone = self._strategy.all_gather(mine).reshape(-1, _WIDTH).cpu()
+        first = everyone[0]
+        if torch.isnan(everyone).any() or not all(torch.equal(row, first) for row in everyone):
+            return
+        world = self._strategy.world_size
+        raise ConfigurationError(
+            f"every one of the {world} ranks trained its first batch on the same inputs: a "
+            f"DataLoader that is not rt.loader's gives every rank all the data, so each "
+            f"step would train on {world} times its samples and each epoch on the data "
+            f"{world} times over (nothing has been trained yet). Iterate rt.loader(dataset, "
+            "batch_size=...), which gives each rank its share of every global batch (no "
+            "DistributedSampler needed), or shard the data yourself with a "
+            "DistributedSampler (and sampler.set_epoch(epoch) each epoch). If every rank is "
+            "meant to see the same batches (or the inputs are random draws: every rank draws "
+            "alike until the first rt.backward), create the Runtime with "
+            "same_data_on_every_rank=True"
+        )
