@@ -30,11 +30,15 @@ import torch
 
 from distkit._atomic import TempFile, mtime_ns, write_text
 from distkit.checkpoint import _checkpoint_fields as _fields
-from distkit.checkpoint import _digest, _shard_files
+from distkit.checkpoint import _digest, _layout, _shard_files
 from distkit.errors import CheckpointError
 
 FORMAT = "distkit-checkpoint"
-VERSION = 1
+#: 2: each entry at the top level, distkit's records under "distkit" (see _layout); 1: the
+#: records at the top level (still read)
+VERSION = 2
+#: the reserved top-level key of a checkpoint's records
+RECORDS = _layout.RECORDS
 LATEST = "latest"
 #: the payload key saying the file carries a digest (so one that lost it is refused)
 INTEGRITY = "integrity"
@@ -143,7 +147,9 @@ def _save_new(tmp: TempFile, path: Path, payload: Mapping[str, Any]) -> None:
         writer = _digest.HashingWriter(handle)
         try:
             # a raw binary stream: torch.save writes to it as to a file (typeshed: no IO[bytes])
-            torch.save({**payload, INTEGRITY: _digest.ALGORITHM}, cast(IO[bytes], writer))
+            content = _layout.stored(payload)
+            content[RECORDS] = {**content[RECORDS], INTEGRITY: _digest.ALGORITHM}
+            torch.save(content, cast(IO[bytes], writer))
         except RuntimeError:
             if writer.failure is not None:  # a full disk: torch says "unexpected pos"
                 raise writer.failure from None
@@ -183,21 +189,39 @@ def load(
         verify: check the digests (``False`` skips them: only for tools that read a file's
             bookkeeping and not its weights).
 
+    Returns the file's entries (``"model"``, ``"optimizer"``, ... or the names ``rt.save``
+    was given) and distkit's records (``"producer"``, ``"scaler"``, ...) in one mapping; see
+    :func:`load_entries` for the two apart.
+
     Raises:
         CheckpointError: missing, truncated, corrupt or changed file (its digest differs); a
             file that needs arbitrary pickled objects (refused for safety); not a distkit
             checkpoint; or a field a resume reads is damaged (the error names it).
     """
+    return _layout.flat(*load_entries(path, map_location, verify=verify))
+
+
+def load_entries(
+    path: str | os.PathLike[str],
+    map_location: torch.device | str = "cpu",
+    *,
+    verify: bool = True,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """:func:`load`'s reading, as ``(entries, records)``: the file's named entries, and
+    distkit's records (the reserved ``"distkit"`` key's). A file of the first layout is read
+    into this one."""
     path = Path(path)
     _require_torch_file(path)
     verified = _verify_digest(path) if verify else False
-    payload = _read(path, map_location)
-    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+    content = _read(path, map_location)
+    parts = _layout.split(path, content, FORMAT) if isinstance(content, dict) else None
+    if parts is None:
         raise CheckpointError(
             f"{path} is not a distkit checkpoint (no format={FORMAT!r} marker). To start from "
             "plain weights, load them into the model yourself: "
             "model.load_state_dict(torch.load(path, weights_only=True))"
         )
+    entries, payload = parts  # (payload: the records, from here on)
     version = payload.get("version", 0)
     if not isinstance(version, int) or isinstance(version, bool):
         raise CheckpointError(
@@ -215,8 +239,8 @@ def load(
         payload["shards"] = str(path.parent / payload["shards"])
         if verify:
             _verify_shards(path, payload)
-    _fields.check(path, payload)
-    return payload
+    _fields.check(path, entries, payload)
+    return entries, payload
 
 
 def _verify_digest(path: Path) -> bool:

@@ -174,19 +174,59 @@ _CHECKS: dict[str, Callable[[_Field, Any], None]] = {
     "progress": _progress,
     "history": _history,
     "validations": _history,
-    "ranks": _ranks,
-    "scaler": _scaler,
     "model": _model,
     "optimizer": _optimizer,
     "scheduler": lambda field, value: None if value is None else _plain_dict(field, value),
-    "producer": _plain_dict,
     "extra": _plain_dict,
     "callbacks": _plain_dict,
 }
 
 
-def check(path: Path, payload: dict[str, Any]) -> None:
-    """Raise :class:`CheckpointError` naming the first damaged field of ``payload``."""
-    for key, checker in _CHECKS.items():
-        if key in payload:
-            checker(_Field(path, key), payload[key])
+def _loop_ranks(field: _Field, value: Any) -> None:
+    """``rt.save``'s per-rank records: each rank's RNG states."""
+    if not isinstance(value, list):
+        raise field.fail(value, "a list with one dict per rank")
+    for i, record in enumerate(value):
+        _rng(field / i / "rng", _entry(_dict(field / i, record), "rng"))
+
+
+def _kinds(field: _Field, value: Any) -> dict[Any, Any]:
+    kinds = _dict(field, value)
+    for name, kind in kinds.items():
+        if not isinstance(name, str) or not isinstance(kind, str):
+            raise (field / str(name)).fail(kind, "a dict of entry names (str) to kinds (str)")
+    return kinds
+
+
+#: the records of any checkpoint (beside its entries)
+_RECORD_CHECKS: dict[str, Callable[[_Field, Any], None]] = {
+    "scaler": _scaler,
+    "producer": _plain_dict,
+}
+#: how an rt.save entry of each kind is checked
+_ENTRY_CHECKS: dict[str, Callable[[_Field, Any], None]] = {
+    "model": _model,
+    "optimizer": _optimizer,
+}
+
+
+def check(path: Path, entries: dict[str, Any], records: dict[str, Any]) -> None:
+    """Raise :class:`CheckpointError` naming the first damaged field of a checkpoint: its
+    records, and its entries (a Trainer's by name; ``rt.save``'s by their recorded kind)."""
+    for key, checker in _RECORD_CHECKS.items():
+        if key in records:
+            checker(_Field(path, key), records[key])
+    if "kinds" not in records:  # a Trainer's checkpoint
+        if "ranks" in records:
+            _ranks(_Field(path, "ranks"), records["ranks"])
+        for key, checker in _CHECKS.items():
+            if key in entries:
+                checker(_Field(path, key), entries[key])
+        return
+    kinds = _kinds(_Field(path, "kinds"), records["kinds"])
+    if records.get("ranks") is not None:
+        _loop_ranks(_Field(path, "ranks"), records["ranks"])
+    for name, kind in kinds.items():
+        entry_check = _ENTRY_CHECKS.get(kind)
+        if entry_check is not None and name in entries:
+            entry_check(_Field(path, name), entries[name])

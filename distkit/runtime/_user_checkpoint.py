@@ -4,8 +4,12 @@
 gathered where the backend shards it, in the user's own keys), loaders (how far the loop
 got), and plain values (numbers, strings, tensors, lists and dicts of them). The file is a
 distkit checkpoint (atomic, with a digest, loadable weights-only) written by rank 0 after
-every rank took part; it also holds every rank's RNG states and the loss scaler's, so a
-resumed loop continues exactly, at any world size.
+every rank took part, in the one layout of every distkit checkpoint
+(:mod:`distkit.checkpoint._layout`): each entry's state at the top level under its name
+(``torch.load(path)["model"]`` is the model's weights), and distkit's records under
+``"distkit"``: every rank's RNG states and the loss scaler's, so a resumed loop continues
+exactly, at any world size, and each entry's kind. ``rt.load`` reads a Trainer's checkpoint
+too (its ``model`` and ``optimizer`` entries, and its plain ones).
 """
 
 from __future__ import annotations
@@ -32,9 +36,9 @@ from distkit.strategies.capabilities import fp32
 if TYPE_CHECKING:
     from distkit.runtime._runtime import Runtime
 
-#: the payload's key for the loop's entries (beside the checkpoint's own fields)
-ENTRIES = "runtime"
 MODEL, OPTIMIZER, LOADER, VALUE = "model", "optimizer", "loader", "value"
+#: the kinds of a Trainer's checkpoint's entries that rt.load takes (the rest are values)
+_TRAINER_KINDS = {"model": MODEL, "optimizer": OPTIMIZER}
 
 
 def kind_of(value: object) -> str:
@@ -58,6 +62,11 @@ def _checked_state(state: object, call: str) -> Mapping[str, Any]:
         raise ConfigurationError(
             f"{call} takes a dict of name -> what to save (set-up models and optimizers, "
             f"loaders, plain values), got {type(state).__name__}"
+        )
+    if ckpt.RECORDS in state:
+        raise ConfigurationError(
+            f"{call}'s entry name {ckpt.RECORDS!r} is reserved: a checkpoint keeps distkit's "
+            "own records under it. Name the entry otherwise"
         )
     return state
 
@@ -92,7 +101,7 @@ def save_state(runtime: Runtime, path: str | os.PathLike[str], state: object) ->
             entries[key] = value
     payload = None
     if strategy.is_main:
-        payload = {
+        records = {
             "format": ckpt.FORMAT,
             "version": ckpt.VERSION,
             "producer": {
@@ -103,8 +112,10 @@ def save_state(runtime: Runtime, path: str | os.PathLike[str], state: object) ->
                 "torch": str(torch.__version__),
             },
             "scaler": strategy.precision.state_dict(),
-            ENTRIES: {"kinds": kinds, "entries": entries, "ranks": ranks},
+            "kinds": kinds,
+            "ranks": ranks,
         }
+        payload = {**entries, ckpt.RECORDS: records}
     write_on_rank_zero(strategy, payload, lambda ready: ckpt.atomic_save(ready, Path(path)))
 
 
@@ -113,14 +124,16 @@ def load_state(runtime: Runtime, path: str | os.PathLike[str], state: object) ->
     (the plain ones, by name). Every rank reads the file; no collective."""
     state = _checked_state(state, "rt.load")
     strategy = runtime.strategy
-    payload = ckpt.load(path, map_location=strategy.device)
-    saved = payload.get(ENTRIES)
-    if not isinstance(saved, dict) or not isinstance(saved.get("entries"), dict):
-        raise CheckpointError(
-            f"{path} is a Trainer's checkpoint, not rt.save's: load it with "
-            "trainer.load_checkpoint(path) (or Trainer(resume=path))"
-        )
-    kinds, entries = saved.get("kinds", {}), saved["entries"]
+    entries, records = ckpt.load_entries(path, map_location=strategy.device)
+    kinds = records.get("kinds")
+    if kinds is None:  # a Trainer's checkpoint: its model and optimizer, its plain entries
+        if records.get("shards") is not None:
+            raise CheckpointError(
+                f"{path} is a Trainer's sharded checkpoint (its weights are in the shards "
+                "folder beside it): load it with trainer.load_checkpoint(path), or save a "
+                "full one (FSDPStrategy(checkpoint='full'))"
+            )
+        kinds = {key: _TRAINER_KINDS.get(key, VALUE) for key in entries}
     # every entry checked before any is loaded: a refusal leaves the loop's objects as they were
     for key, value in state.items():
         kind = kind_of(value)
@@ -152,8 +165,8 @@ def load_state(runtime: Runtime, path: str | os.PathLike[str], state: object) ->
             value.follow_loaded_state()
         elif kind == LOADER:
             value.load_state_dict(entries[key])
-    ranks = saved.get("ranks")
+    ranks = records.get("ranks")
     if isinstance(ranks, list) and len(ranks) == strategy.world_size:
         ckpt.set_rng_state(ranks[strategy.rank]["rng"])  # this rank's own, where it exists
-    strategy.precision.load_state_dict(payload.get("scaler") or {})
+    strategy.precision.load_state_dict(records.get("scaler") or {})
     return {key: value for key, value in entries.items() if kinds.get(key) == VALUE}

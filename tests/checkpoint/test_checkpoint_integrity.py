@@ -81,7 +81,7 @@ def test_checkpoint_with_one_flipped_bit_is_refused_naming_the_file(tmp_path):
         ckpt.load(path)
     assert str(path) in str(caught.value)
     # without the digest, torch would have read it: the flip lands in a weight
-    assert torch.load(path, weights_only=True)["format"] == ckpt.FORMAT
+    assert torch.load(path, weights_only=True)[ckpt.RECORDS]["format"] == ckpt.FORMAT
 
 
 def test_checkpoint_digest_stays_readable_by_plain_torch_and_zip(tmp_path):

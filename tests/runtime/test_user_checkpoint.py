@@ -212,5 +212,9 @@ def test_load_refuses_what_it_cannot_restore(tmp_path):
     written = next(Path(tmp_path / "t").glob("step-*.pt"))
     with distkit.Runtime("dp") as rt:
         model = rt.setup(make_mlp())
-        with pytest.raises(CheckpointError, match=r"a Trainer's checkpoint, not rt\.save's"):
-            rt.load(str(written), {"model": model})
+        # one layout: a Trainer's checkpoint loads into the loop's model (its other entries
+        # are values); a loader asked of it is refused, naming what it holds
+        assert rt.load(str(written), {"model": model})["progress"]["global_step"] == 2
+        loader = rt.loader(make_dataset(8))
+        with pytest.raises(CheckpointError, match="saved 'progress' as a value"):
+            rt.load(str(written), {"progress": loader})

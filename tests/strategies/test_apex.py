@@ -226,7 +226,7 @@ def test_apex_legacy_amp_state_round_trips_through_a_checkpoint(tmp_path, run_on
     """FAKE legacy apex and FAKE CUDA, one process."""
     path = tmp_path / "amp.pt"
     result = run_on_ranks(_legacy_checkpoint_round_trip, str(path), world_size=1)[0]
-    saved = torch.load(path, weights_only=True)
+    saved = torch.load(path, weights_only=True)["distkit"]  # the file's records
     assert saved["scaler"]["scale"] == result["saved_scale"] == 512.0  # GradScaler form
     assert result["loaded"], "amp.load_state_dict was not called on resume"
     assert result["scale_after_resume"] == 512.0
