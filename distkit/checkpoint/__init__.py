@@ -40,8 +40,8 @@ VERSION = 2
 #: the reserved top-level key of a checkpoint's records
 RECORDS = _layout.RECORDS
 LATEST = "latest"
-#: the payload key saying the file carries a digest (so one that lost it is refused)
-INTEGRITY = "integrity"
+#: the record saying the file carries a digest (so one that lost it is refused)
+INTEGRITY = _layout.INTEGRITY
 _PREFIX = "step-"
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from distkit.checkpoint import _layout
 from distkit.errors import CheckpointError
 
 #: torch ``GradScaler.state_dict()``'s keys (a scaler state is empty or has them all)
@@ -216,14 +217,14 @@ def check(path: Path, entries: dict[str, Any], records: dict[str, Any]) -> None:
     for key, checker in _RECORD_CHECKS.items():
         if key in records:
             checker(_Field(path, key), records[key])
-    if "kinds" not in records:  # a Trainer's checkpoint
+    if _layout.written_by_trainer(records):
         if "ranks" in records:
             _ranks(_Field(path, "ranks"), records["ranks"])
         for key, checker in _CHECKS.items():
             if key in entries:
                 checker(_Field(path, key), entries[key])
         return
-    kinds = _kinds(_Field(path, "kinds"), records["kinds"])
+    kinds = _kinds(_Field(path, _layout.KINDS), records[_layout.KINDS])
     if records.get("ranks") is not None:
         _loop_ranks(_Field(path, "ranks"), records["ranks"])
     for name, kind in kinds.items():

@@ -24,8 +24,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from distkit.checkpoint import _shard_files
+
 #: the reserved top-level key of distkit's records
 RECORDS = "distkit"
+#: the record saying the file carries a digest (so one that lost it is refused)
+INTEGRITY = "integrity"
+#: the record of ``rt.save``'s entries' kinds (a Trainer's checkpoint has none)
+KINDS = "kinds"
 #: what a checkpoint's records hold (beside its entries); the rest of a Trainer's payload is
 #: its entries
 RECORD_KEYS = (
@@ -34,10 +40,10 @@ RECORD_KEYS = (
     "producer",
     "scaler",
     "ranks",
-    "kinds",
-    "shards",
-    "shard_digests",
-    "integrity",
+    KINDS,
+    _shard_files.KEY,
+    _shard_files.DIGESTS,
+    INTEGRITY,
 )
 #: the key of a layout-1 ``rt.save`` file's entries
 _RUNTIME_V1 = "runtime"
@@ -70,10 +76,16 @@ def split(
     runtime = entries.get(_RUNTIME_V1)
     if isinstance(runtime, dict) and isinstance(runtime.get("entries"), dict):
         entries = dict(runtime["entries"])
-        records["kinds"] = runtime.get("kinds", {})
+        records[KINDS] = runtime.get("kinds", {})
         records["ranks"] = runtime.get("ranks")
     _note(path)
     return entries, records
+
+
+def written_by_trainer(records: Mapping[str, Any]) -> bool:
+    """Whether a checkpoint is a Trainer's (its entries named by the Trainer), not
+    ``rt.save``'s (whose entries' kinds it records)."""
+    return KINDS not in records
 
 
 def flat(entries: Mapping[str, Any], records: Mapping[str, Any]) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from distkit._validate import (
     check_seconds,
 )
 from distkit.errors import ConfigurationError
-from distkit.runtime._set_up import SetUpOptimizer
+from distkit.runtime._set_up import SetUpOptimizer, foreign_tensors
 
 SCHEDULER_INTERVALS = ("epoch", "step")
 NONFINITE_POLICIES = ("raise", "skip")
@@ -31,7 +31,6 @@ def check_model(model: object) -> nn.Module:
 def check_setup_args(model: object, optimizers: tuple[object, ...]) -> None:
     """``rt.setup(model, *optimizers)``: a module, and optimizers over its parameters."""
     model = check_model(model)
-    owned = {id(p) for p in model.parameters()}
     for position, optimizer in enumerate(optimizers):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigurationError(
@@ -39,9 +38,7 @@ def check_setup_args(model: object, optimizers: tuple[object, ...]) -> None:
                 f"{type(optimizer).__name__}"
             )
         _check_not_set_up(optimizer, f"rt.setup's optimizer #{position + 1}")
-        foreign = sum(
-            1 for group in optimizer.param_groups for p in group["params"] if id(p) not in owned
-        )
+        foreign = foreign_tensors(model, (p for g in optimizer.param_groups for p in g["params"]))
         if foreign:
             raise ConfigurationError(
                 f"optimizer #{position + 1} holds {foreign} tensor(s) that are not parameters "
@@ -83,10 +80,9 @@ def check_fit_args(
             "fit needs loss_fn (called as loss_fn(model(inputs), target)) or step_fn "
             "(called as step_fn(model, batch) and returning the loss)"
         )
-    owned = {id(p) for p in model.parameters()}
     if groups is None:
         groups = [list(group["params"]) for group in optimizer.param_groups]
-    foreign = sum(1 for group in groups for p in group if id(p) not in owned)
+    foreign = foreign_tensors(model, (p for group in groups for p in group))
     if foreign:
         raise ConfigurationError(
             f"the optimizer holds {foreign} tensor(s) that are not parameters of the model; "

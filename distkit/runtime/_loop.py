@@ -79,7 +79,7 @@ class LoopState:
         strategy = self.strategy
         if strategy.sets_up_together:  # legacy apex: every model at the first use
             set_up = SetUpModel(
-                strategy, model, model, self.current_micro, self.ready, observe=self.observe
+                strategy, model, model, self.current_micro, self.ready, observe=self._observer()
             )
             wrappers = [
                 SetUpOptimizer(
@@ -100,7 +100,7 @@ class LoopState:
             inners = [self.setups.setup(model, opt, placement)[1] for opt in optimizers]
             wrapped = self.setups.wrapped(model)
             set_up = SetUpModel(
-                strategy, model, wrapped, self.current_micro, self.ready, observe=self.observe
+                strategy, model, wrapped, self.current_micro, self.ready, observe=self._observer()
             )
             wrappers = [
                 SetUpOptimizer(
@@ -221,6 +221,8 @@ class LoopState:
             )
         if self._first_backward is not None:  # the loop's first: every rank's, alike
             first, self._first_backward = self._first_backward, None
+            for set_up in self.modules.values():  # their forwards need not call it any more
+                set_up.stop_observing()
             self.same_batches.settle(outside_loader=micro is None)
             first()
         self.ready()
@@ -342,6 +344,11 @@ class LoopState:
 
     def current_micro(self) -> MicroBatch | None:
         return self.micro
+
+    def _observer(self) -> Callable[[tuple[Any, ...], dict[str, Any]], None] | None:
+        """What a model set up now calls on its training forwards: :meth:`observe` while the
+        ranks' first batches are still to compare, else nothing."""
+        return self.observe if self.same_batches.pending else None
 
     def observe(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """A set-up model's training forward outside rt.loader's batches (see SetUpModel)."""

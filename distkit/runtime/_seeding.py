@@ -25,14 +25,11 @@ class RankSeeding:
 
     def __init__(self, seed: int) -> None:
         self._seed = seed
-        self._split = False
         seed_generators(seed)
 
     def split(self, rank: int) -> None:
-        """The loop's first backward: this rank draws from ``seed + rank`` from here on
-        (unless torch was seeded anew since the construction: the user's seeding stands)."""
-        if self._split:
-            return
-        self._split = True
+        """The loop's first backward (called once): this rank draws from ``seed + rank`` from
+        here on (unless torch was seeded anew since the construction: the user's seeding
+        stands)."""
         if torch.initial_seed() == self._seed:
             seed_generators(self._seed + rank)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, SupportsIndex
 
 import torch
@@ -64,6 +64,10 @@ class SetUpModel(nn.Module):
         #: sees a training forward's inputs outside rt.loader's batches (the loop's check
         #: that the ranks do not all train the same batch)
         self.__dict__["_observe"] = observe
+
+    def stop_observing(self) -> None:
+        """The loop's check of the ranks' first batches is over: forwards skip it."""
+        self.__dict__["_observe"] = None
 
     @property
     def module(self) -> nn.Module:
@@ -278,8 +282,7 @@ class SetUpOptimizer(torch.optim.Optimizer):
         params = param_group.get("params") if isinstance(param_group, Mapping) else None
         if model is not None and params is not None:
             given = [params] if isinstance(params, torch.Tensor) else list(params)
-            owned = {id(p) for p in model.parameters()}
-            foreign = sum(1 for p in given if id(p) not in owned)
+            foreign = foreign_tensors(model, given)
             if foreign:
                 raise ConfigurationError(
                     f"add_param_group: {foreign} of the group's {len(given)} tensor(s) are "
@@ -437,6 +440,12 @@ class SetUpOptimizer(torch.optim.Optimizer):
     @override
     def __repr__(self) -> str:
         return f"SetUpOptimizer({self.optimizer!r})"
+
+
+def foreign_tensors(model: nn.Module, tensors: Iterable[Any]) -> int:
+    """How many of ``tensors`` are not parameters of ``model``."""
+    owned = {id(p) for p in model.parameters()}
+    return sum(1 for tensor in tensors if id(tensor) not in owned)
 
 
 #: what a set-up optimizer keeps as its own (all else is the user's optimizer's). ``step``

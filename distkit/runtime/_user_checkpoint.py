@@ -25,6 +25,7 @@ from torch import nn
 from distkit import checkpoint as ckpt
 from distkit._validate import check_path
 from distkit._version import __version__
+from distkit.checkpoint import _layout, _shard_files
 from distkit.errors import CheckpointError, ConfigurationError
 from distkit.runtime import _agreement
 from distkit.runtime._loader import RuntimeLoader
@@ -112,7 +113,7 @@ def save_state(runtime: Runtime, path: str | os.PathLike[str], state: object) ->
                 "torch": str(torch.__version__),
             },
             "scaler": strategy.precision.state_dict(),
-            "kinds": kinds,
+            _layout.KINDS: kinds,
             "ranks": ranks,
         }
         payload = {**entries, ckpt.RECORDS: records}
@@ -125,15 +126,16 @@ def load_state(runtime: Runtime, path: str | os.PathLike[str], state: object) ->
     state = _checked_state(state, "rt.load")
     strategy = runtime.strategy
     entries, records = ckpt.load_entries(path, map_location=strategy.device)
-    kinds = records.get("kinds")
-    if kinds is None:  # a Trainer's checkpoint: its model and optimizer, its plain entries
-        if records.get("shards") is not None:
+    if _layout.written_by_trainer(records):  # its model and optimizer, its plain entries
+        if records.get(_shard_files.KEY) is not None:
             raise CheckpointError(
                 f"{path} is a Trainer's sharded checkpoint (its weights are in the shards "
                 "folder beside it): load it with trainer.load_checkpoint(path), or save a "
                 "full one (FSDPStrategy(checkpoint='full'))"
             )
         kinds = {key: _TRAINER_KINDS.get(key, VALUE) for key in entries}
+    else:
+        kinds = records[_layout.KINDS]
     # every entry checked before any is loaded: a refusal leaves the loop's objects as they were
     for key, value in state.items():
         kind = kind_of(value)
