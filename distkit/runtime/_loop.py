@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -28,6 +28,7 @@ from distkit.runtime._compile import Compiler
 from distkit.runtime._input_check import SameBatchCheck
 from distkit.runtime._set_up import SetUpModel, SetUpOptimizer
 from distkit.runtime._setups import SetupCache
+from distkit.runtime._unused import UnusedCheck
 from distkit.strategies._graph import graph_leaves
 from distkit.strategies._placement import Placement
 from distkit.strategies.base import Strategy
@@ -67,6 +68,7 @@ class LoopState:
         ] = []
         self._together_done = False
         self.backwards = 0  # backward calls so far (a step checks it had one)
+        self.unused = UnusedCheck()  # DDP parameters a loss did not reach, at the first ones
 
     def add(
         self,
@@ -261,6 +263,7 @@ class LoopState:
         self.backwards += 1
         if micro is None or micro.last_in_step:
             self.strategy.backward(loss if weight == 1.0 else loss * weight, optimizer)
+            self.unused.after_backward(self._ddp_models())
             return returned
         with contextlib.ExitStack() as stack:  # mid-window: no gradient synchronisation
             for set_up in self.models():
@@ -290,6 +293,13 @@ class LoopState:
             owner.items.note_items(count, scale, "rt.backward(total, count=...)")
         weight = 0.0 if micro is not None and micro.count == 0 else scale
         return total, count, weight
+
+    def _ddp_models(self) -> Iterator[tuple[nn.Module, nn.Module, str]]:
+        """What :class:`UnusedCheck` looks at: each model's wrapper, module and owner."""
+        for set_up in self.modules.values():
+            yield set_up.wrapped, set_up.module, "distkit.Runtime"
+        if self.fit is not None:
+            yield self.fit[0].wrapped, self.fit[0].module, "distkit.Trainer"
 
     def models(self) -> list[SetUpModel]:
         """Every set-up model: the user loop's, and the running fit's."""

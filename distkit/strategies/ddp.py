@@ -67,7 +67,8 @@ class DDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         if reserved:
             raise ConfigurationError(
                 f"DDPStrategy sets {', '.join(sorted(reserved))} itself; pass "
-                "find_unused_parameters to distkit.Trainer and let distkit choose device_ids"
+                "find_unused_parameters to distkit.Trainer or distkit.Runtime and let distkit "
+                "choose device_ids"
             )
         self._ddp_kwargs = ddp_kwargs
 
