@@ -27,7 +27,7 @@ from distkit.data import LoaderSpec
 from distkit.data._batch_plan import batch_plan
 from distkit.data._feed import eval_batches, train_feed
 from distkit.data._stream_spec import StreamSpec, is_stream
-from distkit.errors import ConfigurationError, TrainerClosedError
+from distkit.errors import ConfigurationError, DistkitError, TrainerClosedError
 from distkit.faults import _preempt
 from distkit.faults._faults import fail_fast
 from distkit.faults._preempt import Preemption
@@ -47,6 +47,7 @@ from distkit.runtime._predict import PredictFn, PredictPlan, prepare_predict, ru
 from distkit.runtime._preemption import LoopPreemption
 from distkit.runtime._preparation import checked_placement, prepare_evaluate
 from distkit.runtime._profiler import Profiler, ProfileRun, user_profile
+from distkit.runtime._script import ScriptGuard, brief_if_uncaught
 from distkit.runtime._seeding import RankSeeding
 from distkit.runtime._set_up import SetUpModel, SetUpOptimizer
 from distkit.runtime._setups import SetupCache
@@ -170,9 +171,11 @@ class Runtime:
         try:
             self.strategy = make_strategy(strategy)
             self.strategy.start(options)
-        except BaseException:
+        except BaseException as exc:
             if before is not None:
                 before.restore()
+            if isinstance(exc, DistkitError):  # one line, not a traceback from every rank
+                brief_if_uncaught(exc)
             raise
         #: this rank's place; kept past close() (handlers after a failure still ask "am I
         #: rank 0?"), and renewed when an elastic strategy re-forms its group
@@ -196,6 +199,7 @@ class Runtime:
             first_backward=lambda: seeding.split(self.rank),
         )
         self._block_guard: contextlib.AbstractContextManager[None] | None = None
+        self._script: ScriptGuard | None = None  # guard_script()'s
         self._preempt_rounds = 0  # guarded blocks with preemption so far (same on every rank)
 
     @property
@@ -208,6 +212,11 @@ class Runtime:
         rank stops every rank within ``fault_timeout`` seconds, Ctrl-C and SIGTERM stop the
         whole job, and a collective stuck longer than ``hang_warning`` names the rank that
         holds it up. The Runtime closes at the block's end."""
+        if self._block_guard is not None:
+            raise ConfigurationError(
+                "this Runtime is guarded already (with rt:, or rt.guard_script()): enter it "
+                "once; the guard covers everything inside"
+            )
         preempt = None
         if self.preempt_signals:
             preempt = Preemption(self.preempt_signals, requeue=self.requeue)
@@ -229,6 +238,20 @@ class Runtime:
                 guard.__exit__(exc_type, exc, tb)  # raises what replaces ``exc``, if anything
         finally:
             self.close()
+
+    def guard_script(self) -> Runtime:
+        """The guard of ``with rt:`` for the rest of a script that has no block to indent:
+        ``rt = distkit.Runtime("ddp").guard_script()`` at the top of a flat script. An error
+        the script does not catch stops every rank within ``fault_timeout`` seconds (its
+        traceback printed once, by the rank that raised), Ctrl-C and SIGTERM stop the whole
+        job in one line, and the Runtime closes when the script ends. Returns the runtime."""
+        self.require_open("guard_script")
+        self._script = ScriptGuard(self.__enter__, self._leave_script)
+        return self
+
+    def _leave_script(self, kind: Any, exc: Any, tb: Any) -> None:
+        self._script = None
+        self.__exit__(kind, exc, tb)
 
     def preempted(self) -> bool:
         """Whether a preempting signal stops the loop here: call it after each optimizer step,
