@@ -265,6 +265,7 @@ class StepLoop:
                 float(state.skipped_steps),
                 comm_ms,
                 *memory,
+                float(self.strategy.local_rank),
             ],
             dtype=torch.float64,
         )
@@ -272,10 +273,12 @@ class StepLoop:
         per_rank = self.strategy.all_gather(torch.cat([mine, phases]))
         totals = per_rank[:, :3].sum(dim=0)
         self.timing = EpochTiming.from_ranks(
-            per_rank[:, 6:],
+            per_rank[:, 7:],
             timer.samples,
             comm_ms=float(per_rank[:, 3].mean()),  # like the phases: the mean over ranks
             comm_mb=numel * dtype.itemsize / 1e6,
+            # local ranks count from 0 on each node: the processes sharing a node's cores
+            local_processes=int(per_rank[:, 6].max()) + 1,
         )
         return {
             "epoch": state.epoch,

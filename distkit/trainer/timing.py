@@ -13,6 +13,7 @@ much of a step the all-reduce itself takes is measured apart, by a probe once pe
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -25,8 +26,22 @@ _DEVICE_PHASES = ("forward", "backward", "optimizer")
 #: less than 1.2x one, so most of the second is lost. 0.4 rather than the break-even 0.5:
 #: on CPU the probe (idle cores) reads ~2/3 of what the all-reduce costs inside backward
 COMM_HINT_SHARE = 0.4
+#: above this share of the step, waiting for data is named with its fixes
+DATA_HINT_SHARE = 0.3
 #: CUDA: fold the finished events once this many are kept (3 per optimizer step)
 FOLD_EVENTS = 768
+
+
+def cores_per_process(local_processes: int) -> int:
+    """The cores one training process and its loader workers can count on: this process's
+    affinity, shared by the node's ``local_processes`` unless the launcher pinned each
+    process to fewer cores than the machine has (then its own affinity is its share)."""
+    if hasattr(os, "sched_getaffinity"):
+        usable = len(os.sched_getaffinity(0)) or 1
+    else:  # macOS, Windows: no affinity to read
+        usable = os.cpu_count() or 1
+    machine = os.cpu_count() or usable
+    return usable if usable < machine else max(usable // max(local_processes, 1), 1)
 
 
 class StepTimer:
@@ -41,6 +56,10 @@ class StepTimer:
         self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self._open: torch.cuda.Event | None = None
         self._started = 0.0
+        #: the waits for data so far; the first (the loader's workers starting, seconds
+        #: with many workers) is kept apart from the data phase: it is no step's cost
+        self.data_waits = 0
+        self.first_wait = 0.0
 
     def start(self) -> None:
         """Begin the epoch (and the first wait for data)."""
@@ -59,7 +78,12 @@ class StepTimer:
             if len(self._events) >= FOLD_EVENTS:
                 self._fold_finished()
         else:
-            self.totals[phase] = self.totals.get(phase, 0.0) + (now - self._last)
+            if phase == "data":
+                self.data_waits += 1
+                if self.data_waits == 1:
+                    self.first_wait = now - self._last
+            if phase != "data" or self.data_waits > 1:
+                self.totals[phase] = self.totals.get(phase, 0.0) + (now - self._last)
             if self.cuda:
                 self._open = self._record()
         self._last = now
@@ -81,14 +105,19 @@ class StepTimer:
         return event
 
     def summary(self) -> torch.Tensor:
-        """``[data, forward, backward, optimizer, wall]`` seconds and ``steps`` for the epoch."""
+        """``[data, forward, backward, optimizer, wall]`` seconds and ``steps`` for the epoch.
+
+        The data phase counts every wait but the first at their mean (the first is the
+        workers' start); an epoch of one batch has only the first to count."""
         if self._events:
             torch.cuda.synchronize()
             for phase, start, end in self._events:
                 self.totals[phase] += start.elapsed_time(end) / 1000.0
             self._events.clear()
         wall = time.perf_counter() - self._started
-        values = [self.totals[p] for p in PHASES] + [wall, float(self.steps)]
+        waits = self.data_waits
+        data = self.totals["data"] * waits / (waits - 1) if waits > 1 else self.first_wait
+        values = [data] + [self.totals[p] for p in PHASES[1:]] + [wall, float(self.steps)]
         return torch.tensor(values, dtype=torch.float64)
 
 
@@ -105,6 +134,7 @@ class EpochTiming:
     comm_ms: float = 0.0  # one all-reduce of the gradients (the probe's; 0: none measured)
     comm_share: float = 0.0  # comm_ms / step time
     comm_mb: float = 0.0  # the gradients' size, all-reduced once per step
+    local_processes: int = 1  # training processes on the node of rank 0 (which reports)
 
     @classmethod
     def from_ranks(
@@ -114,10 +144,11 @@ class EpochTiming:
         *,
         comm_ms: float = 0.0,
         comm_mb: float = 0.0,
+        local_processes: int = 1,
     ) -> EpochTiming:
         """``per_rank``: one :meth:`StepTimer.summary` row per rank; ``comm_ms``: the
         gradients' all-reduce time (:func:`distkit.trainer._comm_probe.allreduce_ms`), ``comm_mb``
-        their size."""
+        their size; ``local_processes``: how many training processes share rank 0's node."""
         steps = max(float(per_rank[0, -1]), 1.0)
         mean = per_rank.mean(dim=0)
         step_ms = {p: float(mean[i]) * 1000.0 / steps for i, p in enumerate(PHASES)}
@@ -134,9 +165,12 @@ class EpochTiming:
             data_share=step_ms["data"] / step_ms["step"] if step_ms["step"] > 0 else 0.0,
             world_size=int(per_rank.shape[0]),
             comm_ms=comm_ms,
-            # the all-reduce is inside the step (overlapped with backward or not): at most all
-            comm_share=min(comm_ms / step_ms["step"], 1.0) if step_ms["step"] > 0 else 0.0,
+            # the all-reduce is inside the step: a share of 1 or more says the probe, run
+            # alone, does not measure what the step pays (a step of a few ms), and no
+            # estimate is made from it (table)
+            comm_share=comm_ms / step_ms["step"] if step_ms["step"] > 0 else 0.0,
             comm_mb=comm_mb,
+            local_processes=local_processes,
         )
 
     def as_record(self) -> dict[str, float]:
@@ -148,28 +182,45 @@ class EpochTiming:
         record["time_straggler"] = self.straggler
         return record
 
-    def table(self, comm_phase: str, num_workers: int) -> str:
-        """Two or three lines for the epoch summary, with advice when something stands out."""
+    def table(self, comm_phase: str, num_workers: int, *, cores: int | None = None) -> str:
+        """Two or three lines for the epoch summary, with advice when something stands out.
+
+        ``cores``: the cores each training process may use (None: this machine's, by
+        :func:`cores_per_process`); more loader workers are advised only where they fit.
+        """
         names = {p: p for p in PHASES}
         if comm_phase in names:
             names[comm_phase] = f"{comm_phase}+allreduce"
         cells = " | ".join(f"{names[p]} {self.step_ms[p]:.1f}" for p in PHASES)
         ranks = f"; slowest rank {self.straggler:.2f}x fastest" if self.world_size > 1 else ""
         comm = ""
+        # the probe runs alone, at the epoch's end; the step's all-reduce starts in backward
+        # (DDP's and Horovod's hooks) and ends in the phase that waits for it (DDP: backward,
+        # Horovod: the optimizer step). A probe that took longer than those phases timed
+        # something the step did not pay (on shared cores: a descheduled rank, the loader's
+        # workers shutting down), so nothing is estimated from it
+        within = PHASES[2 : PHASES.index(comm_phase) + 1] if comm_phase in PHASES[2:] else PHASES
+        bound = sum(self.step_ms[p] for p in within)
+        measured = self.comm_ms < bound
         if self.comm_ms > 0:
-            comm = f" | allreduce ~{self.comm_ms:.1f} ms ({self.comm_share:.0%} of the step)"
+            share = f"{self.comm_share:.0%} of the step" if measured else "the probe's, alone"
+            comm = f" | allreduce ~{self.comm_ms:.1f} ms ({share})"
         lines = [
             f"  step {self.step_ms['step']:.1f} ms = {cells}{comm}  "
             f"({self.samples_per_s:,.0f} samples/s{ranks})"
         ]
-        if self.comm_share > COMM_HINT_SHARE:
-            lines.append(self._comm_hint())
-        if self.data_share > 0.3:
+        if self.comm_ms > 0 and not measured:
+            where = " and ".join(names[p] for p in within) if within != PHASES else "the step"
             lines.append(
-                f"  data loading takes {self.data_share:.0%} of each step: raise num_workers "
-                f"(now {num_workers}), make __getitem__ (a stream: its reading) cheaper, or use "
-                "a larger batch_size"
+                f"  the all-reduce probe, run alone, took longer than {where} "
+                f"({self.comm_ms:.1f} ms against {bound:.1f} ms), so it cannot "
+                "say what communication costs the step: no estimate is made from it (on "
+                "shared cores it also times a rank that waits for its turn)"
             )
+        elif self.comm_share > COMM_HINT_SHARE:
+            lines.append(self._comm_hint())
+        if self.data_share > DATA_HINT_SHARE:
+            lines.append(self._data_hint(num_workers, cores))
         if self.straggler > 1.2:
             lines.append(
                 f"  rank {self.slowest_rank} is {self.straggler - 1:.0%} slower before the "
@@ -177,6 +228,28 @@ class EpochTiming:
                 "cores, and its data (num_workers, slow samples)"
             )
         return "\n".join(lines)
+
+    def _data_hint(self, num_workers: int, cores: int | None) -> str:
+        """One sentence: data loading is slow; more workers only where cores are left."""
+        per_process = cores_per_process(self.local_processes) if cores is None else cores
+        start = f"  data loading takes {self.data_share:.0%} of each step"
+        if num_workers + 2 <= per_process:  # the process itself, its workers, one more
+            return (
+                f"{start}: raise num_workers (now {num_workers}; {per_process} cores per "
+                f"training process leave room for up to {per_process - 1}), make "
+                "__getitem__ (a stream: its reading) cheaper, or use a larger batch_size"
+            )
+        here = (
+            f"{self.local_processes} training processes on this node"
+            if self.local_processes > 1
+            else "one training process"
+        )
+        return (
+            f"{start}, and more loader workers would not help: {per_process} "
+            f"core{'s' if per_process > 1 else ''} per process ({here}) already run the "
+            f"process and its num_workers={num_workers}: make __getitem__ (a stream: its "
+            "reading) cheaper, or prepare the samples once, ahead of training"
+        )
 
     def _comm_hint(self) -> str:
         """One sentence: communication dominates, the knobs, and what each would gain.
@@ -194,7 +267,7 @@ class EpochTiming:
             return k * step / (k * compute + comm)
 
         return (
-            f"  communication takes {self.comm_share:.0%} of each step ({self.comm_mb:.1f} MB "
+            f"  communication takes {self.comm_share:.0%} of each step ({_size(self.comm_mb)} "
             f"of gradients all-reduced per step), so {n} processes train at most ~{ceiling:.1f}x "
             f"the samples/s of one: a 2x per-process batch_size, grad_accum_steps=2 or fp16/bf16 "
             f'gradient compression (DDPStrategy(comm_hook="fp16"), HorovodStrategy('
@@ -202,3 +275,8 @@ class EpochTiming:
             f"would each give ~{gain(2):.1f}x the samples/s (4x batch or accumulation: "
             f"~{gain(4):.1f}x), and fewer processes lose less of each step to it"
         )
+
+
+def _size(mb: float) -> str:
+    """``21.2 MB``; below 0.1 MB in kB (a small model's gradients are not "0.0 MB")."""
+    return f"{mb:.1f} MB" if mb >= 0.1 else f"{mb * 1000:.1f} kB"
