@@ -6,6 +6,8 @@
 Importing distkit imports no backend library (Horovod, apex) and changes nothing.
 """
 
+import sys as _sys
+
 from distkit import callbacks, loggers
 from distkit._version import __version__
 from distkit.callbacks import Callback
@@ -23,6 +25,7 @@ from distkit.errors import (
     UnsupportedFeatureError,
     WorkerError,
 )
+from distkit.launch import diagnosis as _diagnosis
 from distkit.launch._spawn import spawn
 from distkit.loss import Loss
 from distkit.metrics import Accuracy, ConfusionMatrix, MeanIoU, Metric
@@ -35,6 +38,10 @@ from distkit.runtime._runtime import Runtime
 from distkit.strategies.base import Strategy, Topology, TrainOptions
 from distkit.strategies.syncbn import GlobalBatchNorm
 from distkit.trainer import FitResult, Trainer
+
+# MachineFacts and StrategyReport lived in distkit/diagnosis.py until the launch package took
+# them in: a plugin's `from distkit.diagnosis import StrategyReport` still imports
+_sys.modules.setdefault("distkit.diagnosis", _diagnosis)
 
 # The built-in strategy classes (distkit.DDPStrategy, ...), named by the registry and imported
 # on first use: importing distkit imports no strategy module

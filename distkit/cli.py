@@ -230,7 +230,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _cannot_run_here(strategy: type[Strategy], name: str) -> str | None:
     """Why ``strategy`` cannot train on this machine, from its ``distkit doctor`` verdict, or
     None: checked before any process starts, so that N ranks do not each start and fail."""
-    from distkit.diagnosis import collect_machine
+    from distkit.launch.diagnosis import collect_machine
 
     try:
         report = strategy.diagnose(collect_machine())

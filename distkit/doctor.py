@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from distkit.diagnosis import MachineFacts, StrategyReport, collect_machine
 from distkit.errors import DistkitError
 from distkit.launch._env import LaunchEnv
+from distkit.launch.diagnosis import MachineFacts, StrategyReport, collect_machine
 from distkit.launch.families import SingleProcess
 from distkit.registry import DEFAULT_REGISTRY, StrategyRegistry
 

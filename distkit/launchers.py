@@ -1,9 +1,12 @@
-"""Launcher families, at their public path: the code is :mod:`distkit.launch.families`.
+"""Launcher families and ``distkit doctor``'s types, at their public path: the code is
+:mod:`distkit.launch.families` and :mod:`distkit.launch.diagnosis`.
 
 Strategy authors name a family here (``launcher = distkit.launchers.TORCH_LAUNCHERS``, or a
-:class:`LauncherFamily` of their own); see ``docs/plugins.md``.
+:class:`LauncherFamily` of their own) and answer ``diagnose(machine: MachineFacts)`` with a
+:class:`StrategyReport`; see ``docs/plugins.md``.
 """
 
+from distkit.launch.diagnosis import MachineFacts, StrategyReport
 from distkit.launch.families import (
     SINGLE_PROCESS,
     TORCH_LAUNCHERS,
@@ -17,7 +20,9 @@ __all__ = [
     "SINGLE_PROCESS",
     "TORCH_LAUNCHERS",
     "LauncherFamily",
+    "MachineFacts",
     "SingleProcess",
+    "StrategyReport",
     "TorchLaunchers",
     "own_process_group",
 ]

@@ -537,8 +537,8 @@ def test_the_installed_build_has_the_patches_its_marker_names() -> None:
 
 @pytest.mark.timeout(30)
 def test_doctor_warns_about_a_rendezvous_server_that_keeps_keys() -> None:
-    from distkit.diagnosis import MachineFacts
     from distkit.launch._env import LaunchEnv
+    from distkit.launch.diagnosis import MachineFacts
     from distkit.strategies.horovod import _doctor as doctor
 
     machine = MachineFacts("py", "2.13.0+cpu", 0, True, False, True, LaunchEnv())

@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("leaves", ["distkit.errors", "distkit._version", "distkit.batch", "distkit.metrics",
                 "distkit.loss", "distkit._imports", "distkit._atomic", "distkit._validate",
                 "distkit.horovod_build"]),
-    ("launch", ["distkit.launch", "distkit.launchers", "distkit.diagnosis"]),
+    ("launch", ["distkit.launch", "distkit.launchers"]),
     ("faults", ["distkit.faults"]),
     ("checkpoint", ["distkit.checkpoint"]),
     ("strategies", ["distkit.strategies"]),

@@ -18,11 +18,11 @@ from typing import ClassVar
 
 from typing_extensions import override
 
-from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ConfigurationError
 from distkit.launch import LaunchRequest, with_strategy_arg
 from distkit.launch._env import LaunchEnv
 from distkit.launch._registry_view import registry
+from distkit.launch.diagnosis import MachineFacts, StrategyReport
 
 
 class LauncherFamily(ABC):

@@ -77,12 +77,12 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ConfigurationError, DistkitError
 from distkit.faults._channel import SideChannel
 from distkit.launch import LaunchRequest
 from distkit.launch._env import LaunchEnv
 from distkit.launch._registry_view import auto_strategy_name
+from distkit.launch.diagnosis import MachineFacts, StrategyReport
 from distkit.launch.families import TORCH_LAUNCHERS, LauncherFamily
 from distkit.strategies._collectives import Collectives
 from distkit.strategies._legacy_hooks import (

@@ -8,10 +8,10 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ConfigurationError, LauncherMismatchError, UnsupportedFeatureError
 from distkit.launch._env import LaunchEnv
 from distkit.launch._registry_view import auto_strategy_name
+from distkit.launch.diagnosis import MachineFacts, StrategyReport
 from distkit.launch.families import SINGLE_PROCESS
 from distkit.strategies.base import Strategy, Topology
 

@@ -16,10 +16,10 @@ import torch
 
 from distkit import cli, doctor
 from distkit import horovod_build as hb
-from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ConfigurationError, MissingDependencyError
 from distkit.launch import LaunchRequest, build_command, describe, thread_env, with_strategy_arg
 from distkit.launch._env import LaunchEnv
+from distkit.launch.diagnosis import MachineFacts, StrategyReport
 from distkit.registry import StrategyRegistry, available_strategies
 from distkit.strategies.apex import _doctor as apex_doctor
 from distkit.strategies.ddp import DDPStrategy
@@ -487,3 +487,12 @@ def test_doctor_names_the_cluster_launcher_and_what_auto_picks(environ, line):
                           env={**env, **environ}, capture_output=True, text=True,
                           timeout=100)  # fmt: skip
     assert line in done.stdout, done.stdout + done.stderr
+
+
+def test_doctor_types_import_from_the_public_path_and_the_old_one():
+    import distkit.diagnosis as old  # its path until launch/ took it in (plugins import it)
+
+    from distkit import launchers
+
+    assert launchers.StrategyReport is StrategyReport is old.StrategyReport
+    assert launchers.MachineFacts is MachineFacts is old.MachineFacts

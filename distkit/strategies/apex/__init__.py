@@ -25,8 +25,8 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ApexNeedsCudaError, DistkitError
+from distkit.launch.diagnosis import MachineFacts, StrategyReport
 from distkit.launch.families import TORCH_LAUNCHERS
 from distkit.strategies import _torch_dist, _torch_group
 from distkit.strategies._placement import place

@@ -10,8 +10,8 @@ import importlib.metadata
 import importlib.util
 from dataclasses import asdict, dataclass
 
-from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.launch._registry_view import auto_strategy_name
+from distkit.launch.diagnosis import MachineFacts, StrategyReport
 
 APEX_INSTALL = (
     "conda install -c conda-forge nvidia-apex  (or build https://github.com/NVIDIA/apex: "

@@ -20,8 +20,8 @@ from typing_extensions import override
 
 from distkit._imports import require
 from distkit.checkpoint import _pending_weights
-from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ConfigurationError, UnsupportedFeatureError
+from distkit.launch.diagnosis import MachineFacts, StrategyReport
 from distkit.launch.families import TORCH_LAUNCHERS
 from distkit.strategies import _meta_init, _torch_dist, _torch_group
 from distkit.strategies._graph import graph_leaves

@@ -12,7 +12,7 @@ import importlib.metadata
 import shutil
 from dataclasses import replace
 
-from distkit.diagnosis import MachineFacts, StrategyReport
+from distkit.launch.diagnosis import MachineFacts, StrategyReport
 
 
 def verdict(name: str, machine: MachineFacts, launcher: StrategyReport) -> StrategyReport:

@@ -14,8 +14,8 @@ from torch import nn
 from typing_extensions import override
 
 from distkit.checkpoint import _pending_weights, _shard_files
-from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ConfigurationError, MissingDependencyError, RankDisagreementError
+from distkit.launch.diagnosis import MachineFacts, StrategyReport
 from distkit.launch.families import TORCH_LAUNCHERS
 from distkit.strategies import _meta_init, _torch_dist, _torch_group
 from distkit.strategies._steps import GradientClip, clip_, local_norm, scale_, step_gradients

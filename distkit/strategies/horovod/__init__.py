@@ -14,11 +14,11 @@ from torch import nn
 from typing_extensions import override
 
 from distkit._imports import require
-from distkit.diagnosis import MachineFacts, StrategyReport
 from distkit.errors import ConfigurationError, LauncherMismatchError, UnsupportedFeatureError
 from distkit.faults._channel import SideChannel
 from distkit.launch._env import LaunchEnv
 from distkit.launch._registry_view import auto_strategy_name
+from distkit.launch.diagnosis import MachineFacts, StrategyReport
 from distkit.strategies._collectives import PendingSum
 from distkit.strategies._steps import GradientClip
 from distkit.strategies.base import StepOutcome, Strategy, Topology

@@ -11,7 +11,7 @@ import shutil
 import subprocess
 from dataclasses import asdict, dataclass, replace
 
-from distkit.diagnosis import MachineFacts, StrategyReport
+from distkit.launch.diagnosis import MachineFacts, StrategyReport
 
 CHECK_BUILD_TIMEOUT = 60.0
 
