@@ -31,10 +31,7 @@ from distkit.loss import Loss
 from distkit.metrics import Accuracy, ConfusionMatrix, MeanIoU, Metric
 from distkit.registry import BUILTIN_STRATEGIES as _BUILTINS
 from distkit.registry import available_strategies, register_strategy
-from distkit.runtime._empty import init_empty
-from distkit.runtime._prediction_files import read_predictions
-from distkit.runtime._profiler import Profiler
-from distkit.runtime._runtime import Runtime
+from distkit.runtime import Profiler, Runtime, init_empty, read_predictions
 from distkit.strategies.base import Strategy, Topology, TrainOptions
 from distkit.strategies.syncbn import GlobalBatchNorm
 from distkit.trainer import FitResult, Trainer

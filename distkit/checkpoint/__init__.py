@@ -438,7 +438,7 @@ class CheckpointFolder:
     def latest(self) -> Path | None:
         """The checkpoint ``latest`` names, else the highest step, else ``None``.
 
-        ``resume="auto"`` goes by step numbers (see ``distkit.runtime._resume``); this is for people
+        ``resume="auto"`` goes by step numbers (see ``distkit.trainer._resume``); this is for people
         and tools that follow the pointer.
         """
         pointer = self.folder / LATEST

@@ -4,7 +4,7 @@ A checkpoint edited by hand, or written by a tool that changed its layout, would
 fail deep inside a resume with a bare ``KeyError`` or ``TypeError`` (or, for an RNG state
 of the wrong size, torch's ``RuntimeError``). Each check here names the file, the field
 and what it should hold. Fields a payload lacks are not checked here: which ones a resume
-needs is the resume's business (``distkit.runtime._resume.check_fits``).
+needs is the resume's business (``distkit.trainer._resume.check_fits``).
 """
 
 from __future__ import annotations

@@ -1,20 +1,125 @@
-"""What lives as long as a Trainer's process: set-up models, agreement, evaluation, checkpoints.
+"""One process's part of a job, for a user's own loop (:class:`Runtime`), and the door the
+Trainer comes in by.
 
-Below the training loop and above the strategies, the data and the checkpoint format:
+Below the Trainer and above the strategies, the data and the checkpoint format. What the
+runtime promises is what this module exports, in two parts:
 
-- :mod:`._runtime`: :class:`Runtime`, one process's part of the job: the strategy set up,
-  models set up once, this rank's place, loader descriptions, evaluation, the fail-fast
-  guard; the Trainer holds one and runs its loop over it;
-- :mod:`._fit_state`: where a fit stands (``FitState``), and the ``Stateful`` protocol for
-  what a checkpoint carries besides tensors;
-- :mod:`._setups`: each model and optimizer is set up once per Trainer;
-- :mod:`._preparation`: what each collective call checks before it starts;
-- :mod:`._agreement` and :mod:`._call_tags`: ranks that disagree, or that are in different
-  calls, fail at once on every rank;
-- :mod:`._evaluation`: every sample counted once, whatever the world size;
-- :mod:`._saving`, :mod:`._resume`, :mod:`._snapshot`: checkpoints written, found and
-  restored; a fit's state in memory for elastic backends;
-- :mod:`._compile`, :mod:`._arguments`: ``torch.compile`` and the argument checks.
+- **The user's**: :class:`Runtime` (``distkit.Runtime``), what it hands back
+  (:class:`SetUpModel`, :class:`SetUpOptimizer`, :class:`RuntimeLoader`),
+  :class:`Profiler`, :func:`init_empty` and :func:`read_predictions` (``distkit.X`` each).
+- **The Trainer's port**: what the Trainer's loop needs beyond ``Runtime``, each for the
+  reason given in :data:`PORT`. The Trainer imports the runtime from here and nowhere else;
+  ``tests/test_layers.py`` holds it to that. A name leaves the port when the Runtime's public
+  face grows the call it stands for.
 
-The next issue makes a public bring-your-own-loop layer of it (``distkit.Runtime``).
+Inside, one concept a module: the set-up models and optimizers (``_set_up``, ``_setups``),
+the loop's bookkeeping (``_loop``), what each collective call checks before it starts
+(``_preparation``), ranks that disagree or sit in different calls failing at once
+(``_agreement``, ``_call_tags``), every sample counted once (``_evaluation``), the Runtime's
+checkpoints and weights (``_user_checkpoint``, ``_weights``, ``_saving``), ``torch.compile``,
+activation checkpointing, determinism, seeding and the argument checks.
 """
+
+from distkit.runtime._agreement import Proposal, describe_model, exchange, named_shapes
+from distkit.runtime._arguments import check_model, check_not_set_up
+from distkit.runtime._call_tags import tagged_sum
+from distkit.runtime._checkpointing import ActivationCheckpointing, checkpoint_policy
+from distkit.runtime._compile import Compiler, check_compile
+from distkit.runtime._compile import describe as describe_compile
+from distkit.runtime._compile import plan as compile_plan
+from distkit.runtime._determinism import check_deterministic
+from distkit.runtime._empty import init_empty
+from distkit.runtime._evaluation import LossFn, Metrics, named_metrics
+from distkit.runtime._loader import RuntimeLoader
+from distkit.runtime._predict import PredictFn
+from distkit.runtime._prediction_files import read_predictions
+from distkit.runtime._preemption import agreed_stop
+from distkit.runtime._preparation import checked_placement, describe_data, samples_of
+from distkit.runtime._profiler import Profiler, ProfileRun, open_profile, profiler_settings
+from distkit.runtime._runtime import Runtime
+from distkit.runtime._saving import write_on_rank_zero
+from distkit.runtime._seeding import seed_generators
+from distkit.runtime._set_up import SetUpModel, SetUpOptimizer, foreign_tensors
+from distkit.runtime._step_result import training_loss
+from distkit.runtime._weights import DEFAULT_MAX_SHARD_SIZE, save_weights
+
+#: the Trainer's port: each name, and why the Trainer needs it beyond ``Runtime``
+PORT: dict[str, str] = {
+    "Proposal": "fit, save_checkpoint and load_checkpoint agree across ranks before they act",
+    "exchange": "the same agreement, for the Trainer's own collective calls",
+    "describe_model": "fit's agreement names the model every rank must pass",
+    "named_shapes": "fit's agreement compares the model's parameters across ranks",
+    "tagged_sum": "the loop's host-side sums (stop requests, log windows, non-finite losses)",
+    "ActivationCheckpointing": "Trainer(activation_checkpointing=...) is checked at construction",
+    "checkpoint_policy": "the same setting, turned into the policy a fit's set-up applies",
+    "Compiler": "fit's model is compiled once per set-up, as rt.setup compiles it",
+    "check_compile": "Trainer(compile=...) is checked at construction",
+    "describe_compile": "fit's hyperparameter line names the compile options",
+    "compile_plan": "a model the user compiled trains its module, compiled in the backend's order",
+    "check_deterministic": "Trainer(deterministic=...) is checked at construction",
+    "LossFn": "fit's and evaluate's loss_fn type",
+    "Metrics": "fit's and evaluate's metrics type",
+    "named_metrics": "fit's validation names its metrics as evaluate does",
+    "RuntimeLoader": "fit's training data is a loader the Runtime builds",
+    "PredictFn": "Trainer.predict's predict_fn type",
+    "agreed_stop": "a preemption stops every rank at the same step",
+    "checked_placement": "fit checks where the user placed the model, as rt.setup does",
+    "describe_data": "fit's agreement names the data every rank must pass",
+    "samples_of": "a mid-epoch resume checks the data's length; checkpoints record it",
+    "ProfileRun": "fit's step loop marks the profiler's ranges",
+    "Profiler": "Trainer(profiler=...)'s type",
+    "open_profile": "fit opens the profiler over its steps",
+    "profiler_settings": "Trainer(profiler=...) is checked at construction",
+    "write_on_rank_zero": "the Trainer's checkpoints are written as rt.save writes",
+    "seed_generators": "a fit that starts afresh seeds every generator",
+    "SetUpModel": "fit trains the model rt.setup would return",
+    "SetUpOptimizer": "fit steps the optimizer rt.setup would return",
+    "foreign_tensors": "fit refuses an optimizer over another model's tensors",
+    "training_loss": "the loss fit's step returns is checked as rt.backward checks it",
+    "check_model": "fit's argument checks",
+    "check_not_set_up": "fit refuses an optimizer rt.setup returned",
+    "save_weights": "Trainer.save_weights writes the Runtime's weights format",
+    "DEFAULT_MAX_SHARD_SIZE": "Trainer.save_weights's default shard size",
+}
+
+__all__ = [
+    "DEFAULT_MAX_SHARD_SIZE",
+    "PORT",
+    "ActivationCheckpointing",
+    "Compiler",
+    "LossFn",
+    "Metrics",
+    "PredictFn",
+    "ProfileRun",
+    "Profiler",
+    "Proposal",
+    "Runtime",
+    "RuntimeLoader",
+    "SetUpModel",
+    "SetUpOptimizer",
+    "agreed_stop",
+    "check_compile",
+    "check_deterministic",
+    "check_model",
+    "check_not_set_up",
+    "checked_placement",
+    "checkpoint_policy",
+    "compile_plan",
+    "describe_compile",
+    "describe_data",
+    "describe_model",
+    "exchange",
+    "foreign_tensors",
+    "init_empty",
+    "named_metrics",
+    "named_shapes",
+    "open_profile",
+    "profiler_settings",
+    "read_predictions",
+    "samples_of",
+    "save_weights",
+    "seed_generators",
+    "tagged_sum",
+    "training_loss",
+    "write_on_rank_zero",
+]

@@ -9,30 +9,23 @@ the call needs, and says which values every rank must agree on (see
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from distkit import checkpoint as ckpt
-from distkit._validate import check_path
 from distkit.data import LoaderSpec
 from distkit.data._stream_spec import StreamSpec
 from distkit.errors import ConfigurationError
 from distkit.metrics import Metric
-from distkit.runtime import _agreement, _resume
+from distkit.runtime import _agreement
 from distkit.runtime._arguments import check_model
 from distkit.runtime._evaluation import LossFn, Metrics, named_metrics
 from distkit.strategies._placement import Placement
 
 if TYPE_CHECKING:
-    from distkit.runtime._fit_state import Stateful
-    from distkit.runtime._resume import LatestFit
     from distkit.runtime._setups import SetupCache
-    from distkit.strategies.base import Strategy
 
 
 def checked_placement(
@@ -93,32 +86,3 @@ def prepare_evaluate(
     spec = read()
     agreed = {"data samples": describe_data(spec), "metrics": ", ".join(named) or "none"}
     return _agreement.Proposal(agreed, (named, spec, placement))
-
-
-def prepare_save(
-    strategy: Strategy,
-    run: LatestFit | None,
-    callbacks: Stateful,
-    extra: object,
-    path: str | os.PathLike[str] | None,
-) -> _agreement.Proposal[dict[str, Any]]:
-    """Checks, this rank's state for the file; the local part: the callbacks' states."""
-    if run is None:
-        raise ConfigurationError("save_checkpoint needs a model: call fit(...) first")
-    if extra is not None and not isinstance(extra, dict):
-        raise ConfigurationError(
-            "extra must be a dict (of tensors, numbers, strings, lists and dicts), got "
-            f"{type(extra).__name__}"
-        )
-    # before the checks that differ between ranks: a callback's state may be a collective
-    # (EMA's averages under fsdp are gathered), met here by every rank, or by none
-    states = callbacks.state_dict()  # checked on every rank, before the agreement
-    if path is not None:
-        check_path("path", path, "a file path (str or os.PathLike)")
-        if strategy.is_main and Path(path).is_dir():  # rank 0 writes
-            raise ckpt.CheckpointError(
-                f"{path} is a folder; a checkpoint is a file: pass a path such as "
-                f"{Path(path) / 'model.pt'}"
-            )
-    shared = _resume.rank_state(run.state)
-    return _agreement.Proposal({"global step": str(run.state.global_step)}, states, shared)

@@ -15,9 +15,10 @@ their generators: the first backward leaves them alone.
 
 from __future__ import annotations
 
-import torch
+import random
 
-from distkit.runtime._resume import seed_generators
+import numpy as np
+import torch
 
 
 class RankSeeding:
@@ -33,3 +34,10 @@ class RankSeeding:
         stands)."""
         if torch.initial_seed() == self._seed:
             seed_generators(self._seed + rank)
+
+
+def seed_generators(seed: int) -> None:
+    """A fit that starts afresh: torch, numpy and random seeded (``seed + rank``)."""
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)

@@ -26,10 +26,10 @@ from distkit import checkpoint as ckpt
 from distkit._validate import check_path
 from distkit._version import __version__
 from distkit.checkpoint import _layout, _shard_files
+from distkit.checkpoint._fits import model_misfits
 from distkit.errors import CheckpointError, ConfigurationError
 from distkit.runtime import _agreement
 from distkit.runtime._loader import RuntimeLoader
-from distkit.runtime._resume import model_misfits
 from distkit.runtime._saving import write_on_rank_zero
 from distkit.runtime._set_up import SetUpModel, SetUpOptimizer
 from distkit.strategies.capabilities import fp32

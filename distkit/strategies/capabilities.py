@@ -177,7 +177,7 @@ class Elastic(Protocol):
     def run(self, body: Callable[[], None], snapshot: Any) -> None:
         """Run ``body`` (a fit's epochs); whenever the group changed, run it again after
         restoring the last committed ``snapshot`` (a
-        :class:`distkit.runtime._snapshot.RunSnapshot`: ``save()``, ``restore()``,
+        :class:`distkit.trainer._snapshot.RunSnapshot`: ``save()``, ``restore()``,
         ``sync(strategy)``) and sending rank 0's to every rank (*collective*)."""
         ...
 

@@ -17,23 +17,31 @@ from distkit.callbacks._list import CallbackList
 from distkit.errors import ConfigurationError, TrainerClosedError
 from distkit.faults._preempt import Preemption, finish
 from distkit.loggers import Logger
-from distkit.runtime import _agreement, _compile, _resume, _saving, _weights
-from distkit.runtime._checkpointing import ActivationCheckpointing
-from distkit.runtime._evaluation import LossFn, Metrics
-from distkit.runtime._predict import PredictFn
-from distkit.runtime._profiler import Profiler
-from distkit.runtime._resume import LatestFit
-from distkit.runtime._runtime import Runtime
+from distkit.runtime import (
+    DEFAULT_MAX_SHARD_SIZE,
+    ActivationCheckpointing,
+    LossFn,
+    Metrics,
+    PredictFn,
+    Profiler,
+    Proposal,
+    Runtime,
+    compile_plan,
+    exchange,
+    save_weights,
+)
 from distkit.strategies._placement import check_claims
 from distkit.strategies._steps import GradientClip
 from distkit.strategies.base import Strategy
 from distkit.strategies.precision import normalize_precision
+from distkit.trainer import _resume, _saving
 from distkit.trainer._config import Setting, TrainerConfig
 from distkit.trainer._epoch_loop import StopRequest
 from distkit.trainer._fit import train
 from distkit.trainer._fit_call import FitCall
 from distkit.trainer._logging import LogSink, checked_loggers
 from distkit.trainer._prepare import FitPlan, prepare_fit
+from distkit.trainer._resume import LatestFit
 from distkit.trainer._step_loop import StepFn
 
 
@@ -429,7 +437,7 @@ class Trainer:
         self.should_stop = False
         sink = self._sink = LogSink(self.loggers, is_main=self.is_main)
         # a model the user compiled: train its module, compiled in the backend's order
-        model, compiler = _compile.plan(model, self.compile)
+        model, compiler = compile_plan(model, self.compile)
         call = FitCall(
             model,
             optimizer,
@@ -459,7 +467,7 @@ class Trainer:
 
         # every rank checks its arguments and finds its checkpoint, then all agree (or all
         # raise) before the first collective of the set-up
-        def prepare() -> _agreement.Proposal[FitPlan]:
+        def prepare() -> Proposal[FitPlan]:
             return prepare_fit(
                 config,
                 runtime,
@@ -473,7 +481,7 @@ class Trainer:
         if strategy.elastic:  # a process joining later could not meet this collective
             prepared = prepare().local
         else:
-            prepared, claims = _agreement.exchange(strategy, "fit", prepare)
+            prepared, claims = exchange(strategy, "fit", prepare)
             check_claims(claims)  # every rank holds every claim: all raise, or none
         self._pending = None
         payload = None if prepared.found is None else prepared.found.payload
@@ -566,7 +574,7 @@ class Trainer:
         self,
         path: str | os.PathLike[str],
         *,
-        max_shard_size: int | str = _weights.DEFAULT_MAX_SHARD_SIZE,
+        max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     ) -> list[Path]:
         """Save the latest ``fit``'s model weights as safetensors (a ``.safetensors`` file, or
         a folder sharded at ``max_shard_size`` with a ``transformers`` model's configs), as
@@ -578,7 +586,7 @@ class Trainer:
                 "save_weights needs a model: call fit(...) first (or save a model of your own "
                 "with distkit.Runtime.save_weights)"
             )
-        written = _weights.save_weights(
+        written = save_weights(
             self.strategy,
             self._run.model,
             path,

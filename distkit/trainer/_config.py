@@ -22,13 +22,17 @@ import torch
 from distkit._validate import check_flags
 from distkit.errors import ConfigurationError
 from distkit.faults import _preempt
-from distkit.runtime._arguments import check_trainer_arguments
-from distkit.runtime._checkpointing import ActivationCheckpointing, checkpoint_policy
-from distkit.runtime._compile import check_compile
-from distkit.runtime._determinism import check_deterministic
-from distkit.runtime._profiler import Profiler, profiler_settings
+from distkit.runtime import (
+    ActivationCheckpointing,
+    Profiler,
+    check_compile,
+    check_deterministic,
+    checkpoint_policy,
+    profiler_settings,
+)
 from distkit.strategies._placement import input_device_override
 from distkit.strategies._steps import GradientClip
+from distkit.trainer._arguments import check_trainer_arguments
 
 
 @dataclass(frozen=True)

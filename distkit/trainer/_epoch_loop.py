@@ -20,11 +20,9 @@ from tqdm.auto import tqdm
 
 from distkit.callbacks._list import CallbackList
 from distkit.faults._preempt import Preemption, Stop
-from distkit.runtime._call_tags import tagged_sum
-from distkit.runtime._fit_state import FitState
-from distkit.runtime._preemption import agreed_stop
-from distkit.runtime._runtime import Runtime
+from distkit.runtime import Runtime, agreed_stop, tagged_sum
 from distkit.trainer._config import TrainerConfig
+from distkit.trainer._fit_state import FitState
 from distkit.trainer._logging import LogSink, LogWindow, StepLogs
 from distkit.trainer._losses import step_mean
 from distkit.trainer._memory import MEMORY_KEYS, memory_text

@@ -20,22 +20,25 @@ from distkit import checkpoint as ckpt
 from distkit.callbacks._list import CallbackList
 from distkit.data._feed import train_feed
 from distkit.faults._preempt import Preemption
-from distkit.runtime import _resume, _saving
-from distkit.runtime._evaluation import named_metrics
-from distkit.runtime._fit_state import FitState
-from distkit.runtime._loader import RuntimeLoader
-from distkit.runtime._preparation import samples_of
-from distkit.runtime._profiler import open_profile
-from distkit.runtime._resume import LatestFit
-from distkit.runtime._runtime import Runtime
-from distkit.runtime._snapshot import RunSnapshot
+from distkit.runtime import (
+    Runtime,
+    RuntimeLoader,
+    named_metrics,
+    open_profile,
+    samples_of,
+    seed_generators,
+)
+from distkit.trainer import _resume, _saving
 from distkit.trainer._config import TrainerConfig
 from distkit.trainer._epoch_loop import EpochLoop, StopRequest, hyperparams
 from distkit.trainer._fit_call import FitCall
+from distkit.trainer._fit_state import FitState
 from distkit.trainer._logging import LogSink, LogWindow
 from distkit.trainer._losses import LossLedger
 from distkit.trainer._nonfinite import NonFiniteWatch
 from distkit.trainer._prepare import FitPlan, plan_batches
+from distkit.trainer._resume import LatestFit
+from distkit.trainer._snapshot import RunSnapshot
 from distkit.trainer._step_loop import StepLoop, StepLoopSettings
 
 
@@ -77,7 +80,7 @@ def train(
         callbacks.load_state_dict(payload.get("callbacks") or {})
     else:
         state = FitState()
-        _resume.seed_generators(config.seed + strategy.rank)
+        seed_generators(config.seed + strategy.rank)
     latest = LatestFit(model, optimizer, scheduler, state, samples_of(spec))
     keep(latest)
     settings = StepLoopSettings(

@@ -13,8 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from distkit.runtime._compile import Compiler
-from distkit.runtime._evaluation import LossFn, Metrics
+from distkit.runtime import Compiler, LossFn, Metrics
 
 #: ``step_fn(model, batch)`` -> the batch's mean loss, a ``distkit.Loss`` (a sum and its
 #: item count: token-exact), or a model's output with ``.loss`` (for batches of any layout)

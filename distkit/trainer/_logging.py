@@ -21,7 +21,7 @@ from distkit._validate import check_instance
 from distkit.errors import ConfigurationError
 from distkit.loggers import Logger
 from distkit.loggers._base import as_number, as_numbers
-from distkit.runtime._call_tags import tagged_sum
+from distkit.runtime import tagged_sum
 from distkit.strategies.base import Strategy
 
 

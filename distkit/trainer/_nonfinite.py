@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from distkit.errors import NonFiniteLossError
-from distkit.runtime._call_tags import tagged_sum
+from distkit.runtime import tagged_sum
 from distkit.strategies.base import Strategy
 from distkit.trainer._losses import LossLedger
 

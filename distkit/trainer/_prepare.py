@@ -2,7 +2,7 @@
 
 :func:`prepare_fit` validates the call's arguments (so a wrong one fails at the call, not in
 torch later), describes the data and its global batch plan, finds the checkpoint to resume
-from, and says which values every rank must agree on (see :mod:`distkit.runtime._agreement`).
+from, and says which values every rank must agree on (see :data:`distkit.runtime.PORT`).
 It changes nothing.
 """
 
@@ -18,13 +18,20 @@ from distkit.data import GlobalBatchPlan, LoaderSpec
 from distkit.data._batch_plan import batch_plan
 from distkit.data._stream_spec import StreamSpec, check_stream
 from distkit.errors import ConfigurationError
-from distkit.runtime import _agreement, _resume
-from distkit.runtime._arguments import check_fit_args, check_scheduler, check_validation
-from distkit.runtime._compile import describe as describe_compile
-from distkit.runtime._evaluation import named_metrics
-from distkit.runtime._preparation import checked_placement, describe_data, samples_of
-from distkit.runtime._runtime import Runtime
+from distkit.runtime import (
+    Proposal,
+    Runtime,
+    checked_placement,
+    describe_compile,
+    describe_data,
+    describe_model,
+    named_metrics,
+    named_shapes,
+    samples_of,
+)
 from distkit.strategies._placement import Placement
+from distkit.trainer import _resume
+from distkit.trainer._arguments import check_fit_args, check_scheduler, check_validation
 from distkit.trainer._config import TrainerConfig
 from distkit.trainer._fit_call import FitCall
 
@@ -71,7 +78,7 @@ def prepare_fit(
     pending: _resume.LoadedCheckpoint | None,
     callbacks: Any,
     owner: object,
-) -> _agreement.Proposal[FitPlan]:
+) -> Proposal[FitPlan]:
     """The fit's checks and findings on this rank.
 
     Args:
@@ -139,7 +146,7 @@ def prepare_fit(
         "train_data samples": describe_data(spec),
         "batch plan": describe_plan(config, spec, plan),
         "val_data samples": "none" if val is None else describe_data(val),
-        "model": _agreement.describe_model(model),
+        "model": describe_model(model),
         "optimizer": f"{type(optimizer).__name__}, {len(optimizer.param_groups)} group(s)",
         "scheduler": "none" if call.scheduler is None else type(call.scheduler).__name__,
         "settings": f"strategy={strategy.name} {strategy.options}, {agreed_settings(config)}",
@@ -147,10 +154,10 @@ def prepare_fit(
         # called on every rank: the same kinds in the same order (some are collectives)
         "callbacks": callbacks.describe(),
     }
-    details = {"model": lambda: _agreement.named_shapes(model)}
+    details = {"model": lambda: named_shapes(model)}
     # each rank's devices of a model the user placed: ranks sharing one GPU are refused
     fit_plan = FitPlan(spec, plan, found, placement)
-    return _agreement.Proposal(agreed, fit_plan, shared=placement.claim(), details=details)
+    return Proposal(agreed, fit_plan, shared=placement.claim(), details=details)
 
 
 def agreed_settings(config: TrainerConfig) -> str:

@@ -15,18 +15,21 @@ from distkit.batch import split_batch
 from distkit.errors import ConfigurationError
 from distkit.errors import NonFiniteLossError as NonFiniteLossError  # its old home
 from distkit.faults._progress import Progress
-from distkit.runtime._fit_state import FitState as FitState  # its old home
-from distkit.runtime._loader import RuntimeLoader
-from distkit.runtime._profiler import ProfileRun
-from distkit.runtime._runtime import Runtime
-from distkit.runtime._set_up import SetUpModel, SetUpOptimizer
-from distkit.runtime._step_result import training_loss
+from distkit.runtime import (
+    ProfileRun,
+    Runtime,
+    RuntimeLoader,
+    SetUpModel,
+    SetUpOptimizer,
+    training_loss,
+)
 from distkit.strategies._legacy_hooks import takes_before_step
 from distkit.strategies._placement import Placement, follow_output
 from distkit.strategies._steps import GradientClip, StepOutcome
 from distkit.strategies.base import Strategy
 from distkit.trainer import _comm_probe, _memory
 from distkit.trainer._fit_call import StepFn
+from distkit.trainer._fit_state import FitState as FitState  # its old home
 from distkit.trainer._losses import LossLedger
 from distkit.trainer._nonfinite import NonFiniteWatch
 from distkit.trainer.timing import EpochTiming, StepTimer

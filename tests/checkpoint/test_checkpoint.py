@@ -182,7 +182,7 @@ def test_checkpoint_resume_skips_a_corrupt_latest_file(tmp_path, run_on_ranks):
     newest.write_bytes(newest.read_bytes()[:100])  # as if the disk lost it
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        found = distkit.runtime._resume.find_resume("auto", ckpt.CheckpointFolder(folder), "cpu")
+        found = distkit.trainer._resume.find_resume("auto", ckpt.CheckpointFolder(folder), "cpu")
     assert found is not None and found.payload["progress"]["global_step"] == 3
     assert found.label == "step-000000003.pt (step 3)"
     assert any("skipped 1 newer one(s): " in str(w.message) for w in caught)
@@ -303,7 +303,7 @@ def test_checkpoint_resume_auto_takes_the_highest_step_when_latest_lags(tmp_path
     os.utime(folder.path_for(2), (old, old))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a lagging pointer is normal: no warning
-        found = distkit.runtime._resume.find_resume("auto", folder, "cpu")
+        found = distkit.trainer._resume.find_resume("auto", folder, "cpu")
     assert found is not None and found.label == "step-000000004.pt (step 4)"
 
 
@@ -311,7 +311,7 @@ def test_checkpoint_resume_auto_orders_by_step_number_not_by_name(tmp_path):
     folder = ckpt.CheckpointFolder(tmp_path)
     folder.save(_payload(999_999_999), 999_999_999)
     folder.save(_payload(1_000_000_000), 1_000_000_000)  # 10 digits: sorts first by name
-    found = distkit.runtime._resume.find_resume("auto", folder, "cpu")
+    found = distkit.trainer._resume.find_resume("auto", folder, "cpu")
     assert found is not None and found.payload["progress"]["global_step"] == 1_000_000_000
 
 
@@ -322,7 +322,7 @@ def test_checkpoint_resume_auto_warns_about_a_second_run_in_the_folder(tmp_path)
     os.utime(folder.path_for(12), (old, old))
     folder.save(_payload(2), 2)  # this run's latest
     with pytest.warns(UserWarning, match="holds files of two runs"):
-        found = distkit.runtime._resume.find_resume("auto", folder, "cpu")
+        found = distkit.trainer._resume.find_resume("auto", folder, "cpu")
     assert found is not None and found.label == "step-000000012.pt (step 12)"
 
 

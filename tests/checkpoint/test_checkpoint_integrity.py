@@ -164,7 +164,7 @@ def test_sharded_checkpoint_verifies_its_shard_files(tmp_path, run_on_ranks):
         ckpt.load(newest)
     assert "__1_0.distcp" in str(caught.value)
     # resume="auto" falls back to the previous checkpoint, whose shards are intact
-    found = distkit.runtime._resume.find_resume("auto", ckpt.CheckpointFolder(folder), "cpu",
+    found = distkit.trainer._resume.find_resume("auto", ckpt.CheckpointFolder(folder), "cpu",
                                         announce=False)  # fmt: skip
     assert found is not None and found.payload["progress"]["global_step"] == 5
 

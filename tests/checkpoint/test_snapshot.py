@@ -8,8 +8,8 @@ from torch import nn
 import distkit
 from distkit.callbacks import EarlyStopping
 from distkit.callbacks._list import CallbackList
-from distkit.runtime._fit_state import FitState
-from distkit.runtime._snapshot import RunSnapshot
+from distkit.trainer._fit_state import FitState
+from distkit.trainer._snapshot import RunSnapshot
 from tests.support.workloads import make_mlp, max_abs_diff, state_of
 
 

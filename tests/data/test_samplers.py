@@ -34,7 +34,7 @@ from distkit.data import GlobalBatchPlan, LoaderSpec
 from distkit.data._batch_plan import batch_plan
 from distkit.data._samplers import BatchSamplerPlan, SamplerPlan, draw
 from distkit.errors import ConfigurationError
-from distkit.runtime import _resume
+from distkit.trainer import _resume
 from tests.support.exactness import DTYPE, TOL
 from tests.support.workloads import make_dataset, make_mlp, max_abs_diff, without_timing
 

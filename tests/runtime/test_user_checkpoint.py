@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 import distkit
+from distkit.checkpoint._fits import model_misfits
 from distkit.errors import CheckpointError, RankDisagreementError
-from distkit.runtime._resume import model_misfits
 from tests.support.exactness import DTYPE, TOL  # the runs compared train in float64
 from tests.support.workloads import make_dataset, make_mlp, max_abs_diff
 

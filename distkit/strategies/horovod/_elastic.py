@@ -1,4 +1,4 @@
-"""Horovod elastic: a fit's :class:`~distkit.runtime._snapshot.RunSnapshot` as Horovod's state.
+"""Horovod elastic: a fit's :class:`~distkit.trainer._snapshot.RunSnapshot` as Horovod's state.
 
 Horovod's ``elastic.run`` calls ``sync()`` before each run of the training body (rank 0's
 state to every process, new ones included), ``commit()`` at distkit's commit points (save,

@@ -1,7 +1,8 @@
 """Where a fit stands: everything a resume needs besides the model and the optimizer.
 
-The training loop advances it; checkpoints, the elastic snapshot and the resume read and
-restore it. It lives here, below the loop, so that they need not import the loop.
+The training loop advances it; the Trainer's checkpoints, the elastic snapshot and the resume
+read and restore it. It is the Trainer's alone (a user's own loop keeps its own counters); it
+has a module of its own so that those need not import the loop.
 """
 
 from __future__ import annotations

@@ -1,16 +1,15 @@
-"""Turning a training run into a checkpoint payload and back (every rank takes part)."""
+"""The Trainer's checkpoints: a fit turned into a payload and back, the one to resume from
+found (``resume="auto"``), and refused where it does not fit (every rank takes part)."""
 
 from __future__ import annotations
 
 import importlib.metadata
 import os
-import random
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -19,10 +18,11 @@ from distkit import registry
 from distkit._atomic import mtime_ns
 from distkit._version import __version__
 from distkit.checkpoint import _shard_files
+from distkit.checkpoint._fits import model_misfits
 from distkit.errors import ConfigurationError
-from distkit.runtime._fit_state import FitState
 from distkit.strategies.base import Strategy
 from distkit.strategies.capabilities import StateIO
+from distkit.trainer._fit_state import FitState
 
 
 @dataclass
@@ -265,43 +265,6 @@ def _check_model_fits(
         )
 
 
-def model_misfits(
-    saved: dict[str, Any], current: dict[str, torch.Size | None], model: nn.Module
-) -> list[str]:
-    """Why ``saved`` (a model state) cannot load into ``model`` whose entries have the full
-    shapes ``current``: other shapes, missing or extra keys, an integer tensor for a
-    floating-point entry (torch would cast it without a word). Checked before anything is
-    loaded, so a refusal leaves the model as it was. Pure."""
-    problems = [
-        f"{key}: checkpoint {tuple(saved[key].shape)}, model {tuple(shape)}"
-        for key, shape in current.items()
-        if key in saved
-        and shape is not None
-        and isinstance(saved[key], torch.Tensor)
-        and saved[key].shape != shape
-    ]
-    mine = model.state_dict(keep_vars=True)
-    problems += [
-        f"{key}: checkpoint {saved[key].dtype}, model {mine[key].dtype} (an integer tensor "
-        "does not load into a floating-point one)"
-        for key in current
-        if key in saved
-        and key in mine
-        and isinstance(saved[key], torch.Tensor)
-        and isinstance(mine[key], torch.Tensor)
-        and mine[key].is_floating_point()
-        and not saved[key].is_floating_point()
-        and not saved[key].is_complex()
-    ]
-    missing = [key for key in current if key not in saved]
-    unexpected = [key for key in saved if key not in current]
-    if missing:
-        problems.append(f"not in the checkpoint: {', '.join(missing[:5])}")
-    if unexpected:
-        problems.append(f"not in the model: {', '.join(unexpected[:5])}")
-    return problems
-
-
 def _check_optimizer_fits(
     found: LoadedCheckpoint, optimizer: torch.optim.Optimizer, my_sizes: list[int]
 ) -> None:
@@ -332,10 +295,3 @@ def _check_optimizer_fits(
             f"{found.label} holds optimizer state for parameter groups of sizes {sizes}; this "
             f"optimizer's are {my_sizes}. {fix}"
         )
-
-
-def seed_generators(seed: int) -> None:
-    """A fit that starts afresh: torch, numpy and random seeded (``seed + rank``)."""
-    torch.manual_seed(seed)
-    np.random.seed(seed % 2**32)
-    random.seed(seed)

@@ -3,7 +3,7 @@ after a failed step, and sends from rank 0 to the processes of a changed group.
 
 Unlike a checkpoint it never touches the disk, and it holds objects in place: the model's
 parameters are copied into, the optimizer's state dict object is kept (a backend's wrapper
-may share it), the :class:`~distkit.runtime._fit_state.FitState` is updated field by field.
+may share it), the :class:`~distkit.trainer._fit_state.FitState` is updated field by field.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from distkit.runtime._fit_state import FitState, Stateful
 from distkit.strategies.base import Strategy
+from distkit.trainer._fit_state import FitState, Stateful
 
 
 class RunSnapshot:
