@@ -171,7 +171,7 @@ def exact_script_args(argv: Sequence[str], script: str, parsed: Sequence[str]) -
 def cmd_run(args: argparse.Namespace) -> int:
     """``distkit run``: build the command, print it, and replace this process with it."""
     from distkit import launch
-    from distkit.registry import resolve_strategy_class
+    from distkit.registry import DEFAULT_CHOICES, resolve_strategy_class
 
     try:
         strategy = resolve_strategy_class(args.strategy)
@@ -201,11 +201,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         master_port=args.master_port,
         hosts=args.hosts,
         launcher_args=extra,
+        choices=DEFAULT_CHOICES,
     )
     try:
-        launch.build_command(request, python=sys.executable)  # validate before any probing
+        launch.build_command(request, strategy, python=sys.executable)  # validate first
         tools = family.find_tools(request)
-        argv = launch.build_command(request, python=sys.executable, tools=tools)
+        argv = launch.build_command(request, strategy, python=sys.executable, tools=tools)
     except DistkitError as exc:
         return _fail(str(exc))
     if not Path(args.script).exists():
@@ -216,7 +217,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             f"{Path(args.script) / 'train.py'}); a folder with a __main__.py runs as "
             "`python -m`, which distkit run does not start"
         )
-    env = launch.thread_env(request, os.environ)
+    env = launch.thread_env(request, strategy, os.environ)
     refusal = None if args.dry_run else _cannot_run_here(strategy, args.strategy)
     if refusal is not None:
         return _fail(refusal)
@@ -231,9 +232,10 @@ def _cannot_run_here(strategy: type[Strategy], name: str) -> str | None:
     """Why ``strategy`` cannot train on this machine, from its ``distkit doctor`` verdict, or
     None: checked before any process starts, so that N ranks do not each start and fail."""
     from distkit.launch.diagnosis import collect_machine
+    from distkit.registry import DEFAULT_CHOICES
 
     try:
-        report = strategy.diagnose(collect_machine())
+        report = strategy.diagnose(collect_machine(DEFAULT_CHOICES))
     except Exception:  # a broken check must not block a run: the ranks say what is wrong
         return None
     if report.usable:

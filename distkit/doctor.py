@@ -15,10 +15,11 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from distkit.errors import DistkitError
+from distkit.launch import BUILTIN_CHOICES
 from distkit.launch._env import LaunchEnv
 from distkit.launch.diagnosis import MachineFacts, StrategyReport, collect_machine
 from distkit.launch.families import SingleProcess
-from distkit.registry import DEFAULT_REGISTRY, StrategyRegistry
+from distkit.registry import DEFAULT_REGISTRY, RegistryChoices, StrategyRegistry
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ def examine(
 ) -> Checkup:
     """Every registered strategy's verdict on this machine (only ``names``, if given)."""
     registry = DEFAULT_REGISTRY if registry is None else registry
-    machine = collect_machine() if machine is None else machine
+    machine = collect_machine(RegistryChoices(registry)) if machine is None else machine
     classes = registry.load_all()
     selected = [n for n in classes if names is None or n in names]
     reports = {}
@@ -81,7 +82,9 @@ def examine(
 def to_json(checkup: Checkup) -> dict[str, Any]:
     """A JSON-ready dict: the machine's facts, ``"auto"``, ``"strategies": {name: report}``
     and ``"plugin_problems"``."""
-    data = asdict(checkup.machine)
+    # the facts, not the registry answers the verdicts were worded with (no data: a view)
+    plain = dataclasses.replace(checkup.machine, choices=BUILTIN_CHOICES)
+    data = {key: value for key, value in asdict(plain).items() if key != "choices"}
     data["auto"] = checkup.auto
     data["strategies"] = {name: asdict(report) for name, report in checkup.reports.items()}
     data["plugin_problems"] = list(checkup.plugin_problems)

@@ -6,6 +6,11 @@ imports alike (a function-level import is still a dependency, only a later one).
 ``distkit.a.b`` runs ``distkit/a/__init__.py`` first, so that counts as an import of the
 package ``distkit.a`` too (not of ``distkit`` itself, which every module's import runs).
 
+Nor does a lower layer get a higher one's answers by being handed them at import: no module
+below the registry keeps a value a caller passes it in a module global (an install hook), and
+no module assigns another distkit module's attributes. What a lower layer needs from a
+higher one is passed down as a value (see ``distkit/launch/_choices.py``).
+
 Each module belongs to the layer of the longest prefix in :data:`LAYERS` that names it; a
 module may import its own layer and the layers below. A module no prefix names fails the test:
 a new module is placed on purpose.
@@ -166,6 +171,51 @@ def cycles() -> list[list[str]]:
     return found
 
 
+def install_hooks(tree: ast.AST) -> list[str]:
+    """Functions that keep one of their own parameters in a module global (``global _view``
+    then ``_view = view``): how a higher layer installs itself into a lower one."""
+    found = []
+    for fn in ast.walk(tree):
+        if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        params = {a.arg for a in [*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs]}
+        globals_ = {n for node in ast.walk(fn) if isinstance(node, ast.Global) for n in node.names}
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Assign | ast.AnnAssign):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                value = node.value
+                kept = isinstance(value, ast.Name) and value.id in params
+                for target in targets:
+                    if kept and isinstance(target, ast.Name) and target.id in globals_:
+                        found.append(f"{fn.name}() keeps its parameter in global {target.id}")
+    return found
+
+
+def foreign_assignments(tree: ast.AST) -> list[str]:
+    """``module.attr = ...`` where ``module`` names a distkit module this file imported."""
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {a.asname or a.name for a in node.names if a.name.startswith("distkit")}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("distkit"):
+            known = modules()
+            imported |= {
+                a.asname or a.name for a in node.names if f"{node.module}.{a.name}" in known
+            }
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                if (
+                    isinstance(target, ast.Attribute)
+                    and isinstance(target.value, ast.Name)
+                    and target.value.id in imported
+                ):
+                    found.append(f"assigns {target.value.id}.{target.attr}")
+    return found
+
+
 # ---------------------------------------------------------------- the tests
 def test_layers_place_every_module():
     unplaced = sorted(name for name in modules() if layer_of(name) is None)
@@ -202,3 +252,28 @@ def test_layers_graph_reads_function_level_relative_and_type_checking_imports(tm
     assert "distkit.strategies" in imports_of("distkit.trainer")  # runs the package's init
     assert "distkit.strategies" not in imports_of("distkit.strategies.ddp")  # already running
     assert layer_of("distkit.strategies.apex.legacy") == layer_of("distkit.strategies")
+
+
+def test_layers_nothing_is_installed_into_a_lower_layer():
+    registry = [name for name, _ in LAYERS].index("registry")
+    found = []
+    for name, path in modules().items():
+        tree = ast.parse(path.read_text(), str(path))
+        below = (layer_of(name) or 0) < registry
+        found += [f"  {name}: {hook}" for hook in install_hooks(tree) if below]
+        found += [f"  {name}: {hook}" for hook in foreign_assignments(tree)]
+    assert not found, (
+        "a module keeps what a caller installs, or assigns another module's attributes (pass "
+        "the value down instead):\n" + "\n".join(found)
+    )
+
+
+def test_layers_install_hook_reader_finds_the_old_registry_view():
+    """The reader itself, on the pattern distkit had (launch/_registry_view.py's install, and
+    the registry assigning a view)."""
+    hook = "_view = None\ndef install(view):\n    global _view\n    _view = view\n"
+    assert install_hooks(ast.parse(hook)) == ["install() keeps its parameter in global _view"]
+    state = "_lease = None\ndef take(n):\n    global _lease\n    _lease = object()\n"
+    assert install_hooks(ast.parse(state)) == []  # module state of its own is no hook
+    poke = "from distkit.launch import families\nfamilies.TORCH_LAUNCHERS = None\n"
+    assert foreign_assignments(ast.parse(poke)) == ["assigns families.TORCH_LAUNCHERS"]

@@ -43,9 +43,8 @@ PRIVATE_IMPORTS: dict[tuple[str, str], tuple[str, set[str]]] = {
         {"_requeue"},
     ),
     ("distkit.registry", "distkit.launch"): (
-        "the registry reads the launcher's environment, and installs the view lower layers "
-        "ask (issue 45, item 4, removes the view)",
-        {"_env", "_registry_view"},
+        "the registry reads the launcher's environment for strategy='auto'",
+        {"_env"},
     ),
     ("distkit.runtime", "distkit.checkpoint"): (
         "the Runtime writes and reads the checkpoint format's files, shards and weights",
@@ -82,9 +81,8 @@ PRIVATE_IMPORTS: dict[tuple[str, str], tuple[str, set[str]]] = {
         {"_channel", "_last_resort"},
     ),
     ("distkit.strategies", "distkit.launch"): (
-        "strategies read the launcher's environment, and ask the registry view (issue 45, "
-        "item 4, removes the view)",
-        {"_env", "_registry_view"},
+        "strategies read the launcher's environment to join their process group",
+        {"_env"},
     ),
     ("distkit.testing", "distkit.launch"): (
         "the test helpers start real processes as distkit.spawn does",
@@ -133,13 +131,12 @@ LONG_FUNCTIONS: dict[str, int] = {
     "distkit.runtime._runtime:Runtime.__init__": 87,
 }
 
-#: circles between packages, counting type-only imports (issue 45: callbacks <-> trainer is
-#: annotations only, as in Lightning; the rest go with the registry view, item 4)
+#: circles between packages, counting type-only imports: callbacks <-> trainer is annotations
+#: only (a callback's hooks take the Trainer, as in Lightning); faults <-> strategies too
+#: (the fail-fast guard's annotations name the Strategy it watches)
 CIRCLES: set[frozenset[str]] = {
     frozenset({"distkit.callbacks", "distkit.trainer"}),
-    frozenset({"distkit.faults", "distkit.launch", "distkit.strategies"}),
     frozenset({"distkit.faults", "distkit.strategies"}),
-    frozenset({"distkit.launch", "distkit.strategies"}),
 }
 
 

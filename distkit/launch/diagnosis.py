@@ -12,6 +12,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from distkit.launch._choices import BUILTIN_CHOICES, StrategyChoices
 from distkit.launch._env import LaunchEnv
 
 
@@ -21,7 +22,8 @@ class MachineFacts:
 
     ``launcher_problem`` is why the launcher's variables cannot start a run (a Kubeflow pod
     set up for torchrun running plain ``python``, a rank outside the world); ``launcher`` is
-    then a plain process.
+    then a plain process. ``choices`` names the strategies a verdict may suggest instead (the
+    registry's answers; ``distkit doctor`` passes them).
     """
 
     python: str
@@ -32,6 +34,7 @@ class MachineFacts:
     gloo: bool
     launcher: LaunchEnv
     launcher_problem: str | None = None
+    choices: StrategyChoices = field(default=BUILTIN_CHOICES, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -57,8 +60,9 @@ class StrategyReport:
     origin: str = "built-in"
 
 
-def collect_machine() -> MachineFacts:
-    """Look at torch, CUDA, NCCL, Gloo and the launcher (imports no backend library)."""
+def collect_machine(choices: StrategyChoices = BUILTIN_CHOICES) -> MachineFacts:
+    """Look at torch, CUDA, NCCL, Gloo and the launcher (imports no backend library);
+    ``choices``: the registry's answers, for the verdicts' suggestions."""
     import torch
     import torch.distributed as dist
 
@@ -76,4 +80,5 @@ def collect_machine() -> MachineFacts:
         gloo=distributed and dist.is_gloo_available(),
         launcher=launcher,
         launcher_problem=problem,
+        choices=choices,
     )

@@ -21,7 +21,6 @@ from typing_extensions import override
 from distkit.errors import ConfigurationError
 from distkit.launch import LaunchRequest, with_strategy_arg
 from distkit.launch._env import LaunchEnv
-from distkit.launch._registry_view import registry
 from distkit.launch.diagnosis import MachineFacts, StrategyReport
 
 
@@ -220,7 +219,7 @@ class SingleProcess(LauncherFamily):
             if given
         ]
         if extra:
-            multi = _multi_process_strategies()
+            multi = request.choices.multi_process()
             instead = f"--strategy {multi[0]}" if multi else "a multi-process strategy"
             if len(multi) > 1:
                 instead += f" (or {', '.join(multi[1:])})"
@@ -243,11 +242,6 @@ class SingleProcess(LauncherFamily):
     @override
     def diagnose(self, name: str, machine: MachineFacts) -> StrategyReport:
         return StrategyReport(name, True, "one process")
-
-
-def _multi_process_strategies() -> list[str]:
-    """The strategies ``"auto"`` picks under the other launchers: what to suggest instead."""
-    return registry().multi_process()
 
 
 def own_process_group() -> bool:

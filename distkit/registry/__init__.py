@@ -18,9 +18,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from distkit.errors import ConfigurationError, StrategyPluginError, UnknownStrategyError
-from distkit.launch import _registry_view
 from distkit.launch._env import LaunchEnv
-from distkit.launch._registry_view import auto_strategy_name as auto_strategy_name
 from distkit.registry import _plugins
 
 if TYPE_CHECKING:
@@ -354,11 +352,19 @@ def resolve_strategy_class(name: str) -> type[Strategy]:
     return DEFAULT_REGISTRY.resolve(name)
 
 
+def auto_strategy_name(env: LaunchEnv) -> str:
+    """The strategy ``"auto"`` picks in the default registry for a process launched as
+    ``env`` says."""
+    return DEFAULT_REGISTRY.auto_name(env)
+
+
 def make_strategy(strategy: str | Strategy) -> Strategy:
-    """A strategy instance from a name (``"auto"`` follows the launcher) or an instance."""
+    """A strategy instance from a name (``"auto"`` follows the launcher) or an instance,
+    holding the default registry's answers for its messages (``strategy.choices``)."""
     from distkit.strategies.base import Strategy
 
     if isinstance(strategy, Strategy):
+        strategy.choices = DEFAULT_CHOICES
         return strategy
     if isinstance(strategy, str) and strategy.strip().lower() == "auto":
         env = LaunchEnv.detect()
@@ -370,20 +376,29 @@ def make_strategy(strategy: str | Strategy) -> Strategy:
                 file=sys.stderr,
                 flush=True,
             )
-    return resolve_strategy_class(strategy)()
+    made = resolve_strategy_class(strategy)()
+    made.choices = DEFAULT_CHOICES
+    return made
 
 
-class _DefaultRegistryView:
-    """The default registry's answers for the modules below it (see _registry_view)."""
+class RegistryChoices:
+    """A registry's answers for the messages of the layers below it, asked when a message
+    needs one (:class:`distkit.launch._choices.StrategyChoices`); None: the default
+    registry's, as it is when asked."""
+
+    def __init__(self, registry: StrategyRegistry | None = None) -> None:
+        self._given = registry
+
+    @property
+    def _registry(self) -> StrategyRegistry:
+        return DEFAULT_REGISTRY if self._given is None else self._given
 
     def auto_name(self, env: LaunchEnv) -> str:
-        return DEFAULT_REGISTRY.auto_name(env)
+        return self._registry.auto_name(env)
 
     def keeping_placed_models(self) -> list[str]:
         return [
-            name
-            for name, cls in DEFAULT_REGISTRY.load_all().items()
-            if cls.placement_refusal is None
+            name for name, cls in self._registry.load_all().items() if cls.placement_refusal is None
         ]
 
     def multi_process(self) -> list[str]:
@@ -391,12 +406,10 @@ class _DefaultRegistryView:
 
         return [
             name
-            for name, cls in DEFAULT_REGISTRY.auto_candidates()
+            for name, cls in self._registry.auto_candidates()
             if not isinstance(cls.launcher, SingleProcess)
         ]
 
-    def strategy_class(self, name: str) -> type[Strategy]:
-        return DEFAULT_REGISTRY.resolve(name)
 
-
-_registry_view.install(_DefaultRegistryView())
+#: the default registry's answers, which every strategy :func:`make_strategy` hands out holds
+DEFAULT_CHOICES = RegistryChoices()

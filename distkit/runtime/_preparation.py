@@ -36,7 +36,12 @@ def checked_placement(
     ``input_device`` is given for a model distkit places itself."""
     strategy = setups.strategy
     placement = setups.placement(model)
-    placement.check(strategy.name, strategy.placement_refusal, strategy.meta_refusal)
+    placement.check(
+        strategy.name,
+        strategy.placement_refusal,
+        strategy.meta_refusal,
+        choices=strategy.choices,
+    )
     if input_device is not None and not placement.user_placed:
         raise ConfigurationError(
             f"input_device={str(input_device)!r} is for a model you placed on devices "

@@ -146,7 +146,13 @@ class SetupCache:
         wrapped = self._models.get(model)
         if wrapped is None:
             strategy = self.strategy
-            place(model, strategy.device, strategy.name, strategy.placement_refusal)
+            place(
+                model,
+                strategy.device,
+                strategy.name,
+                strategy.placement_refusal,
+                choices=strategy.choices,
+            )
             return model
         return wrapped
 

@@ -24,7 +24,7 @@ from torch import nn
 from distkit.batch import to_device
 from distkit.checkpoint import _pending_weights
 from distkit.errors import ConfigurationError
-from distkit.launch._registry_view import registry
+from distkit.launch import BUILTIN_CHOICES, StrategyChoices
 from distkit.strategies import _meta_init
 
 CPU = torch.device("cpu")
@@ -86,13 +86,19 @@ class Placement:
         return ", ".join(str(device) for device in self.devices) or "no parameters"
 
     def check(
-        self, strategy_name: str, refusal: str | None, meta_refusal: str | None = NO_META
+        self,
+        strategy_name: str,
+        refusal: str | None,
+        meta_refusal: str | None = NO_META,
+        *,
+        choices: StrategyChoices = BUILTIN_CHOICES,
     ) -> None:
         """Raise when the model cannot train here: meta tensors (no values) where
         ``meta_refusal`` says why the strategy cannot materialise them (None: it can, for a
         model wholly on meta), or a user-placed model under a strategy that refuses one
         (``refusal`` says why). A model wholly on meta with weights ``load_weights``
-        recorded is materialised whole by :func:`place` where the strategy does not."""
+        recorded is materialised whole by :func:`place` where the strategy does not.
+        ``choices`` names the strategies that keep a placed model (the strategy's own)."""
         if self.weights_pending and not self.on_meta:
             raise ConfigurationError(
                 "load_weights recorded weights for this model while it was on the meta device, "
@@ -117,7 +123,7 @@ class Placement:
             )
         if self.user_placed and refusal is not None:
             keepers = " or ".join(  # those that keep such a model, plugins included
-                f"strategy={name!r}" for name in registry().keeping_placed_models()
+                f"strategy={name!r}" for name in choices.keeping_placed_models()
             )
             raise ConfigurationError(
                 f"strategy {strategy_name!r} cannot train a model you placed on "
@@ -191,6 +197,8 @@ def place(
     strategy_name: str,
     refusal: str | None,
     meta_refusal: str | None = NO_META,
+    *,
+    choices: StrategyChoices = BUILTIN_CHOICES,
 ) -> None:
     """Move ``model`` to ``target`` unless the user placed it (and the strategy keeps that),
     or it is wholly on meta and the strategy materialises it (``meta_refusal`` None). One
@@ -198,7 +206,7 @@ def place(
     materialise it, is given them here, whole on ``target`` (a tensor they lack by its
     module's ``reset_parameters()``: see ``_meta_init``)."""
     placement = Placement.of(model, target)
-    placement.check(strategy_name, refusal, meta_refusal)
+    placement.check(strategy_name, refusal, meta_refusal, choices=choices)
     if placement.on_meta and placement.weights_pending and meta_refusal is not None:
         _meta_init.materialise(model, target, _pending_weights.take(model))
         return

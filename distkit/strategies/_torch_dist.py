@@ -21,8 +21,8 @@ from typing_extensions import override
 
 from distkit.faults._channel import SideChannel
 from distkit.faults._last_resort import end_without_teardown
+from distkit.launch import StrategyChoices
 from distkit.launch._env import LaunchEnv
-from distkit.launch._registry_view import auto_strategy_name
 from distkit.strategies._collectives import PendingSum
 from distkit.strategies._torch_group import (
     init_process_group,
@@ -87,6 +87,7 @@ class TorchDistributedCollectives:
 
     name: ClassVar[str]
     options: TrainOptions
+    choices: StrategyChoices
     backend: str | None
     timeout: timedelta | None
     rank: int
@@ -101,7 +102,11 @@ class TorchDistributedCollectives:
         """Join (or create) the default group, with the resolved collective timeout."""
         timeout = resolve_timeout(self.timeout, self.options.collective_timeout)
         topology, self._owns_group = init_process_group(
-            LaunchEnv.detect(), backend=self.backend, timeout=timeout, strategy=self.name
+            LaunchEnv.detect(),
+            backend=self.backend,
+            timeout=timeout,
+            strategy=self.name,
+            choices=self.choices,
         )
         if topology.world_size > 1:  # every rank is here: the host-side sums' group now
             self._host_group = dist.new_group(backend="gloo", timeout=timeout)
@@ -212,11 +217,6 @@ class StoreChannel:
 
     def get_many(self, keys: list[str]) -> list[str | None]:
         return [self.get(key) for key in keys]
-
-
-def native_alternative() -> str:
-    """The strategy ``"auto"`` picks under torchrun: what to suggest where a backend can't run."""
-    return auto_strategy_name(LaunchEnv(launcher="torchrun"))
 
 
 def all_reduce(

@@ -22,14 +22,19 @@ import torch
 import torch.distributed as dist
 
 from distkit.errors import ConfigurationError, LauncherMismatchError
+from distkit.launch import StrategyChoices
 from distkit.launch._env import LaunchEnv
-from distkit.launch._registry_view import auto_strategy_name
 from distkit.strategies import _group_lease
 from distkit.strategies.base import Topology
 
 
 def init_process_group(
-    env: LaunchEnv, *, backend: str | None, timeout: timedelta, strategy: str
+    env: LaunchEnv,
+    *,
+    backend: str | None,
+    timeout: timedelta,
+    strategy: str,
+    choices: StrategyChoices,
 ) -> tuple[Topology, bool]:
     """Join (or create) the default process group; returns the topology and whether a lease
     on it was taken (give it back with :func:`leave_process_group`).
@@ -44,7 +49,7 @@ def init_process_group(
             f"strategy={strategy!r} runs under torchrun (or python -m torch.distributed.launch), "
             f"but this process was started by {env.launcher}. Either launch with "
             f"`torchrun --nproc_per_node N script.py`, or keep {env.launcher} and use "
-            f"strategy={auto_strategy_name(env)!r}."
+            f"strategy={choices.auto_name(env)!r}."
         )
     use_cuda = torch.cuda.is_available()
     if dist.is_initialized():

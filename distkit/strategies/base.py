@@ -79,9 +79,7 @@ from typing_extensions import override
 
 from distkit.errors import ConfigurationError, DistkitError
 from distkit.faults._channel import SideChannel
-from distkit.launch import LaunchRequest
-from distkit.launch._env import LaunchEnv
-from distkit.launch._registry_view import auto_strategy_name
+from distkit.launch import BUILTIN_CHOICES, LaunchRequest, StrategyChoices, native_alternative
 from distkit.launch.diagnosis import MachineFacts, StrategyReport
 from distkit.launch.families import TORCH_LAUNCHERS, LauncherFamily
 from distkit.strategies._collectives import Collectives
@@ -161,6 +159,10 @@ class Strategy(Collectives, ABC):
     #: this backend -> why, and what checks the guarantee instead; the suite reports them as
     #: skipped with that reason (default: none)
     contract_exceptions: ClassVar[Mapping[str, str]] = {}
+    #: which strategies its messages name ("use strategy='ddp'"): the registry's answers,
+    #: given by ``make_strategy`` (the Runtime's and the Trainer's strategies all hold them);
+    #: one built and set up by hand names the built-in table's (see :mod:`distkit.launch._choices`)
+    choices: StrategyChoices = BUILTIN_CHOICES
 
     def __init__(self) -> None:
         self.options = TrainOptions()
@@ -280,7 +282,14 @@ class Strategy(Collectives, ABC):
         such models (:attr:`placement_refusal` is None) and is refused otherwise.
         """
         self.start()
-        place(model, self.device, self.name, self.placement_refusal, self.meta_refusal)
+        place(
+            model,
+            self.device,
+            self.name,
+            self.placement_refusal,
+            self.meta_refusal,
+            choices=self.choices,
+        )
         if self.options.sync_batchnorm:
             model = self.convert_sync_batchnorm(model)
         return self._setup_model_and_optimizer(model, optimizer)
@@ -323,7 +332,7 @@ class Strategy(Collectives, ABC):
         for model, optimizers in entries:
             if not optimizers:
                 self.start()
-                place(model, self.device, self.name, self.placement_refusal)
+                place(model, self.device, self.name, self.placement_refusal, choices=self.choices)
                 out.append((model, []))
                 continue
             wrapped, first = self.setup(model, optimizers[0])
@@ -335,7 +344,7 @@ class Strategy(Collectives, ABC):
         """Replace BatchNorm layers with ones that use statistics of the global batch."""
         if self.world_size == 1:
             return model  # one process sees the whole batch: plain BatchNorm is already global
-        instead = auto_strategy_name(LaunchEnv(launcher="torchrun"))
+        instead = native_alternative(self.choices)
         raise ConfigurationError(
             f"strategy {self.name!r} does not support sync_batchnorm=True; use "
             f"strategy={instead!r} (under torchrun), or sync_batchnorm=False"

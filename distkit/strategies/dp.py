@@ -9,8 +9,8 @@ from torch import nn
 from typing_extensions import override
 
 from distkit.errors import ConfigurationError, LauncherMismatchError, UnsupportedFeatureError
+from distkit.launch import native_alternative
 from distkit.launch._env import LaunchEnv
-from distkit.launch._registry_view import auto_strategy_name
 from distkit.launch.diagnosis import MachineFacts, StrategyReport
 from distkit.launch.families import SINGLE_PROCESS
 from distkit.strategies.base import Strategy, Topology
@@ -60,7 +60,7 @@ class DataParallelStrategy(Strategy):
             raise LauncherMismatchError(
                 f"strategy='dp' (nn.DataParallel) runs in a single process, but {env.launcher} "
                 f"started {env.world_size} processes (this is rank {env.rank}). Use "
-                f"strategy={auto_strategy_name(env)!r} under {env.launcher}, or run this "
+                f"strategy={self.choices.auto_name(env)!r} under {env.launcher}, or run this "
                 "script with plain `python` for DataParallel."
             )
         self.device_ids = self._resolve_device_ids()
@@ -101,7 +101,7 @@ class DataParallelStrategy(Strategy):
     def convert_sync_batchnorm(self, model: nn.Module) -> nn.Module:
         if self.replicas == 1:
             return model  # one replica sees the whole batch: BatchNorm is already global
-        instead = auto_strategy_name(LaunchEnv(launcher="torchrun"))
+        instead = native_alternative(self.choices)
         raise UnsupportedFeatureError(
             f"nn.DataParallel cannot synchronise BatchNorm across its {self.replicas} replicas "
             f"(each replica normalises its own slice of the batch). Use strategy={instead!r} "

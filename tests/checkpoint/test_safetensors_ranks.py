@@ -158,7 +158,7 @@ def apex_fit_and_save(path: str) -> dict[str, Any]:
     """The same under the FAKE legacy apex package and FAKE CUDA (tests/support/fakes)."""
     import distkit.strategies.apex as apex_strategy
 
-    apex_strategy._require_cuda = lambda: None
+    apex_strategy._require_cuda = lambda choices: None
     with use_fake_apex("legacy"):
         return trainer_fit_and_save(path, "apex")
 

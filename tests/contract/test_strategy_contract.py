@@ -43,7 +43,7 @@ def _fake_legacy_apex_and_cuda() -> Iterator[None]:
     """
     import distkit.strategies.apex as apex_strategy
 
-    apex_strategy._require_cuda = lambda: None
+    apex_strategy._require_cuda = lambda choices: None
     with use_fake_apex("legacy"):
         yield
 

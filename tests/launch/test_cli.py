@@ -20,7 +20,12 @@ from distkit.errors import ConfigurationError, MissingDependencyError
 from distkit.launch import LaunchRequest, build_command, describe, thread_env, with_strategy_arg
 from distkit.launch._env import LaunchEnv
 from distkit.launch.diagnosis import MachineFacts, StrategyReport
-from distkit.registry import StrategyRegistry, available_strategies
+from distkit.registry import (
+    DEFAULT_CHOICES,
+    StrategyRegistry,
+    available_strategies,
+    resolve_strategy_class,
+)
 from distkit.strategies.apex import _doctor as apex_doctor
 from distkit.strategies.ddp import DDPStrategy
 from distkit.strategies.dp import DataParallelStrategy
@@ -56,8 +61,9 @@ def _horovodrun() -> str | None:
 
 
 def _cmd(strategy: str, *args: str, **fields: Any) -> list[str]:
-    request = LaunchRequest(strategy, "train.py", tuple(args), **fields)
-    return build_command(request, python=PY, tools={"horovodrun": "hvdrun", "controller": "gloo"})
+    request = LaunchRequest(strategy, "train.py", tuple(args), choices=DEFAULT_CHOICES, **fields)
+    tools = {"horovodrun": "hvdrun", "controller": "gloo"}
+    return build_command(request, resolve_strategy_class(strategy), python=PY, tools=tools)
 
 
 def _distkit(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 100):
@@ -143,9 +149,10 @@ def test_strategy_arg_is_appended_once_and_before_a_double_dash():
 
 def test_thread_env_only_for_multi_process_runs_the_user_left_unset():
     two = LaunchRequest("ddp", "t.py", nproc_per_node=2)
-    assert thread_env(two, {}) == {"OMP_NUM_THREADS": "1"}
-    assert thread_env(two, {"OMP_NUM_THREADS": "4"}) == {}
-    assert thread_env(LaunchRequest("dp", "t.py"), {}) == {}
+    ddp, dp = DDPStrategy, DataParallelStrategy
+    assert thread_env(two, ddp, {}) == {"OMP_NUM_THREADS": "1"}
+    assert thread_env(two, ddp, {"OMP_NUM_THREADS": "4"}) == {}
+    assert thread_env(LaunchRequest("dp", "t.py"), dp, {}) == {}
     line = describe(["python", "my script.py"], {"OMP_NUM_THREADS": "1"})
     assert line == "OMP_NUM_THREADS=1 python 'my script.py'"
 

@@ -21,8 +21,8 @@ import torch
 from distkit import doctor
 from distkit.errors import ConfigurationError
 from distkit.launch._env import LaunchEnv
-from distkit.launch._registry_view import auto_strategy_name
 from distkit.launch.diagnosis import collect_machine
+from distkit.registry import auto_strategy_name
 from tests.support.exactness import TOL  # cluster_job trains in float64
 from tests.support.job_scripts import cluster_job
 from tests.support.jobs import run_job

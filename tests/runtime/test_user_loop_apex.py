@@ -36,7 +36,7 @@ def _fake_cuda() -> None:
     """FAKE CUDA: let the apex strategy run on CPU (the fakes need no GPU)."""
     import distkit.strategies.apex as apex_strategy
 
-    apex_strategy._require_cuda = lambda: None
+    apex_strategy._require_cuda = lambda choices: None
 
 
 def _on_fake_apex(kind: str, loop: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:

@@ -46,7 +46,7 @@ def _fake_cuda() -> None:
     """FAKE CUDA: let the strategy run on CPU (the fakes need no GPU)."""
     import distkit.strategies.apex as apex_strategy
 
-    apex_strategy._require_cuda = lambda: None
+    apex_strategy._require_cuda = lambda choices: None
 
 
 # ---------------------------------------------------------------- refusals (real machine)
@@ -73,7 +73,7 @@ def test_apex_not_installed_names_the_install_routes(monkeypatch):
 def _fake_cuda_patch(monkeypatch) -> None:
     import distkit.strategies.apex as apex_strategy
 
-    monkeypatch.setattr(apex_strategy, "_require_cuda", lambda: None)
+    monkeypatch.setattr(apex_strategy, "_require_cuda", lambda choices: None)
 
 
 def test_apex_impostor_package_is_recognised(monkeypatch):

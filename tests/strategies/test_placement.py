@@ -295,7 +295,7 @@ def test_apex_refuses_a_placed_model(monkeypatch):
     out), and Placement.of reporting two GPUs: none of them exists here."""
     import distkit.strategies.apex as apex_strategy
 
-    monkeypatch.setattr(apex_strategy, "_require_cuda", lambda: None)
+    monkeypatch.setattr(apex_strategy, "_require_cuda", lambda choices: None)
     with use_fake_apex("legacy"):
         message = _fit_reporting("apex", (GPU0, GPU1))
     assert "strategy 'apex' cannot train a model you placed on cuda:0, cuda:1" in message

@@ -32,7 +32,7 @@ def train_run(strategy: str, batch_size: int, folder: str | None = None, *, max_
     if strategy == "apex":
         import distkit.strategies.apex as apex_strategy
 
-        apex_strategy._require_cuda = lambda: None  # FAKE CUDA (fake apex is on the path)
+        apex_strategy._require_cuda = lambda choices: None  # FAKE CUDA (fake apex is on the path)
     trainer = distkit.Trainer(
         strategy, batch_size=batch_size, max_epochs=epochs, seed=11, progress=False,
         checkpoint_dir=folder, checkpoint_every=every, max_steps=max_steps, resume=resume,

@@ -26,6 +26,7 @@ from torch import nn
 from typing_extensions import override
 
 from distkit.errors import ApexNeedsCudaError, DistkitError
+from distkit.launch import StrategyChoices, native_alternative
 from distkit.launch.diagnosis import MachineFacts, StrategyReport
 from distkit.launch.families import TORCH_LAUNCHERS
 from distkit.strategies import _torch_dist, _torch_group
@@ -47,13 +48,13 @@ GENERATIONS: dict[str, Callable[[Strategy, ApexSettings, ApexInstall], Generatio
 }
 
 
-def _require_cuda() -> None:
+def _require_cuda(choices: StrategyChoices) -> None:
     """apex is CUDA-only; say so before anything else happens."""
     if not torch.cuda.is_available():
         raise ApexNeedsCudaError(
             "strategy='apex' needs CUDA: NVIDIA apex (amp, its DDP, fused optimizers) runs on "
             "GPUs only, and no CUDA device is available here. On CPU use "
-            f"strategy={_torch_dist.native_alternative()!r} with precision='bf16' (or 'fp16'): "
+            f"strategy={native_alternative(choices)!r} with precision='bf16' (or 'fp16'): "
             "the same script, native autocast instead of amp."
         )
 
@@ -114,7 +115,7 @@ class ApexStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
     # ------------------------------------------------------------------ set-up
     @override
     def _setup_environment(self) -> Topology:
-        _require_cuda()
+        _require_cuda(self.choices)
         self.install = detect_apex()
         self._generation = GENERATIONS[self.install.generation](self, self.settings, self.install)
         topology = self._join_group()
@@ -182,7 +183,7 @@ class ApexStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         models: list[nn.Module] = []
         optimizers: list[list[torch.optim.Optimizer]] = []
         for model, opts in entries:
-            place(model, self.device, self.name, self.placement_refusal)
+            place(model, self.device, self.name, self.placement_refusal, choices=self.choices)
             if self.options.sync_batchnorm:
                 model = self.convert_sync_batchnorm(model)
             models.append(model)

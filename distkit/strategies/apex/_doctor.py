@@ -10,7 +10,7 @@ import importlib.metadata
 import importlib.util
 from dataclasses import asdict, dataclass
 
-from distkit.launch._registry_view import auto_strategy_name
+from distkit.launch import native_alternative
 from distkit.launch.diagnosis import MachineFacts, StrategyReport
 
 APEX_INSTALL = (
@@ -68,9 +68,7 @@ def verdict(name: str, machine: MachineFacts, apex: ApexFacts) -> StrategyReport
     elif apex.kind in ("none", "error"):
         why.append("NVIDIA apex is not installed" if apex.kind == "none" else summary)
     if fix is None and not machine.cuda_devices:
-        from distkit.launch._env import LaunchEnv
-
-        cpu = auto_strategy_name(LaunchEnv(launcher="torchrun"))  # what runs in its place
+        cpu = native_alternative(machine.choices)  # what runs in its place
         fix = (
             f"none here (apex needs a GPU); on CPU: distkit run --strategy {cpu}, precision='bf16'"
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from distkit.errors import ApexLegacyApiMissingError, ConfigurationError
+from distkit.launch import BUILTIN_CHOICES, StrategyChoices, native_alternative
 
 OPT_LEVELS = ("O0", "O1", "O2", "O3")
 _PRECISION_OF_LEVEL = {"O0": "32", "O1": "fp16", "O2": "fp16", "O3": "fp16"}
@@ -38,7 +39,14 @@ class ApexPlan:
     note: str
 
 
-def resolve_plan(precision: str, opt_level: str | None, *, legacy: bool, strict: bool) -> ApexPlan:
+def resolve_plan(
+    precision: str,
+    opt_level: str | None,
+    *,
+    legacy: bool,
+    strict: bool,
+    choices: StrategyChoices = BUILTIN_CHOICES,
+) -> ApexPlan:
     """Reconcile the trainer's ``precision`` with an ``opt_level`` for one apex generation.
 
     ``precision="32"`` means O0 and ``"fp16"`` means O1 unless ``opt_level`` says O2/O3;
@@ -50,12 +58,10 @@ def resolve_plan(precision: str, opt_level: str | None, *, legacy: bool, strict:
         )
     if precision == "bf16":
         if legacy or opt_level is not None:
-            from distkit.strategies._torch_dist import native_alternative
-
             raise ConfigurationError(
                 "precision='bf16' has no apex.amp opt level (amp scales fp16 only). Use "
                 "precision='fp16' with opt_level O1/O2, or "
-                f"strategy={native_alternative()!r} with precision='bf16'."
+                f"strategy={native_alternative(choices)!r} with precision='bf16'."
             )
         return ApexPlan("bf16", "bf16", "bf16 autocast (no opt level involved)")
     level = opt_level or _DEFAULT_LEVEL[precision]

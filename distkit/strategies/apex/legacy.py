@@ -19,7 +19,7 @@ from torch import nn
 from typing_extensions import override
 
 from distkit.errors import UnsupportedFeatureError
-from distkit.strategies import _torch_dist
+from distkit.launch import native_alternative
 from distkit.strategies._steps import StepOutcome, gradients_finite
 from distkit.strategies.apex._detect import ApexInstall
 from distkit.strategies.apex._generation import ApexSettings
@@ -98,7 +98,11 @@ class LegacyApex:
 
     def __init__(self, strategy: Strategy, settings: ApexSettings, install: ApexInstall) -> None:
         self.plan = resolve_plan(
-            strategy.options.precision, settings.opt_level, legacy=True, strict=settings.strict
+            strategy.options.precision,
+            settings.opt_level,
+            legacy=True,
+            strict=settings.strict,
+            choices=strategy.choices,
         )
         self._strategy = strategy
         self._settings = settings
@@ -135,10 +139,11 @@ class LegacyApex:
                 "process"
             )
         if self._strategy.options.find_unused_parameters:
+            instead = native_alternative(self._strategy.choices)
             raise UnsupportedFeatureError(
                 "apex.parallel.DistributedDataParallel has no find_unused_parameters; its "
                 "allreduce waits for every parameter. Use "
-                f"strategy={_torch_dist.native_alternative()!r} (torch DDP) for models that "
+                f"strategy={instead!r} (torch DDP) for models that "
                 "skip parameters, or make every parameter take part."
             )
         flat = [opt for opts in optimizers for opt in opts]

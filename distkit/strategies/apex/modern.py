@@ -39,7 +39,11 @@ class ModernApex:
                 "to run native autocast + GradScaler + torch DDP with apex's fused optimizers."
             )
         self.plan = resolve_plan(
-            strategy.options.precision, settings.opt_level, legacy=False, strict=settings.strict
+            strategy.options.precision,
+            settings.opt_level,
+            legacy=False,
+            strict=settings.strict,
+            choices=strategy.choices,
         )
         self._strategy = strategy
         self._fused = settings.fused_optimizer

@@ -16,8 +16,8 @@ from typing_extensions import override
 from distkit._imports import require
 from distkit.errors import ConfigurationError, LauncherMismatchError, UnsupportedFeatureError
 from distkit.faults._channel import SideChannel
+from distkit.launch import StrategyChoices, native_alternative
 from distkit.launch._env import LaunchEnv
-from distkit.launch._registry_view import auto_strategy_name
 from distkit.launch.diagnosis import MachineFacts, StrategyReport
 from distkit.strategies._collectives import PendingSum
 from distkit.strategies._steps import GradientClip
@@ -30,13 +30,11 @@ from distkit.strategies.horovod._horovodrun import HOROVODRUN
 from distkit.strategies.syncbn import convert_to_global_batchnorm
 
 
-def _horovod_hint() -> str:
-    from distkit.strategies._torch_dist import native_alternative
-
+def _horovod_hint(choices: StrategyChoices) -> str:
     return (
         "PyPI's horovod 0.28.1 does not build against torch >= 2.1 as shipped; build it for "
         "the installed torch with `python -m distkit.horovod_build` (patches, builds, caches "
-        f"and checks it), or use strategy={native_alternative()!r}."
+        f"and checks it), or use strategy={native_alternative(choices)!r}."
     )
 
 
@@ -101,9 +99,11 @@ class HorovodStrategy(Strategy):
             raise LauncherMismatchError(
                 f"strategy='horovod' runs under horovodrun (or mpirun), but this process was "
                 f"started by {env.launcher}. Either launch with `horovodrun -np N python "
-                f"script.py`, or keep torchrun and use strategy={auto_strategy_name(env)!r}."
+                f"script.py`, or keep torchrun and use strategy={self.choices.auto_name(env)!r}."
             )
-        hvd = require("horovod.torch", feature="strategy='horovod'", hint=_horovod_hint())
+        hvd = require(
+            "horovod.torch", feature="strategy='horovod'", hint=_horovod_hint(self.choices)
+        )
         self._refuse_collective_timeout()
         hvd.init()
         self._elastic = env.elastic
