@@ -118,8 +118,8 @@ PRIVATE_IMPORTS: dict[tuple[str, str], tuple[str, set[str]]] = {
 #: (issue 45: at most 3); today none, all through ``distkit.runtime``'s door
 TRAINER_RUNTIME_PRIVATE: dict[str, str] = {}
 
-#: the bounds the figures may not exceed (issue 45's before: 36, 13)
-RUNTIME_PUBLIC_NAMES = 36
+#: the bounds the figures may not exceed (issue 45's before: 36, 13; its goal for the face: 30)
+RUNTIME_PUBLIC_NAMES = 30
 TOP_LEVEL_FILES = 12
 
 #: functions over 80 lines, each at most as long as it is now (issue 45, item 5, shortens them)
@@ -199,9 +199,22 @@ def test_structure_trainer_comes_in_by_the_runtime_door():
     assert set(runtime.PORT) <= set(runtime.__all__)
 
 
+def _own_doc(name: str) -> bool:
+    import inspect
+
+    from distkit import Runtime
+
+    member = inspect.getattr_static(Runtime, name)
+    member = member.fget if isinstance(member, property) else member
+    member = getattr(member, "__wrapped__", member)
+    return bool((getattr(member, "__doc__", None) or "").strip())
+
+
 def test_structure_runtime_face_and_top_level_stay_within_bounds():
     face = structure.public_names("distkit.runtime._runtime", "Runtime")
     assert len(face) <= RUNTIME_PUBLIC_NAMES, f"Runtime's public names grew: {face}"
+    missing = [name for name in face if not _own_doc(name)]
+    assert not missing, f"Runtime's public names without a docstring: {missing}"
     files = structure.top_level_files()
     assert len(files) <= TOP_LEVEL_FILES, f"top-level files grew: {files}"
 

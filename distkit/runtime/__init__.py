@@ -31,6 +31,7 @@ from distkit.runtime._determinism import check_deterministic
 from distkit.runtime._empty import init_empty
 from distkit.runtime._evaluation import LossFn, Metrics, named_metrics
 from distkit.runtime._loader import RuntimeLoader
+from distkit.runtime._port import guarded, loader_spec, renew_topology, require_open
 from distkit.runtime._predict import PredictFn
 from distkit.runtime._prediction_files import read_predictions
 from distkit.runtime._preemption import agreed_stop
@@ -80,6 +81,10 @@ PORT: dict[str, str] = {
     "check_not_set_up": "fit refuses an optimizer rt.setup returned",
     "save_weights": "Trainer.save_weights writes the Runtime's weights format",
     "DEFAULT_MAX_SHARD_SIZE": "Trainer.save_weights's default shard size",
+    "guarded": "fit runs under the Runtime's fail-fast guard, with its preemption",
+    "loader_spec": "fit reads its data as rt.loader reads it",
+    "renew_topology": "an elastic fit reads the re-formed group's place",
+    "require_open": "a Trainer refuses a closed Runtime",
 }
 
 __all__ = [
@@ -110,12 +115,16 @@ __all__ = [
     "describe_model",
     "exchange",
     "foreign_tensors",
+    "guarded",
     "init_empty",
+    "loader_spec",
     "named_metrics",
     "named_shapes",
     "open_profile",
     "profiler_settings",
     "read_predictions",
+    "renew_topology",
+    "require_open",
     "samples_of",
     "save_weights",
     "seed_generators",

@@ -202,15 +202,10 @@ class Runtime:
         self._script: ScriptGuard | None = None  # guard_script()'s
         self._preempt_rounds = 0  # guarded blocks with preemption so far (same on every rank)
 
-    @property
-    def options(self) -> TrainOptions:
-        """What the strategy was started with (precision, accumulation, sync BN, ...)."""
-        return self.strategy.options
-
     def __enter__(self) -> Runtime:
-        """The block runs under the fail-fast guard (see :meth:`guarded`): an error on one
-        rank stops every rank within ``fault_timeout`` seconds, Ctrl-C and SIGTERM stop the
-        whole job, and a collective stuck longer than ``hang_warning`` names the rank that
+        """The block runs under the fail-fast guard (see ``_guarded``): an error on one rank
+        stops every rank within ``fault_timeout`` seconds, Ctrl-C and SIGTERM stop the whole
+        job, and a collective stuck longer than ``hang_warning`` names the rank that
         holds it up. The Runtime closes at the block's end."""
         if self._block_guard is not None:
             raise ConfigurationError(
@@ -221,7 +216,7 @@ class Runtime:
         if self.preempt_signals:
             preempt = Preemption(self.preempt_signals, requeue=self.requeue)
             self._preemption = LoopPreemption(preempt)
-        guard = self.guarded(
+        guard = self._guarded(
             fault_timeout=self.fault_timeout, hang_warning=self.hang_warning, preempt=preempt
         )
         guard.__enter__()
@@ -245,7 +240,7 @@ class Runtime:
         the script does not catch stops every rank within ``fault_timeout`` seconds (its
         traceback printed once, by the rank that raised), Ctrl-C and SIGTERM stop the whole
         job in one line, and the Runtime closes when the script ends. Returns the runtime."""
-        self.require_open("guard_script")
+        self._require_open("guard_script")
         self._script = ScriptGuard(self.__enter__, self._leave_script)
         return self
 
@@ -311,7 +306,7 @@ class Runtime:
         """This rank's device (its GPU, or the CPU)."""
         return self.topology.device
 
-    def renew_topology(self) -> None:
+    def _renew_topology(self) -> None:
         """Read the strategy's place again (an elastic group re-formed: new rank, new size)."""
         self.topology = self.strategy.topology
 
@@ -321,7 +316,7 @@ class Runtime:
         """Whether :meth:`close` ran (or a failure closed it): nothing more can run on it."""
         return not self._finalizer.alive
 
-    def require_open(self, call: str) -> None:
+    def _require_open(self, call: str) -> None:
         """Raise :class:`~distkit.errors.TrainerClosedError` if closed, naming ``call``."""
         if self.closed:
             raise TrainerClosedError(
@@ -341,7 +336,7 @@ class Runtime:
         with _group_lease.explicit_close():
             self._finalizer()
 
-    def close_after_failure(self) -> None:
+    def _close_after_failure(self) -> None:
         """Close, keeping the side channel alive while this runtime lives.
 
         For torch.distributed the side channel is the rendezvous store, which rank 0 hosts
@@ -352,7 +347,7 @@ class Runtime:
         self.close()
 
     @contextlib.contextmanager
-    def guarded(
+    def _guarded(
         self,
         *,
         fault_timeout: float | None,
@@ -378,7 +373,7 @@ class Runtime:
                 fault_timeout=fault_timeout,
                 hang_warning=hang_warning,
                 progress=self.progress,
-                on_failure=self.close_after_failure,
+                on_failure=self._close_after_failure,
                 preempt=preempt,
             ):
                 try:
@@ -405,7 +400,7 @@ class Runtime:
         rank sets up the same model (the ranks agree on its shapes first; the backend then
         sends rank 0's weights to every rank). Call it once per model.
         """
-        self.require_open("setup")
+        self._require_open("setup")
         check_setup_args(model, optimizers)
         if isinstance(model, SetUpModel):
             raise ConfigurationError(
@@ -450,14 +445,14 @@ class Runtime:
         ``N * b``, in the same order (seeded with the runtime's ``seed + epoch``). Iterating
         the loader again gives the next epoch.
         """
-        self.require_open("loader")
+        self._require_open("loader")
         check_ints(batch_size=(batch_size, 1), num_workers=(num_workers, 0))
         check_flags(shuffle=shuffle, drop_last=drop_last)
         strategy = self.strategy
-        spec = self.loader_spec(
+        spec = self._loader_spec(
             data, "data", batch_size=batch_size, shuffle=shuffle, num_workers=num_workers
         )
-        accum = self.options.grad_accum_steps
+        accum = strategy.options.grad_accum_steps
         plan = batch_plan(
             spec,
             world_size=self.world_size,
@@ -482,7 +477,7 @@ class Runtime:
     def _agree_on_epoch(self, epoch: int, position: int) -> None:
         """Every rank starts iterating a loader at the same epoch and place (one small
         collective per epoch; none in a world of one or under an elastic strategy)."""
-        self.require_open("loader iteration")
+        self._require_open("loader iteration")
         if self.world_size == 1 or self.strategy.elastic:
             return
 
@@ -526,7 +521,7 @@ class Runtime:
         per-replica losses reduced; with ``count``, the batch's mean per item), still on
         the device (reading it syncs the host).
         """
-        self.require_open("backward")
+        self._require_open("backward")
         return self.loop.backward(loss, optimizer=optimizer, count=count)
 
     @property
@@ -548,7 +543,7 @@ class Runtime:
         gradients of the whole model (every rank's shard with fsdp), as the Trainer's
         ``gradient_clip_norm`` does. The norm before clipping is then
         ``optimizer.last_grad_norm``."""
-        self.require_open("clip_gradients")
+        self._require_open("clip_gradients")
         self.loop.ready()
         if not isinstance(optimizer, SetUpOptimizer):
             raise ConfigurationError(
@@ -566,7 +561,7 @@ class Runtime:
     def no_sync(self, model: nn.Module) -> Iterator[None]:
         """No gradient synchronisation for ``model`` in the block (forward and backward):
         for accumulating by hand, outside ``rt.loader``'s windows."""
-        self.require_open("no_sync")
+        self._require_open("no_sync")
         self.loop.ready()
         if not isinstance(model, SetUpModel):
             raise ConfigurationError(
@@ -582,7 +577,7 @@ class Runtime:
         model is gathered). Called on some ranks only, it fails there instead of hanging.
         Save after ``optimizer.step()``: gradients mid-accumulation are not saved (a save
         where ``rt.sync_gradients`` is False warns so)."""
-        self.require_open("save")
+        self._require_open("save")
         if not self.loop.sync_gradients and self.is_main:
             warnings.warn(
                 f"rt.save({str(path)!r}) in the middle of an accumulation window (the batch "
@@ -600,7 +595,7 @@ class Runtime:
         """Restore the objects of ``state`` in place from what :meth:`save` wrote (at any
         world size, on any backend); returns the file's plain values by name (``{"epoch":
         2}``). Call it after :meth:`setup`, on every rank."""
-        self.require_open("load")
+        self._require_open("load")
         self.loop.ready()
         return load_state(self, path, state)
 
@@ -608,24 +603,24 @@ class Runtime:
     def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
         """``tensor`` combined over every rank (``op``: ``"mean"`` or ``"sum"``); a new
         tensor, the same on every rank. A collective: call it on every rank."""
-        self.require_open("all_reduce")
+        self._require_open("all_reduce")
         return self.strategy.all_reduce(tensor, op=op)
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's ``tensor`` (the same shape on each) stacked along a new first
         dimension, in rank order. A collective."""
-        self.require_open("all_gather")
+        self._require_open("all_gather")
         return self.strategy.all_gather(tensor)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """``obj`` as rank ``src`` holds it, on every rank (any picklable object). A
         collective."""
-        self.require_open("broadcast")
+        self._require_open("broadcast")
         return self.strategy.broadcast(obj, src=src)
 
     def barrier(self) -> None:
         """Wait until every rank got here. A collective."""
-        self.require_open("barrier")
+        self._require_open("barrier")
         # a tagged sum waits for every rank as a barrier does, and a rank that is in another
         # distkit call (a loader's epoch, a save) fails every rank instead of pairing with it
         tagged_sum(self.strategy, "barrier")
@@ -634,7 +629,7 @@ class Runtime:
     def main_process_first(self) -> Iterator[None]:
         """Rank 0 runs the block first (to download or cache), then the others. A
         collective: enter it on every rank."""
-        self.require_open("main_process_first")
+        self._require_open("main_process_first")
         with self.strategy.main_process_first():
             yield
 
@@ -652,7 +647,7 @@ class Runtime:
         the block ends, on an error too (a cycle cut short is still written whole).
         Not a collective.
         """
-        self.require_open("profile")
+        self._require_open("profile")
         run = user_profile(
             settings, options, rank=self.rank, world_size=self.world_size, device=self.device
         )
@@ -683,7 +678,7 @@ class Runtime:
         user's own module keys its ``state_dict()`` (a wrapper's ``module.`` prefix never
         shows). A collective where the strategy shards the model (fsdp gathers): call it on
         every rank."""
-        self.require_open("full_state_dict")
+        self._require_open("full_state_dict")
         self.loop.ready()
         if not isinstance(model, nn.Module):
             raise ConfigurationError(
@@ -716,7 +711,7 @@ class Runtime:
         ``transformers`` model's config files. Tied weights are saved once. A collective:
         call it on every rank; rank 0 writes (fsdp: one gathered shard at a time) and every
         rank returns once the files are complete. Returns the paths written."""
-        self.require_open("save_weights")
+        self._require_open("save_weights")
         self.loop.ready()
         written = _weights.save_weights(
             self.strategy, model, path, max_shard_size=max_shard_size, what="rt.save_weights"
@@ -724,7 +719,7 @@ class Runtime:
         return written.paths
 
     # ------------------------------------------------------------------ data
-    def loader_spec(
+    def _loader_spec(
         self, data: Any, what: str, *, batch_size: int, shuffle: bool, num_workers: int
     ) -> LoaderSpec | StreamSpec:
         """``data`` (a Dataset, a DataLoader or a stream) as what every rank will load."""
@@ -782,7 +777,7 @@ class Runtime:
             seed: seeds a stream's shuffling (None: the runtime's ``seed``).
             input_device: where a model you placed on devices of your own takes its inputs.
         """
-        self.require_open("evaluate")
+        self._require_open("evaluate")
         self.loop.ready()
         strategy = self.strategy
         seed = self.seed if seed is None else seed
@@ -791,7 +786,7 @@ class Runtime:
 
         def prepare() -> _agreement.Proposal[Any]:
             def read() -> LoaderSpec | StreamSpec:
-                return self.loader_spec(
+                return self._loader_spec(
                     data, "val_data", batch_size=batch_size, shuffle=False, num_workers=num_workers
                 )
 
@@ -849,7 +844,7 @@ class Runtime:
             input_device: where a model you placed on devices of your own takes its inputs.
             write_to: the folder of ``gather=None``'s files (one per rank).
         """
-        self.require_open("predict")
+        self._require_open("predict")
         self.loop.ready()
         strategy = self.strategy
         seed = self.seed if seed is None else seed
@@ -858,7 +853,7 @@ class Runtime:
 
         def prepare() -> _agreement.Proposal[PredictPlan]:
             def read() -> LoaderSpec | StreamSpec:
-                return self.loader_spec(
+                return self._loader_spec(
                     data,
                     "predict's data",
                     batch_size=batch_size,

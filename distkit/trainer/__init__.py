@@ -28,6 +28,8 @@ from distkit.runtime import (
     Runtime,
     compile_plan,
     exchange,
+    guarded,
+    require_open,
     save_weights,
 )
 from distkit.strategies._placement import check_claims
@@ -278,7 +280,7 @@ class Trainer:
         else:
             self.runtime = _checked_runtime(runtime, strategy, self.config)
             # the strategy's options are the runtime's: the config says them as they are
-            options = runtime.options
+            options = runtime.strategy.options
             self.config = self.config.replace(
                 **{name: getattr(options, name) for name in _RUNTIME_OPTIONS},
                 deterministic=runtime.deterministic,
@@ -490,7 +492,8 @@ class Trainer:
         # The wrapped model lives only in frames below this one: on a failure they are
         # cleared, so the process group's connections close at once (see distkit.faults._faults).
         preempt = Preemption(config.preempt, requeue=config.requeue) if config.preempt else None
-        with runtime.guarded(
+        with guarded(
+            runtime,
             fault_timeout=config.fault_timeout,
             hang_warning=config.hang_warning,
             preempt=preempt,
@@ -676,7 +679,7 @@ def _checked_runtime(runtime: object, strategy: object, config: TrainerConfig) -
             f"runtime must be a distkit.Runtime, got {type(runtime).__name__}; create one with "
             "distkit.Runtime(strategy=...) and pass it to each Trainer"
         )
-    runtime.require_open("Trainer")
+    require_open(runtime, "Trainer")
     if not (isinstance(strategy, str) and strategy == "auto") and strategy is not runtime.strategy:
         raise ConfigurationError(
             f"Trainer(strategy={strategy!r}, runtime=...): the runtime already runs "
@@ -697,7 +700,7 @@ def _checked_runtime(runtime: object, strategy: object, config: TrainerConfig) -
             "it to distkit.Runtime(...), or leave it out here"
         )
     defaults = TrainerConfig()
-    options = runtime.options
+    options = runtime.strategy.options
     for name in _RUNTIME_OPTIONS:
         given, default, held = (
             getattr(config, name),

@@ -25,6 +25,7 @@ from distkit.runtime import (
     RuntimeLoader,
     named_metrics,
     open_profile,
+    renew_topology,
     samples_of,
     seed_generators,
 )
@@ -138,7 +139,7 @@ def train(
 
     def body() -> None:
         # an elastic strategy runs this again in a re-formed group: new rank, new size
-        runtime.renew_topology()
+        renew_topology(runtime)
         plan = plan_batches(config, runtime, spec) if runs else prepared.plan
         feed = train_feed(
             strategy,

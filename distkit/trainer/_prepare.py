@@ -25,6 +25,7 @@ from distkit.runtime import (
     describe_compile,
     describe_data,
     describe_model,
+    loader_spec,
     named_metrics,
     named_shapes,
     samples_of,
@@ -50,8 +51,13 @@ def read_data(
     config: TrainerConfig, runtime: Runtime, data: Any, what: str, *, shuffle: bool
 ) -> LoaderSpec | StreamSpec:
     """``data`` as what every rank loads, at the config's batch size and workers."""
-    return runtime.loader_spec(
-        data, what, batch_size=config.batch_size, shuffle=shuffle, num_workers=config.num_workers
+    return loader_spec(
+        runtime,
+        data,
+        what,
+        batch_size=config.batch_size,
+        shuffle=shuffle,
+        num_workers=config.num_workers,
     )
 
 
