@@ -32,6 +32,7 @@ from distkit.trainer._fit_call import StepFn
 from distkit.trainer._fit_state import FitState as FitState  # its old home
 from distkit.trainer._losses import LossLedger
 from distkit.trainer._nonfinite import NonFiniteWatch
+from distkit.trainer._phases import Phases
 from distkit.trainer.timing import EpochTiming, StepTimer
 
 #: the context of a micro-batch that needs none (reusable: it holds no state)
@@ -71,6 +72,32 @@ class StepResult:
     items: int | torch.Tensor
     outcome: StepOutcome
     grad_norm: torch.Tensor | None  # total norm of the averaged gradients before clipping
+
+
+@dataclass
+class _StepSums:
+    """One optimizer step's counted micro-batches, as :class:`StepResult` reports them."""
+
+    skip_nonfinite: bool
+    losses: list[torch.Tensor] = field(default_factory=list)
+    counts: list[int | torch.Tensor] = field(default_factory=list)
+    samples: int = 0
+    items: int | torch.Tensor = 0
+
+    def add(self, loss: torch.Tensor, counted: int, items: int | torch.Tensor | None) -> None:
+        # "skip" reads the loss here (its step reads the gradients anyway); "raise" reads
+        # the noted losses at the next check point: no host sync
+        if self.skip_nonfinite and counted and not torch.isfinite(loss):
+            counted = 0  # its step is skipped: keep it out of the epoch's mean loss
+        if counted:
+            self.losses.append(loss.detach())
+            weight = counted if items is None else items
+            self.counts.append(weight)
+            self.samples += counted
+            self.items = self.items + weight
+
+    def result(self, outcome: StepOutcome, norm: torch.Tensor | None) -> StepResult:
+        return StepResult(self.losses, self.counts, self.samples, self.items, outcome, norm)
 
 
 @dataclass(kw_only=True)
@@ -128,51 +155,29 @@ class StepLoop:
         ``after_step(state, result)`` runs after every optimizer step; True stops early.
         Returns how the epoch ended (see :data:`EpochEnd`).
         """
-        strategy, loop = self.strategy, self.runtime.loop
-        model, optimizer = self.model, self.optimizer
-        inner = optimizer.strategy_optimizer
+        loop, model, optimizer = self.runtime.loop, self.model, self.optimizer
         model.train()
         # the losses stay on the device, summed at check points: no tensor op per step
-        losses = self.losses
-        state.loss_sum = losses.begin_epoch(float(state.loss_sum))
-        state.ledger = losses
-        step_losses: list[torch.Tensor] = []
-        step_counts: list[int | torch.Tensor] = []
-        step_samples = 0
-        step_items: int | torch.Tensor = 0
-        source = "loss_fn" if self.step_fn is None else "step_fn"
-        owners = (optimizer,)
+        state.loss_sum = self.losses.begin_epoch(float(state.loss_sum))
+        state.ledger = self.losses
+        sums = _StepSums(skip_nonfinite=self.settings.nonfinite == "skip")
         loader = self.loader.resume_at(state.epoch, state.position, state.local_position)
         left = loader.remaining()  # None: a stream, whose length is not known
-        bar = tqdm(
-            total=left,
-            desc=f"epoch {state.epoch + 1}/{self.settings.max_epochs}",
-            # a bar only where a person watches: piped output (CI, horovodrun) gets epoch lines
-            disable=not (self.settings.progress and strategy.is_main and sys.stderr.isatty()),
-            leave=False,
-            dynamic_ncols=True,
-        )
         progress = self.rank_progress
-        progress.epoch, progress.step, progress.phase = state.epoch, state.global_step, "data"
+        progress.epoch, progress.step = state.epoch, state.global_step
         stopped, fresh_step = False, True  # fresh: the next micro-batch starts a step
-        skip_nonfinite = self.settings.nonfinite == "skip"
-        timer = self.timer = StepTimer(strategy.device)
-        _memory.reset_peak(strategy.device)  # the epoch's peak, read by epoch_record
-        start_position = state.position
+        timer = self.timer = StepTimer(self.strategy.device)
+        _memory.reset_peak(self.strategy.device)  # the epoch's peak, read by epoch_record
+        start_position, taken = state.position, 0  # taken: this rank's micro-batches so far
         timer.start()
-        profile = self.profile
-        ranges = None if profile is None else profile.ranges
-        if ranges is not None:
-            ranges.begin("data")
-        taken = 0  # this rank's micro-batches of the epoch, so far
-        with bar, contextlib.closing(iter(loader)) as batches:
+        phases = Phases(progress, timer, None if self.profile is None else self.profile.ranges)
+        phases.enter("data")
+        with self._bar(state, left) as bar, contextlib.closing(iter(loader)) as batches:
             for batch in batches:
                 taken += 1
                 micro = loop.micro  # the batch's micro-batch: its weight, its window's end
                 assert micro is not None
-                timer.mark("data")
-                if ranges is not None:
-                    ranges.begin("forward")
+                phases.enter("forward")
                 if fresh_step:
                     # freed here, before forward, as a hand-written loop does: freed right
                     # after the step instead, with the step's activations, the allocator
@@ -180,68 +185,20 @@ class StepLoop:
                     # (measured: ~8% slower steps of the benchmarks' CNN on CPU)
                     optimizer.clear()
                     fresh_step = False
-                progress.phase = "forward"
-                # mid-window the micro-batch's forward and backward run out of gradient sync
-                # (one no_sync for both); the set-up model keeps a placeholder out of sync
-                # BatchNorm; the loss runs under the autocast too, as the model does
-                with _NOTHING if micro.last_in_step else model.unsynced():
-                    # the set-up model's forward module, in its context (a placeholder out of
-                    # sync BatchNorm), the loss under the autocast as well
-                    with model.local_context(), strategy.autocast():
-                        loss, items = training_loss(self._loss(batch), source)
-                    timer.mark("forward")
-                    if ranges is not None:
-                        ranges.begin("backward")
-                    progress.phase = "backward"
-                    # weighted by the micro-batch's share; returned unweighted, one value (a
-                    # token-exact total: scaled, its items noted; returned as its mean)
-                    loss = loop.propagate(loss, inner, count=items, owners=owners)
-                timer.mark("backward")
-                if ranges is not None:
-                    ranges.end()
-                counted = micro.count
-                # "skip" reads the loss here (its step reads the gradients anyway); "raise"
-                # reads the noted losses at the next check point: no host sync
-                if skip_nonfinite and counted and not torch.isfinite(loss):
-                    counted = 0  # its step is skipped: keep it out of the epoch's mean loss
-                if counted:
-                    step_losses.append(loss.detach())
-                    weight = counted if items is None else items
-                    step_counts.append(weight)
-                    step_samples += counted
-                    step_items = step_items + weight
+                loss, items = self._forward_backward(batch, micro.last_in_step, phases)
+                phases.leave()
+                sums.add(loss, micro.count, items)
                 state.position += micro.samples
                 if state.local_position is not None:
                     state.local_position += micro.count
                 bar.update()
                 if micro.last_in_step:
-                    progress.phase = "optimizer"
-                    if ranges is not None:
-                        ranges.begin("optimizer")
-                    losses.add_step(step_losses, step_counts, state.epoch, state.global_step)
-                    outcome, norm = self._step(state)
-                    state.samples = state.samples + step_items
-                    timer.mark("optimizer")
-                    if ranges is not None:
-                        ranges.end()
-                    timer.steps += 1
-                    progress.step = state.global_step
-                    result = StepResult(
-                        step_losses, step_counts, step_samples, step_items, outcome, norm
-                    )
-                    stopped = after_step(state, result)
-                    if profile is not None:
-                        profile.step()  # the step's callbacks and logs count in its window
-                    step_losses, step_counts, step_samples, step_items = [], [], 0, 0
-                    fresh_step = True
-                    timer.mark("other")  # checkpoints: not part of a step
+                    stopped = self._optimizer_step(state, sums, phases, after_step)
+                    sums, fresh_step = _StepSums(skip_nonfinite=sums.skip_nonfinite), True
                     if stopped:
                         break
-                progress.phase = "data"
-                if ranges is not None:
-                    ranges.begin("data")
-        if ranges is not None:
-            ranges.end()
+                phases.enter("data")
+        phases.close()
         timer.samples = state.position - start_position
         optimizer.clear()  # no gradients held through validation and checkpoints
         if not stopped:
@@ -249,6 +206,58 @@ class StepLoop:
         # every rank stops at the same step; with a known length each knows whether it was
         # the epoch's last (a stream's end is found only by reading on: "stopped")
         return "stopped-at-end" if left is not None and taken >= left else "stopped"
+
+    def _optimizer_step(
+        self,
+        state: FitState,
+        sums: _StepSums,
+        phases: Phases,
+        after_step: Callable[[FitState, StepResult], bool],
+    ) -> bool:
+        """The window's optimizer step, then ``after_step`` (True: stop)."""
+        phases.enter("optimizer")
+        self.losses.add_step(sums.losses, sums.counts, state.epoch, state.global_step)
+        outcome, norm = self._step(state)
+        state.samples = state.samples + sums.items
+        phases.leave()
+        assert self.timer is not None
+        self.timer.steps += 1
+        self.rank_progress.step = state.global_step
+        stopped = after_step(state, sums.result(outcome, norm))
+        if self.profile is not None:
+            self.profile.step()  # the step's callbacks and logs count in its window
+        phases.leave("other")  # checkpoints: not part of a step
+        return stopped
+
+    def _bar(self, state: FitState, left: int | None) -> tqdm[Any]:
+        return tqdm(
+            total=left,
+            desc=f"epoch {state.epoch + 1}/{self.settings.max_epochs}",
+            # a bar only where a person watches: piped output (CI, horovodrun) gets epoch lines
+            disable=not (self.settings.progress and self.strategy.is_main and sys.stderr.isatty()),
+            leave=False,
+            dynamic_ncols=True,
+        )
+
+    def _forward_backward(
+        self, batch: Any, last_in_step: bool, phases: Phases
+    ) -> tuple[torch.Tensor, int | torch.Tensor | None]:
+        """One micro-batch's forward and backward; its loss, unweighted (a token-exact
+        total: returned as its mean, its items noted)."""
+        model, strategy = self.model, self.strategy
+        source = "loss_fn" if self.step_fn is None else "step_fn"
+        # mid-window the micro-batch's forward and backward run out of gradient sync (one
+        # no_sync for both); the set-up model keeps a placeholder out of sync BatchNorm
+        with _NOTHING if last_in_step else model.unsynced():
+            # the set-up model's forward module, in its context, the loss under the autocast
+            with model.local_context(), strategy.autocast():
+                loss, items = training_loss(self._loss(batch), source)
+            phases.enter("backward")
+            # weighted by the micro-batch's share
+            loss = self.runtime.loop.propagate(
+                loss, self.optimizer.strategy_optimizer, count=items, owners=(self.optimizer,)
+            )
+        return loss, items
 
     def epoch_record(self, state: FitState) -> dict[str, float]:
         """The epoch's training summary, reduced over ranks (the same dict on every rank)."""
