@@ -18,17 +18,22 @@ import torch
 
 from distkit import checkpoint as ckpt
 from distkit.callbacks._list import CallbackList
+from distkit.data import GlobalBatchPlan
 from distkit.data._feed import train_feed
 from distkit.faults._preempt import Preemption
 from distkit.runtime import (
+    ProfileRun,
     Runtime,
     RuntimeLoader,
+    SetUpModel,
+    SetUpOptimizer,
     named_metrics,
     open_profile,
     renew_topology,
     samples_of,
     seed_generators,
 )
+from distkit.strategies.base import Strategy
 from distkit.trainer import _resume, _saving
 from distkit.trainer._config import TrainerConfig
 from distkit.trainer._epoch_loop import EpochLoop, StopRequest, hyperparams
@@ -69,21 +74,127 @@ def train(
     """
     strategy = runtime.strategy
     model, optimizer, scheduler = call.model, call.optimizer, call.scheduler
-    loss_fn, val_data, metrics = call.loss_fn, call.val_data, call.metrics
-    validation_step = call.validation_step
-    spec = prepared.spec
     # the fit is a loop over the runtime: its set-up model and optimizer, its backward
-    fit_model, fit_optimizer = runtime.loop.set_up_fit(
-        model, optimizer, prepared.placement, call.compiler
-    )
-    if payload is not None:
-        state = _resume.restore_run(payload, strategy, scheduler, config.seed)
-        callbacks.load_state_dict(payload.get("callbacks") or {})
-    else:
-        state = FitState()
-        seed_generators(config.seed + strategy.rank)
-    latest = LatestFit(model, optimizer, scheduler, state, samples_of(spec))
+    fitted = runtime.loop.set_up_fit(model, optimizer, prepared.placement, call.compiler)
+    state = _first_state(config, strategy, payload, scheduler, callbacks)
+    latest = LatestFit(model, optimizer, scheduler, state, samples_of(prepared.spec))
     keep(latest)
+    sink.hyperparams(hyperparams(config, runtime, model, optimizer, samples_of(prepared.spec)))
+    save = _saver(strategy, latest, callbacks, checkpoints)
+    before_step = _before_step(callbacks, owner, optimizer)
+    profile = open_profile(config.profiling, strategy.rank, strategy.device, strategy.world_size)
+    runs: list[EpochLoop] = []
+
+    def body() -> None:
+        # an elastic strategy runs this again in a re-formed group: new rank, new size
+        renew_topology(runtime)
+        plan = plan_batches(config, runtime, prepared.spec) if runs else prepared.plan
+        run = EpochLoop(
+            config=config,
+            runtime=runtime,
+            owner=owner,
+            stop=stop,
+            loop=_step_loop(config, runtime, prepared, plan, call, fitted, before_step, profile),
+            state=state,
+            callbacks=callbacks,
+            sink=sink,
+            window=LogWindow(strategy, config.log_every_n_steps),
+            validate=_validation(config, runtime, call),
+            save=save,
+            preempt=preempt,
+        )
+        runs.append(run)
+        run.run()
+
+    _run(body, runtime, profile, lambda: RunSnapshot(model, optimizer, scheduler, state, callbacks))
+    return runs[-1]
+
+
+def _run(
+    body: Callable[[], None],
+    runtime: Runtime,
+    profile: ProfileRun | None,
+    snapshot: Callable[[], RunSnapshot],
+) -> None:
+    """Run the fit's epochs (``body``) under its profiler (None when off, or on a rank the
+    settings leave out: the loop then checks only that); an elastic strategy runs them
+    again, from the last commit of ``snapshot()``, whenever the group changed."""
+    elastic = runtime.strategy.elastic
+    try:
+        with contextlib.nullcontext() if profile is None else profile:
+            if elastic is None:
+                body()
+            else:
+                elastic.run(body, snapshot())
+    finally:
+        runtime.loop.end_fit()
+
+
+def _saver(
+    strategy: Strategy,
+    latest: LatestFit,
+    callbacks: CallbackList,
+    folder: ckpt.CheckpointFolder | None,
+) -> Callable[[], None] | None:
+    """The fit's checkpoint save into ``folder`` (None: the fit saves none)."""
+    if folder is None:
+        return None
+    return lambda: _saving.save_to_folder(strategy, latest, callbacks, folder)
+
+
+def _first_state(
+    config: TrainerConfig,
+    strategy: Strategy,
+    payload: dict[str, Any] | None,
+    scheduler: Any,
+    callbacks: CallbackList,
+) -> FitState:
+    """Where the fit starts: the checkpoint's state restored, or a fresh one, seeded."""
+    if payload is None:
+        seed_generators(config.seed + strategy.rank)
+        return FitState()
+    state = _resume.restore_run(payload, strategy, scheduler, config.seed)
+    callbacks.load_state_dict(payload.get("callbacks") or {})
+    return state
+
+
+def _before_step(
+    callbacks: CallbackList, owner: object, optimizer: torch.optim.Optimizer
+) -> Callable[[], None] | None:
+    """The callbacks' ``on_before_optimizer_step`` with the user's optimizer (not a
+    backend's wrapper of it), run on the final gradients; None where none overrides it."""
+    if not callbacks.overriding("on_before_optimizer_step"):
+        return None
+    return functools.partial(callbacks.call, "on_before_optimizer_step", owner, optimizer)
+
+
+def _step_loop(
+    config: TrainerConfig,
+    runtime: Runtime,
+    prepared: FitPlan,
+    plan: GlobalBatchPlan | None,
+    call: FitCall,
+    fitted: tuple[SetUpModel, SetUpOptimizer],
+    before_step: Callable[[], None] | None,
+    profile: ProfileRun | None,
+) -> StepLoop:
+    """The step loop of one run of the fit's epochs, over a feed of ``plan``'s batches."""
+    strategy = runtime.strategy
+    feed = train_feed(
+        strategy,
+        prepared.spec,
+        plan,
+        seed=config.seed,
+        grad_accum_steps=config.grad_accum_steps,
+        drop_last=config.drop_last,
+    )
+    loader = RuntimeLoader(
+        feed,
+        seed=config.seed,
+        rank=strategy.rank,
+        device=prepared.placement.input_device,
+        enter=runtime.loop.hold,
+    )
     settings = StepLoopSettings(
         max_epochs=config.max_epochs,
         seed=config.seed,
@@ -92,116 +203,66 @@ def train(
         progress=config.progress,
         clip=config.clip,
     )
-    sink.hyperparams(hyperparams(config, runtime, model, optimizer, samples_of(spec)))
-    runs: list[EpochLoop] = []
-    folder = checkpoints
-    save = (
-        None
-        if folder is None
-        else (lambda: _saving.save_to_folder(strategy, latest, callbacks, folder))
+    return StepLoop(
+        runtime=runtime,
+        model=fitted[0],
+        optimizer=fitted[1],
+        loader=loader,
+        loss_fn=call.loss_fn,
+        step_fn=call.step_fn,
+        scheduler=call.scheduler,
+        settings=settings,
+        rank_progress=runtime.progress,
+        placement=prepared.placement,
+        losses=LossLedger(strategy.device, watch=config.nonfinite == "raise"),
+        watch=NonFiniteWatch(config.nonfinite == "raise", config.log_every_n_steps),
+        before_step=before_step,
+        profile=profile,
+        output_check=_metric_check(call),
     )
+
+
+def _validation(
+    config: TrainerConfig, runtime: Runtime, call: FitCall
+) -> Callable[[], dict[str, float]] | None:
+    """The fit's validation, as ``runtime.evaluate`` runs it; None without validation data."""
+    if call.val_data is None:
+        return None
 
     def validate() -> dict[str, float]:
         return runtime.evaluate(
-            model,
-            val_data,
-            None if validation_step is not None else loss_fn,
-            metrics,
-            step_fn=validation_step,
+            call.model,
+            call.val_data,
+            None if call.validation_step is not None else call.loss_fn,
+            call.metrics,
+            step_fn=call.validation_step,
             batch_size=config.batch_size,
             num_workers=config.num_workers,
             seed=config.seed,
             input_device=config.input_device_override,
         )
 
-    # validation hands its metrics the model's output and the targets: where training's
-    # first batch gives a dict (transformers' models, in training and in evaluation alike),
-    # a metric that cannot read it fails there, before any step, not after the first epoch.
-    # Other outputs are left to validation: some models return more in training than in
-    # evaluation (Inception's auxiliary logits), which a metric never sees
-    named = named_metrics(metrics)
-    metric_check = None
-    if named and val_data is not None and validation_step is None:
+    return validate
 
-        def metric_check(output: Any, target: Any) -> None:
-            if not isinstance(output, Mapping):
-                return
-            with torch.no_grad():
-                for metric in named.values():
-                    metric.batch_state(_detached(output), _detached(target))
 
-    before_step = None
-    if callbacks.overriding("on_before_optimizer_step"):
-        # the user's optimizer (not a backend's wrapper of it), with the final gradients
-        before_step = functools.partial(
-            callbacks.call, "on_before_optimizer_step", owner, optimizer
-        )
+def _metric_check(call: FitCall) -> Callable[[Any, Any], None] | None:
+    """Validation hands its metrics the model's output and the targets: where training's
+    first batch gives a dict (transformers' models, in training and in evaluation alike), a
+    metric that cannot read it fails there, before any step, not after the first epoch.
+    Other outputs are left to validation: some models return more in training than in
+    evaluation (Inception's auxiliary logits), which a metric never sees."""
+    named = named_metrics(call.metrics)
+    if not named or call.val_data is None or call.validation_step is not None:
+        return None
 
-    def body() -> None:
-        # an elastic strategy runs this again in a re-formed group: new rank, new size
-        renew_topology(runtime)
-        plan = plan_batches(config, runtime, spec) if runs else prepared.plan
-        feed = train_feed(
-            strategy,
-            spec,
-            plan,
-            seed=config.seed,
-            grad_accum_steps=config.grad_accum_steps,
-            drop_last=config.drop_last,
-        )
-        loader = RuntimeLoader(
-            feed,
-            seed=config.seed,
-            rank=strategy.rank,
-            device=prepared.placement.input_device,
-            enter=runtime.loop.hold,
-        )
-        loop = StepLoop(
-            runtime=runtime,
-            model=fit_model,
-            optimizer=fit_optimizer,
-            loader=loader,
-            loss_fn=loss_fn,
-            step_fn=call.step_fn,
-            scheduler=scheduler,
-            settings=settings,
-            rank_progress=runtime.progress,
-            placement=prepared.placement,
-            losses=LossLedger(strategy.device, watch=config.nonfinite == "raise"),
-            watch=NonFiniteWatch(config.nonfinite == "raise", config.log_every_n_steps),
-            before_step=before_step,
-            profile=profile,
-            output_check=metric_check,
-        )
-        run = EpochLoop(
-            config=config,
-            runtime=runtime,
-            owner=owner,
-            stop=stop,
-            loop=loop,
-            state=state,
-            callbacks=callbacks,
-            sink=sink,
-            window=LogWindow(strategy, config.log_every_n_steps),
-            validate=None if val_data is None else validate,
-            save=save,
-            preempt=preempt,
-        )
-        runs.append(run)
-        run.run()
+    def metric_check(output: Any, target: Any) -> None:
+        if not isinstance(output, Mapping):
+            return
+        with torch.no_grad():
+            for metric in named.values():
+                metric.batch_state(_detached(output), _detached(target))
 
-    elastic = strategy.elastic
-    # None when off (or on a rank the settings leave out): the loop then checks only that
-    profile = open_profile(config.profiling, strategy.rank, strategy.device, strategy.world_size)
-    try:
-        with contextlib.nullcontext() if profile is None else profile:
-            if elastic is None:
-                body()
-            else:  # run again, from the last commit, whenever the group changed
-                elastic.run(body, RunSnapshot(model, optimizer, scheduler, state, callbacks))
-    finally:
-        runtime.loop.end_fit()
-    return runs[-1]
+    return metric_check
 
 
 def _detached(value: Any) -> Any:
