@@ -76,11 +76,15 @@ def fit_and_report(strategy: str, model: str, n: int, batch_size: int) -> tuple[
 
 
 def test_comm_hint_names_the_fixes_when_the_mlp_allreduce_dominates(run_on_ranks):
-    report, history = run_on_ranks(fit_and_report, "ddp", "mlp", 32, 1, world_size=2)[0]
-    assert report.count("allreduce ~") == 2 and "of the step)" in report
     # each epoch's share is a timing on cores shared with other jobs (seen: 29% to 81% under
-    # heavy load, 46% to 66% otherwise): the hint must show in one epoch of two at least
-    assert HINT in report, f"no communication hint for the MLP:\n{report}"
+    # heavy load, 46% to 66% otherwise; 36% and 17% once, with five test processes on two
+    # cores): the hint must show in one epoch of two at least, in one of two fits
+    for _ in range(2):
+        report, history = run_on_ranks(fit_and_report, "ddp", "mlp", 32, 1, world_size=2)[0]
+        assert report.count("allreduce ~") == 2 and "of the step)" in report
+        if HINT in report:
+            break
+    assert HINT in report, f"no communication hint for the MLP in two fits:\n{report}"
     hint = next(line for line in report.splitlines() if HINT in line)
     assert "21.2 MB of gradients" in hint
     for knob in ("batch_size", "grad_accum_steps", "compression", "fewer processes"):

@@ -256,7 +256,10 @@ def _fit_lazy(opening: float) -> tuple[str, dict]:
     import contextlib
     import io
 
-    model = nn.Linear(4, 1)
+    # a step of a few milliseconds: the other waits (an indexing, ~0.06 ms) are then ~2% of
+    # it, so a loaded machine's hiccup cannot lift the data share past DATA_HINT_SHARE (with
+    # nn.Linear(4, 1) a 0.3 ms step put them at 21%, and a 2 ms pause over 20 steps at 30%)
+    model = nn.Sequential(nn.Linear(4, 1024), nn.Tanh(), nn.Linear(1024, 1024), nn.Linear(1024, 1))
     printed = io.StringIO()
     trainer = distkit.Trainer("ddp", batch_size=4, progress=True)
     with trainer, contextlib.redirect_stdout(printed):
