@@ -130,11 +130,10 @@ LONG_FUNCTIONS: dict[str, int] = {
 }
 
 #: circles between packages, counting type-only imports: callbacks <-> trainer is annotations
-#: only (a callback's hooks take the Trainer, as in Lightning); faults <-> strategies too
-#: (the fail-fast guard's annotations name the Strategy it watches)
+#: only (a callback's hooks take the Trainer, as in Lightning); faults <-> strategies went
+#: when the fail-fast guard named what it reads of a strategy (faults._faults.Watched)
 CIRCLES: set[frozenset[str]] = {
     frozenset({"distkit.callbacks", "distkit.trainer"}),
-    frozenset({"distkit.faults", "distkit.strategies"}),
 }
 
 

@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from distkit.errors import DistkitError, PeerFailureError, PeerStuckError, TrainingInterrupted
 from distkit.faults import _channel
@@ -43,8 +43,21 @@ from distkit.faults._say import say
 from distkit.faults._signals import Terminated, terminate_as_exception
 from distkit.faults._watchdog import EXIT_CODE, Watchdog
 
-if TYPE_CHECKING:
-    from distkit.strategies.base import Strategy
+
+class Watched(Protocol):
+    """What the fail-fast guard reads of the strategy it watches (every ``Strategy`` has
+    these): faults sit below the strategies and name none of them."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def side_channel(self) -> SideChannel | None: ...
+
+    def is_peer_loss(self, exc: BaseException) -> bool: ...
+
 
 INTERRUPT = "interrupt"
 ERROR = "error"
@@ -55,7 +68,7 @@ BLOCKED_NOTICE_S = 2.0  # at most this long to leave a notice before a blocked r
 
 @contextlib.contextmanager
 def fail_fast(
-    strategy: Strategy,
+    strategy: Watched,
     *,
     fault_timeout: float | None,
     hang_warning: float | None,
@@ -101,7 +114,7 @@ def fail_fast(
 
 @contextlib.contextmanager
 def _guard(
-    strategy: Strategy,
+    strategy: Watched,
     fault_timeout: float | None,
     hang_warning: float | None,
     progress: Progress,
@@ -165,7 +178,7 @@ def _guard(
 class _Failure:
     """What one rank does with the exception that ended its multi-process ``fit``."""
 
-    strategy: Strategy
+    strategy: Watched
     progress: Progress
     grace: float | None
     on_failure: Callable[[], None]
@@ -338,7 +351,7 @@ def _where(progress: Progress) -> str:
     return f"epoch {progress.epoch + 1}, step {progress.step + 1}"
 
 
-def _exit_blocked(strategy: Strategy, progress: Progress, grace: float, signum: int) -> None:
+def _exit_blocked(strategy: Watched, progress: Progress, grace: float, signum: int) -> None:
     """A signal came ``grace`` seconds ago and the main thread never ran its handler: it is
     blocked outside Python (a collective, other native code). Tell the peers, as the handler
     would have, and say so in one line; the caller exits the process next."""
@@ -417,7 +430,7 @@ def _peer_failure_error(rank: int, notice: dict[str, Any]) -> PeerFailureError:
     )
 
 
-def _acknowledge(strategy: Strategy) -> None:
+def _acknowledge(strategy: Watched) -> None:
     with contextlib.suppress(Exception):
         channel = strategy.side_channel()
         if channel is not None:
