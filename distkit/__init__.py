@@ -31,7 +31,7 @@ from distkit.loss import Loss
 from distkit.metrics import Accuracy, ConfusionMatrix, MeanIoU, Metric
 from distkit.registry import BUILTIN_STRATEGIES as _BUILTINS
 from distkit.registry import available_strategies, register_strategy
-from distkit.runtime import Profiler, Runtime, init_empty, read_predictions
+from distkit.runtime import Profiler, Runtime, RuntimeOptions, init_empty, read_predictions
 from distkit.strategies.base import Strategy, Topology, TrainOptions
 from distkit.strategies.syncbn import GlobalBatchNorm
 from distkit.trainer import FitResult, Trainer
@@ -70,6 +70,7 @@ __all__ = [
     "PeerStuckError",
     "Profiler",
     "Runtime",
+    "RuntimeOptions",
     "ShardedStream",
     "Strategy",
     "StrategyPluginError",

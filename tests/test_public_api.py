@@ -34,6 +34,7 @@ PUBLIC_NAMES = [
     "PeerStuckError",
     "Profiler",
     "Runtime",
+    "RuntimeOptions",
     "ShardedStream",
     "Strategy",
     "StrategyPluginError",

@@ -123,11 +123,7 @@ RUNTIME_PUBLIC_NAMES = 30
 TOP_LEVEL_FILES = 12
 
 #: functions over 80 lines, each at most as long as it is now (issue 45, item 5, shortens them)
-LONG_FUNCTIONS: dict[str, int] = {
-    "distkit.trainer:Trainer.__init__": 90,
-    "distkit.trainer._prepare:prepare_fit": 89,
-    "distkit.runtime._runtime:Runtime.__init__": 87,
-}
+LONG_FUNCTIONS: dict[str, int] = {}
 
 #: circles between packages, counting type-only imports: callbacks <-> trainer is annotations
 #: only (a callback's hooks take the Trainer, as in Lightning); faults <-> strategies went
@@ -187,7 +183,14 @@ def test_structure_trainer_comes_in_by_the_runtime_door():
     assert len(TRAINER_RUNTIME_PRIVATE) <= 3
     trainer = [m for m in structure.modules() if m.startswith("distkit.trainer")]
     used = set().union(*(_names_imported_from(m, "distkit.runtime") for m in trainer))
-    user = {"Runtime", "Profiler", "RuntimeLoader", "SetUpModel", "SetUpOptimizer"}
+    user = {
+        "Runtime",
+        "RuntimeOptions",
+        "Profiler",
+        "RuntimeLoader",
+        "SetUpModel",
+        "SetUpOptimizer",
+    }
     outside = sorted(used - user - set(runtime.PORT))
     assert not outside, f"the Trainer imports runtime names its port does not list: {outside}"
     unused = sorted(set(runtime.PORT) - used)

@@ -4,7 +4,8 @@ Trainer comes in by.
 Below the Trainer and above the strategies, the data and the checkpoint format. What the
 runtime promises is what this module exports, in two parts:
 
-- **The user's**: :class:`Runtime` (``distkit.Runtime``), what it hands back
+- **The user's**: :class:`Runtime` (``distkit.Runtime``) and its settings
+  (:class:`RuntimeOptions`), what it hands back
   (:class:`SetUpModel`, :class:`SetUpOptimizer`, :class:`RuntimeLoader`),
   :class:`Profiler`, :func:`init_empty` and :func:`read_predictions` (``distkit.X`` each).
 - **The Trainer's port**: what the Trainer's loop needs beyond ``Runtime``, each for the
@@ -23,14 +24,14 @@ activation checkpointing, determinism, seeding and the argument checks.
 from distkit.runtime._agreement import Proposal, describe_model, exchange, named_shapes
 from distkit.runtime._arguments import check_model, check_not_set_up
 from distkit.runtime._call_tags import tagged_sum
-from distkit.runtime._checkpointing import ActivationCheckpointing, checkpoint_policy
+from distkit.runtime._checkpointing import ActivationCheckpointing
 from distkit.runtime._compile import Compiler, check_compile
 from distkit.runtime._compile import describe as describe_compile
 from distkit.runtime._compile import plan as compile_plan
-from distkit.runtime._determinism import check_deterministic
 from distkit.runtime._empty import init_empty
 from distkit.runtime._evaluation import LossFn, Metrics, named_metrics
 from distkit.runtime._loader import RuntimeLoader
+from distkit.runtime._options import RuntimeOptions
 from distkit.runtime._port import guarded, loader_spec, renew_topology, require_open
 from distkit.runtime._predict import PredictFn
 from distkit.runtime._prediction_files import read_predictions
@@ -51,13 +52,11 @@ PORT: dict[str, str] = {
     "describe_model": "fit's agreement names the model every rank must pass",
     "named_shapes": "fit's agreement compares the model's parameters across ranks",
     "tagged_sum": "the loop's host-side sums (stop requests, log windows, non-finite losses)",
-    "ActivationCheckpointing": "Trainer(activation_checkpointing=...) is checked at construction",
-    "checkpoint_policy": "the same setting, turned into the policy a fit's set-up applies",
+    "ActivationCheckpointing": "the type of Trainer(activation_checkpointing=...)",
     "Compiler": "fit's model is compiled once per set-up, as rt.setup compiles it",
     "check_compile": "Trainer(compile=...) is checked at construction",
     "describe_compile": "fit's hyperparameter line names the compile options",
     "compile_plan": "a model the user compiled trains its module, compiled in the backend's order",
-    "check_deterministic": "Trainer(deterministic=...) is checked at construction",
     "LossFn": "fit's and evaluate's loss_fn type",
     "Metrics": "fit's and evaluate's metrics type",
     "named_metrics": "fit's validation names its metrics as evaluate does",
@@ -100,15 +99,14 @@ __all__ = [
     "Proposal",
     "Runtime",
     "RuntimeLoader",
+    "RuntimeOptions",
     "SetUpModel",
     "SetUpOptimizer",
     "agreed_stop",
     "check_compile",
-    "check_deterministic",
     "check_model",
     "check_not_set_up",
     "checked_placement",
-    "checkpoint_policy",
     "compile_plan",
     "describe_compile",
     "describe_data",

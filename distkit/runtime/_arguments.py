@@ -5,11 +5,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from distkit._validate import (
-    check_flags,
-    check_ints,
-    check_seconds,
-)
 from distkit.errors import ConfigurationError
 from distkit.runtime._set_up import SetUpOptimizer, foreign_tensors
 
@@ -62,24 +57,3 @@ def check_loss(loss: object, source: str) -> None:
             "the model: compute it from the model's output, without .item(), .detach() or "
             "torch.no_grad()"
         )
-
-
-def check_runtime_arguments(
-    *,
-    grad_accum_steps: object,
-    seed: object,
-    sync_batchnorm: object,
-    find_unused_parameters: object,
-    fault_timeout: object,
-    hang_warning: object,
-    collective_timeout: object,
-) -> None:
-    """``Runtime(...)``'s arguments (the precision is checked where it is normalised)."""
-    for name, value in (
-        ("fault_timeout", fault_timeout),
-        ("hang_warning", hang_warning),
-        ("collective_timeout", collective_timeout),
-    ):
-        check_seconds(name, value)
-    check_ints(grad_accum_steps=(grad_accum_steps, 1), seed=(seed, 0))
-    check_flags(sync_batchnorm=sync_batchnorm, find_unused_parameters=find_unused_parameters)

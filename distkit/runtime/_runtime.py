@@ -4,8 +4,8 @@ A :class:`Runtime` resolves and connects the strategy, keeps each model and opti
 once, knows this rank's place (rank, world size, device) and where it is in its work (for the
 watchdog's hang reports), turns a Dataset, DataLoader or stream into the loader description
 every rank agrees on, evaluates with every sample counted once, and runs work under the
-fail-fast guard. The Trainer holds one and runs its loop over it; it takes no Trainer and
-knows no loop (the next issue makes it a public bring-your-own-loop API).
+fail-fast guard. It is the user's own loop's API (``distkit.Runtime``); the Trainer holds one
+and runs its loop over it. It takes no Trainer and knows no loop.
 """
 
 from __future__ import annotations
@@ -28,21 +28,21 @@ from distkit.data._batch_plan import batch_plan
 from distkit.data._feed import eval_batches, train_feed
 from distkit.data._stream_spec import StreamSpec, is_stream
 from distkit.errors import ConfigurationError, DistkitError, TrainerClosedError
-from distkit.faults import _preempt
 from distkit.faults._faults import fail_fast
 from distkit.faults._preempt import Preemption
 from distkit.faults._progress import Progress
 from distkit.registry import make_strategy
 from distkit.runtime import _agreement, _weights
-from distkit.runtime._arguments import check_runtime_arguments, check_setup_args
+from distkit.runtime._arguments import check_setup_args
 from distkit.runtime._call_tags import tagged_sum
-from distkit.runtime._checkpointing import ActivationCheckpointing, checkpoint_policy
-from distkit.runtime._determinism import Determinism, apply_determinism, check_deterministic
+from distkit.runtime._checkpointing import ActivationCheckpointing
+from distkit.runtime._determinism import Determinism, apply_determinism
 from distkit.runtime._empty import init_empty
 from distkit.runtime._evaluation import EvalStepFn, LossFn, Metrics, as_score, evaluate_shard
 from distkit.runtime._input_check import SameBatchCheck
 from distkit.runtime._loader import RuntimeLoader
 from distkit.runtime._loop import LoopState
+from distkit.runtime._options import RuntimeOptions
 from distkit.runtime._predict import PredictFn, PredictPlan, prepare_predict, run_predict
 from distkit.runtime._preemption import LoopPreemption
 from distkit.runtime._preparation import checked_placement, prepare_evaluate
@@ -55,8 +55,7 @@ from distkit.runtime._user_checkpoint import load_state, save_state
 from distkit.strategies import _group_lease
 from distkit.strategies._placement import Placement
 from distkit.strategies._steps import GradientClip
-from distkit.strategies.base import Strategy, Topology, TrainOptions
-from distkit.strategies.precision import normalize_precision
+from distkit.strategies.base import Strategy, Topology
 
 
 def _shutdown(setups: SetupCache, settings: Determinism | None) -> None:
@@ -111,7 +110,9 @@ class Runtime:
             cuBLAS settings while this Runtime is open, put back as they were at
             :meth:`close`; False (default) leaves them as they are.
 
-    The arguments mean what :class:`~distkit.Trainer`'s arguments of the same names mean.
+    The arguments mean what :class:`~distkit.Trainer`'s arguments of the same names mean;
+    ``rt.options`` holds them as one frozen :class:`~distkit.RuntimeOptions`
+    (``Runtime(strategy, **options.keywords())`` starts another with the same settings).
     """
 
     def __init__(
@@ -132,45 +133,15 @@ class Runtime:
         deterministic: bool | str = False,
         same_data_on_every_rank: bool = False,
     ) -> None:
-        check_flags(same_data_on_every_rank=same_data_on_every_rank)
-        checkpointing = checkpoint_policy(activation_checkpointing)
-        check_deterministic(deterministic)
-        #: the signals that preempt a ``with rt:`` block (off unless given: see preempted())
-        self.preempt_signals = _preempt.preempt_signals(preempt_signals or (), "runtime")
-        check_flags(requeue=requeue)
-        if requeue and not self.preempt_signals:
-            raise ConfigurationError(
-                "Runtime(requeue=True) requeues the job after a preemption, but no "
-                "preempt_signals were given: pass preempt_signals=(signal.SIGTERM, "
-                "signal.SIGUSR1) too, and call rt.preempted() after each optimizer step"
-            )
-        self.requeue = requeue
+        #: every setting above as one frozen, validated value
+        self.options = RuntimeOptions(
+            **{k: v for k, v in locals().items() if k not in ("self", "strategy")}
+        )
         self._preemption: LoopPreemption | None = None
-        check_runtime_arguments(
-            grad_accum_steps=grad_accum_steps,
-            seed=seed,
-            sync_batchnorm=sync_batchnorm,
-            find_unused_parameters=find_unused_parameters,
-            fault_timeout=fault_timeout,
-            hang_warning=hang_warning,
-            collective_timeout=collective_timeout,
-        )
-        options = TrainOptions(
-            precision=normalize_precision(precision),
-            grad_accum_steps=grad_accum_steps,
-            sync_batchnorm=sync_batchnorm,
-            find_unused_parameters=find_unused_parameters,
-            collective_timeout=collective_timeout,
-        )
-        self.seed = seed
-        self.fault_timeout = fault_timeout
-        self.hang_warning = hang_warning
-        #: the ``deterministic`` argument, as given
-        self.deterministic = deterministic
-        before = apply_determinism(deterministic)  # before the strategy's first CUDA work
+        before = apply_determinism(self.options.deterministic)  # before any CUDA work
         try:
             self.strategy = make_strategy(strategy)
-            self.strategy.start(options)
+            self.strategy.start(self.options.train_options())
         except BaseException as exc:
             if before is not None:
                 before.restore()
@@ -180,9 +151,7 @@ class Runtime:
         #: this rank's place; kept past close() (handlers after a failure still ask "am I
         #: rank 0?"), and renewed when an elastic strategy re-forms its group
         self.topology: Topology = self.strategy.topology
-        self.setups = SetupCache(self.strategy, checkpointing)
-        #: the ``activation_checkpointing`` argument, as given
-        self.activation_checkpointing = activation_checkpointing
+        self.setups = SetupCache(self.strategy, self.options.checkpointing)
         #: where this rank is (step, phase), for the watchdog's hang reports
         self.progress = Progress()
         self._failure_channel: Any = None
@@ -190,12 +159,14 @@ class Runtime:
         #: what the loop over this runtime holds (a user's loop, or the Trainer's fit): its
         #: set-up models and optimizers, its micro-batch, its losses' backward
         #: torch, numpy and random: seeded alike now, per rank from the first rt.backward on
-        seeding = RankSeeding(seed)
+        seeding = RankSeeding(self.options.seed)
         self.loop = LoopState(
             self.strategy,
             self.setups,
             self.progress,
-            same_batches=SameBatchCheck(self.strategy, enabled=not same_data_on_every_rank),
+            same_batches=SameBatchCheck(
+                self.strategy, enabled=not self.options.same_data_on_every_rank
+            ),
             first_backward=lambda: seeding.split(self.rank),
         )
         self._block_guard: contextlib.AbstractContextManager[None] | None = None
@@ -213,11 +184,13 @@ class Runtime:
                 "once; the guard covers everything inside"
             )
         preempt = None
-        if self.preempt_signals:
-            preempt = Preemption(self.preempt_signals, requeue=self.requeue)
+        if self.options.signals:
+            preempt = Preemption(self.options.signals, requeue=self.options.requeue)
             self._preemption = LoopPreemption(preempt)
         guard = self._guarded(
-            fault_timeout=self.fault_timeout, hang_warning=self.hang_warning, preempt=preempt
+            fault_timeout=self.options.fault_timeout,
+            hang_warning=self.options.hang_warning,
+            preempt=preempt,
         )
         guard.__enter__()
         self._block_guard = guard
@@ -254,7 +227,7 @@ class Runtime:
         any rank; then True on every rank at the same call, the ranks having agreed on it
         (see ``Runtime(preempt_signals=...)``). Save then, and call :meth:`finish_preemption`.
         Always False without ``preempt_signals``."""
-        if not self.preempt_signals:
+        if not self.options.signals:
             return False
         if self._preemption is None:
             raise ConfigurationError(
@@ -458,15 +431,20 @@ class Runtime:
             world_size=self.world_size,
             rank=self.rank,
             grad_accum_steps=accum,
-            seed=self.seed,
+            seed=self.options.seed,
             drop_last=drop_last,
         )
         feed = train_feed(
-            strategy, spec, plan, seed=self.seed, grad_accum_steps=accum, drop_last=drop_last
+            strategy,
+            spec,
+            plan,
+            seed=self.options.seed,
+            grad_accum_steps=accum,
+            drop_last=drop_last,
         )
         return RuntimeLoader(
             feed,
-            seed=self.seed,
+            seed=self.options.seed,
             rank=self.rank,
             device=self.device,
             enter=self.loop.enter,
@@ -780,7 +758,7 @@ class Runtime:
         self._require_open("evaluate")
         self.loop.ready()
         strategy = self.strategy
-        seed = self.seed if seed is None else seed
+        seed = self.options.seed if seed is None else seed
         if isinstance(model, SetUpModel):
             model = model.module
 
@@ -847,7 +825,7 @@ class Runtime:
         self._require_open("predict")
         self.loop.ready()
         strategy = self.strategy
-        seed = self.seed if seed is None else seed
+        seed = self.options.seed if seed is None else seed
         if isinstance(model, SetUpModel):
             model = model.module
 

@@ -26,6 +26,7 @@ from distkit.runtime import (
     Profiler,
     Proposal,
     Runtime,
+    RuntimeOptions,
     compile_plan,
     exchange,
     guarded,
@@ -35,7 +36,6 @@ from distkit.runtime import (
 from distkit.strategies._placement import check_claims
 from distkit.strategies._steps import GradientClip
 from distkit.strategies.base import Strategy
-from distkit.strategies.precision import normalize_precision
 from distkit.trainer import _resume, _saving
 from distkit.trainer._config import Setting, TrainerConfig
 from distkit.trainer._epoch_loop import StopRequest
@@ -69,14 +69,6 @@ class FitResult:
 
 #: Trainer(...)'s arguments that are not settings (objects, or the strategy to resolve)
 _NOT_SETTINGS = frozenset({"self", "strategy", "callbacks", "loggers", "runtime"})
-#: the Trainer's arguments a Runtime it is given already fixed (they must agree with it)
-_RUNTIME_OPTIONS = (
-    "precision",
-    "grad_accum_steps",
-    "sync_batchnorm",
-    "find_unused_parameters",
-    "collective_timeout",
-)
 
 
 class Trainer:
@@ -157,11 +149,13 @@ class Trainer:
             the strategy wraps the model; the weights are those without it). None: off.
         runtime: a :class:`~distkit.Runtime` to train on (its strategy, process group and
             set-up models), kept open when this Trainer closes: a sweep of fits in one
-            process joins the group once. Its strategy and options are the Trainer's
-            (``strategy``, ``precision``, ``grad_accum_steps``, ``sync_batchnorm``,
-            ``find_unused_parameters``, ``collective_timeout``,
-            ``activation_checkpointing`` and ``deterministic`` may be left out, or must match
-            it).
+            process joins the group once. Its strategy and the settings it started with are the
+            Trainer's (``strategy``, and each of :attr:`RuntimeOptions.STARTED_WITH
+            <distkit.RuntimeOptions.STARTED_WITH>`: ``precision``, ``grad_accum_steps``,
+            ``sync_batchnorm``, ``find_unused_parameters``, ``collective_timeout``,
+            ``activation_checkpointing`` and ``deterministic``, may be left out, or must equal
+            the runtime's); ``seed``, ``fault_timeout`` and ``hang_warning`` are this
+            Trainer's fits' own.
         preempt_signals: the signals that preempt a fit: every rank finishes its optimizer
             step, the ranks agree on the step they all stop after (the signal may reach some
             of them only, at different steps), the run is saved in ``checkpoint_dir`` there,
@@ -182,8 +176,11 @@ class Trainer:
             them too). None (default): off, at no cost.
 
     ``trainer.config`` holds every setting but the strategy, the callbacks and the loggers as
-    one frozen, validated value; ``trainer.max_epochs = 5`` (and the like) replaces it,
-    validated as ``Trainer(...)`` validates its arguments. A fit reads it once, when it
+    one frozen, validated value (the Runtime's settings among them as one
+    :class:`~distkit.RuntimeOptions`, ``trainer.config.runtime_options``, which the Trainer's
+    Runtime starts from); ``trainer.max_epochs = 5`` (and the like) replaces it, validated as
+    ``Trainer(...)`` validates its arguments. A setting the strategy started with
+    (``trainer.grad_accum_steps``) cannot change: create a new Trainer. A fit reads it once, when it
     starts (every rank agrees on those values): a setting changed during a fit applies from
     the next one.
     """
@@ -252,7 +249,9 @@ class Trainer:
     ) -> None:
         #: every setting above but strategy, callbacks and loggers: one frozen, validated
         #: value (assigning ``trainer.max_epochs`` etc. replaces it, validated again)
-        self.config = TrainerConfig(**{k: v for k, v in locals().items() if k not in _NOT_SETTINGS})
+        self.config = TrainerConfig.of(
+            {k: v for k, v in locals().items() if k not in _NOT_SETTINGS}
+        )
         self.callbacks = CallbackList(callbacks)
         self.loggers = checked_loggers(loggers)  # rank 0 writes
         self._stop = StopRequest()
@@ -264,27 +263,13 @@ class Trainer:
         self.runtime: Runtime
         self._owns_runtime = runtime is None
         if runtime is None:
-            self.runtime = Runtime(
-                strategy,
-                precision=precision,
-                grad_accum_steps=grad_accum_steps,
-                seed=seed,
-                sync_batchnorm=sync_batchnorm,
-                find_unused_parameters=find_unused_parameters,
-                fault_timeout=fault_timeout,
-                hang_warning=hang_warning,
-                collective_timeout=collective_timeout,
-                activation_checkpointing=activation_checkpointing,
-                deterministic=deterministic,
-            )
+            self.runtime = Runtime(strategy, **self.config.runtime_options.keywords())
         else:
-            self.runtime = _checked_runtime(runtime, strategy, self.config)
-            # the strategy's options are the runtime's: the config says them as they are
-            options = runtime.strategy.options
-            self.config = self.config.replace(
-                **{name: getattr(options, name) for name in _RUNTIME_OPTIONS},
-                deterministic=runtime.deterministic,
-            )
+            self.runtime = _checked_runtime(runtime, strategy, self.config.runtime_options)
+            # what the runtime started with is the Trainer's: the config says it as it is
+            held = runtime.options
+            started = {name: getattr(held, name) for name in held.STARTED_WITH}
+            self.config = self.config.replace(**started)
         self._closed = False
         self.strategy = self.runtime.strategy
         self._run: LatestFit | None = None
@@ -494,8 +479,8 @@ class Trainer:
         preempt = Preemption(config.preempt, requeue=config.requeue) if config.preempt else None
         with guarded(
             runtime,
-            fault_timeout=config.fault_timeout,
-            hang_warning=config.hang_warning,
+            fault_timeout=config.runtime_options.fault_timeout,
+            hang_warning=config.runtime_options.hang_warning,
             preempt=preempt,
         ):
             assert self._sink is not None  # fit() opened it
@@ -672,7 +657,7 @@ class Trainer:
         return f"Trainer(strategy={self.strategy!r}, max_epochs={self.max_epochs})"
 
 
-def _checked_runtime(runtime: object, strategy: object, config: TrainerConfig) -> Runtime:
+def _checked_runtime(runtime: object, strategy: object, given: RuntimeOptions) -> Runtime:
     """``Trainer(runtime=rt)``: an open Runtime, and no argument that contradicts it."""
     if not isinstance(runtime, Runtime):
         raise ConfigurationError(
@@ -686,32 +671,9 @@ def _checked_runtime(runtime: object, strategy: object, config: TrainerConfig) -
             f"{runtime.strategy.name!r}; leave strategy='auto' (the runtime's) or create the "
             "Trainer without a runtime"
         )
-    if config.deterministic is not False and config.deterministic != runtime.deterministic:
+    for name, value, held in runtime.options.differences(given):
         raise ConfigurationError(
-            f"Trainer(deterministic={config.deterministic!r}, runtime=...): the runtime was "
-            f"created with deterministic={runtime.deterministic!r}; pass it to "
-            "distkit.Runtime(...), or leave it out here"
+            f"Trainer({name}={value!r}, runtime=...): the runtime was created with "
+            f"{name}={held!r}; pass {name} to distkit.Runtime(...), or leave it out here"
         )
-    checkpointing = config.activation_checkpointing
-    if checkpointing is not None and checkpointing is not runtime.activation_checkpointing:
-        raise ConfigurationError(
-            f"Trainer(activation_checkpointing={checkpointing!r}, runtime=...): the runtime was "
-            f"created with activation_checkpointing={runtime.activation_checkpointing!r}; pass "
-            "it to distkit.Runtime(...), or leave it out here"
-        )
-    defaults = TrainerConfig()
-    options = runtime.strategy.options
-    for name in _RUNTIME_OPTIONS:
-        given, default, held = (
-            getattr(config, name),
-            getattr(defaults, name),
-            getattr(options, name),
-        )
-        if name == "precision":
-            given, default = normalize_precision(given), normalize_precision(default)
-        if given != default and given != held:
-            raise ConfigurationError(
-                f"Trainer({name}={given!r}, runtime=...): the runtime was created with "
-                f"{name}={held!r}; pass {name} to distkit.Runtime(...), or leave it out here"
-            )
     return runtime

@@ -12,7 +12,6 @@ from distkit._validate import (
     check_ints,
     check_path,
     check_positive,
-    check_seconds,
 )
 from distkit.errors import ConfigurationError
 from distkit.runtime import check_model, check_not_set_up, foreign_tensors
@@ -110,15 +109,11 @@ def check_trainer_arguments(args: dict[str, Any]) -> None:
     """``Trainer(...)``'s arguments, each with an error that names it and the fix."""
     check_positive("gradient_clip_norm", args["gradient_clip_norm"])
     check_positive("gradient_clip_value", args["gradient_clip_value"])
-    for name in ("fault_timeout", "hang_warning", "collective_timeout"):
-        check_seconds(name, args[name])
     lows = {
         "max_epochs": 0,
         "batch_size": 1,
-        "grad_accum_steps": 1,
         "num_workers": 0,
         "keep_last": 1,
-        "seed": 0,
         "log_every_n_steps": 1,
     }
     check_ints(**{name: (args[name], low) for name, low in lows.items()})
@@ -131,8 +126,6 @@ def check_trainer_arguments(args: dict[str, Any]) -> None:
     check_choice("nonfinite", args["nonfinite"], NONFINITE_POLICIES)
     flags = (
         "shuffle",
-        "sync_batchnorm",
-        "find_unused_parameters",
         "progress",
         "drop_last",
         "cudnn_benchmark",

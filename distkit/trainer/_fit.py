@@ -151,9 +151,9 @@ def _first_state(
 ) -> FitState:
     """Where the fit starts: the checkpoint's state restored, or a fresh one, seeded."""
     if payload is None:
-        seed_generators(config.seed + strategy.rank)
+        seed_generators(config.runtime_options.seed + strategy.rank)
         return FitState()
-    state = _resume.restore_run(payload, strategy, scheduler, config.seed)
+    state = _resume.restore_run(payload, strategy, scheduler, config.runtime_options.seed)
     callbacks.load_state_dict(payload.get("callbacks") or {})
     return state
 
@@ -184,20 +184,20 @@ def _step_loop(
         strategy,
         prepared.spec,
         plan,
-        seed=config.seed,
-        grad_accum_steps=config.grad_accum_steps,
+        seed=config.runtime_options.seed,
+        grad_accum_steps=config.runtime_options.grad_accum_steps,
         drop_last=config.drop_last,
     )
     loader = RuntimeLoader(
         feed,
-        seed=config.seed,
+        seed=config.runtime_options.seed,
         rank=strategy.rank,
         device=prepared.placement.input_device,
         enter=runtime.loop.hold,
     )
     settings = StepLoopSettings(
         max_epochs=config.max_epochs,
-        seed=config.seed,
+        seed=config.runtime_options.seed,
         nonfinite=config.nonfinite,
         step_scheduler=config.scheduler_interval == "step",
         progress=config.progress,
@@ -238,7 +238,7 @@ def _validation(
             step_fn=call.validation_step,
             batch_size=config.batch_size,
             num_workers=config.num_workers,
-            seed=config.seed,
+            seed=config.runtime_options.seed,
             input_device=config.input_device_override,
         )
 

@@ -69,10 +69,35 @@ def plan_batches(
         spec,
         world_size=runtime.world_size,
         rank=runtime.rank,
-        grad_accum_steps=config.grad_accum_steps,
-        seed=config.seed,
+        grad_accum_steps=config.runtime_options.grad_accum_steps,
+        seed=config.runtime_options.seed,
         drop_last=config.drop_last,
     )
+
+
+def check_streams(
+    config: TrainerConfig,
+    spec: LoaderSpec | StreamSpec,
+    val: LoaderSpec | StreamSpec | None,
+    *,
+    elastic: bool,
+) -> None:
+    """A stream among a fit's data can be read as often as the fit reads it."""
+    epochs = config.max_epochs
+    if isinstance(val, StreamSpec):
+        every = config.val_every_n_steps
+        reads, because = (
+            (2, f"val_every_n_steps={every}") if every else (epochs, f"max_epochs={epochs}")
+        )
+        check_stream(val, reads=reads, because=because)
+    if isinstance(spec, StreamSpec):
+        check_stream(spec, reads=epochs, because=f"max_epochs={epochs}")
+        if spec.self_sharded and elastic:
+            raise ConfigurationError(
+                "train_data is a ShardedStream and the strategy is elastic: when the group "
+                "changes, each process's share of a stream that shards itself cannot be "
+                "re-cut. Let distkit shard the stream (pass it without ShardedStream)"
+            )
 
 
 def prepare_fit(
@@ -115,21 +140,7 @@ def prepare_fit(
         if call.val_data is None
         else read_data(config, runtime, call.val_data, "val_data", shuffle=False)
     )
-    epochs = config.max_epochs
-    if isinstance(val, StreamSpec):
-        every = config.val_every_n_steps
-        reads, because = (
-            (2, f"val_every_n_steps={every}") if every else (epochs, f"max_epochs={epochs}")
-        )
-        check_stream(val, reads=reads, because=because)
-    if isinstance(spec, StreamSpec):
-        check_stream(spec, reads=epochs, because=f"max_epochs={epochs}")
-        if spec.self_sharded and strategy.elastic:
-            raise ConfigurationError(
-                "train_data is a ShardedStream and the strategy is elastic: when the group "
-                "changes, each process's share of a stream that shards itself cannot be "
-                "re-cut. Let distkit shard the stream (pass it without ShardedStream)"
-            )
+    check_streams(config, spec, val, elastic=strategy.elastic is not None)
     if checkpoints is not None and strategy.is_main:
         checkpoints.check_writable()  # now, not after the first epoch trained
     found = pending or _resume.find_resume(
@@ -170,7 +181,8 @@ def agreed_settings(config: TrainerConfig) -> str:
     """The loop's settings that every rank must hold alike (the strategy's own options are
     agreed beside them)."""
     return (
-        f"max_epochs={config.max_epochs}, max_steps={config.max_steps}, seed={config.seed}, "
+        f"max_epochs={config.max_epochs}, max_steps={config.max_steps}, "
+        f"seed={config.runtime_options.seed}, "
         f"scheduler_interval={config.scheduler_interval}, nonfinite={config.nonfinite}, "
         f"checkpoint_every={config.checkpoint_every}, clip={config.clip}, "
         f"log_every_n_steps={config.log_every_n_steps}, "
@@ -180,7 +192,7 @@ def agreed_settings(config: TrainerConfig) -> str:
 
 
 def describe_plan(config: TrainerConfig, spec: LoaderSpec | StreamSpec, plan: Any) -> str:
-    per_step = f"{config.grad_accum_steps} accumulated"
+    per_step = f"{config.runtime_options.grad_accum_steps} accumulated"
     if isinstance(spec, StreamSpec):
         size = "whole batches" if spec.batch_size is None else f"{spec.batch_size} per rank"
         return f"{size} x {per_step}, a stream, drop_last={spec.drop_last or config.drop_last}"

@@ -46,7 +46,7 @@ def test_determinism_is_on_while_the_runtime_is_open_and_restored_after(
     torch.backends.cudnn.benchmark = True  # the user's own choice, put back at close
     before = _settings()
     with distkit.Runtime("dp", deterministic=mode) as rt:
-        assert rt.deterministic == mode
+        assert rt.options.deterministic == mode
         assert _settings() == (True, warn_only, True, False, CUBLAS_SETTING)
     assert _settings() == before
     rt.close()  # idempotent: restores nothing twice
@@ -71,7 +71,7 @@ def test_determinism_warns_when_cuda_was_initialised_before(clean_settings, monk
 def test_determinism_off_by_default_changes_nothing(clean_settings):
     before = _settings()
     with distkit.Runtime("dp") as rt:
-        assert rt.deterministic is False
+        assert rt.options.deterministic is False
         assert _settings() == before
 
 

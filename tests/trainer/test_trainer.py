@@ -325,7 +325,7 @@ def test_trainer_settings_are_one_frozen_validated_config():
     import dataclasses
     import inspect
 
-    from distkit.trainer._config import TrainerConfig
+    from distkit.trainer._config import RUNTIME_SETTINGS, TrainerConfig
 
     trainer = distkit.Trainer("dp", max_epochs=2, seed=7, progress=False)
     assert isinstance(trainer.config, TrainerConfig)
@@ -348,8 +348,17 @@ def test_trainer_settings_are_one_frozen_validated_config():
         for n, p in params.items()
         if n not in ("strategy", "callbacks", "loggers", "runtime")
     }
-    fields = {f.name: f.default for f in dataclasses.fields(TrainerConfig) if f.init}
-    assert settings == fields
+    fields = {
+        f.name: f.default
+        for f in dataclasses.fields(TrainerConfig)
+        if f.init and f.name != "runtime_options"
+    }
+    runtime = {f.name: f.default for f in dataclasses.fields(distkit.RuntimeOptions) if f.init}
+    # the Runtime's settings are one RuntimeOptions, with the Runtime's defaults; the
+    # Trainer's preempt_signals and requeue are its own (a fit saves in checkpoint_dir)
+    assert settings == fields | {name: runtime[name] for name in RUNTIME_SETTINGS}
+    assert set(fields).isdisjoint(RUNTIME_SETTINGS) and set(runtime) >= RUNTIME_SETTINGS
+    assert trainer.config.runtime_options.seed == 7 and trainer.config.seed == 7
     # what the loop reads is derived once, in the config, and follows a replaced setting
     assert trainer.config.clip is None and trainer.gradient_clip is None
     trainer.config = trainer.config.replace(gradient_clip_norm=0.5)
