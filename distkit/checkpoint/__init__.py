@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from distkit._atomic import TempFile, mtime_ns, write_text
+from distkit._version import __version__
 from distkit.checkpoint import _checkpoint_fields as _fields
 from distkit.checkpoint import _digest, _layout, _shard_files
 from distkit.errors import CheckpointError
@@ -43,6 +44,19 @@ LATEST = "latest"
 #: the record saying the file carries a digest (so one that lost it is refused)
 INTEGRITY = _layout.INTEGRITY
 _PREFIX = "step-"
+
+
+def producer(strategy: str, precision: str, world_size: int, **more: str | None) -> dict[str, Any]:
+    """What made a checkpoint, as its records say it (the Trainer's and the Runtime's alike):
+    the strategy, its precision and world size, distkit's and torch's versions, and ``more``."""
+    return {
+        "strategy": strategy,
+        "precision": precision,
+        "world_size": world_size,
+        **more,
+        "distkit": __version__,
+        "torch": str(torch.__version__),
+    }
 
 
 # ---------------------------------------------------------------------- state conversion

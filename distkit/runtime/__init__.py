@@ -17,12 +17,12 @@ Inside, one concept a module: the set-up models and optimizers (``_set_up``, ``_
 the loop's bookkeeping (``_loop``), what each collective call checks before it starts
 (``_preparation``), ranks that disagree or sit in different calls failing at once
 (``_agreement``, ``_call_tags``), every sample counted once (``_evaluation``), the Runtime's
-checkpoints and weights (``_user_checkpoint``, ``_weights``, ``_saving``), ``torch.compile``,
-activation checkpointing, determinism, seeding and the argument checks.
+checkpoints and weights (``_user_checkpoint``, ``_weights``, ``_rank_zero_write``), its
+settings (``_runtime_options``), ``torch.compile``, activation checkpointing, determinism,
+seeding and the argument checks (``_runtime_arguments``).
 """
 
 from distkit.runtime._agreement import Proposal, describe_model, exchange, named_shapes
-from distkit.runtime._arguments import check_model, check_not_set_up
 from distkit.runtime._call_tags import tagged_sum
 from distkit.runtime._checkpointing import ActivationCheckpointing
 from distkit.runtime._compile import Compiler, check_compile
@@ -31,15 +31,16 @@ from distkit.runtime._compile import plan as compile_plan
 from distkit.runtime._empty import init_empty
 from distkit.runtime._evaluation import LossFn, Metrics, named_metrics
 from distkit.runtime._loader import RuntimeLoader
-from distkit.runtime._options import RuntimeOptions
 from distkit.runtime._port import guarded, loader_spec, renew_topology, require_open
 from distkit.runtime._predict import PredictFn
 from distkit.runtime._prediction_files import read_predictions
 from distkit.runtime._preemption import agreed_stop
 from distkit.runtime._preparation import checked_placement, describe_data, samples_of
 from distkit.runtime._profiler import Profiler, ProfileRun, open_profile, profiler_settings
+from distkit.runtime._rank_zero_write import write_on_rank_zero
 from distkit.runtime._runtime import Runtime
-from distkit.runtime._saving import write_on_rank_zero
+from distkit.runtime._runtime_arguments import check_model, check_not_set_up
+from distkit.runtime._runtime_options import RuntimeOptions
 from distkit.runtime._seeding import seed_generators
 from distkit.runtime._set_up import SetUpModel, SetUpOptimizer, foreign_tensors
 from distkit.runtime._step_result import training_loss

@@ -23,9 +23,9 @@ from distkit.data import MicroBatch
 from distkit.errors import ConfigurationError, TrainerClosedError
 from distkit.faults._progress import Progress
 from distkit.loss import check_count, check_total, mean_of
-from distkit.runtime._arguments import check_loss
 from distkit.runtime._compile import Compiler
 from distkit.runtime._input_check import SameBatchCheck
+from distkit.runtime._runtime_arguments import check_loss
 from distkit.runtime._set_up import SetUpModel, SetUpOptimizer
 from distkit.runtime._setups import SetupCache
 from distkit.runtime._unused import UnusedCheck

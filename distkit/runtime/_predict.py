@@ -29,10 +29,10 @@ from distkit.data._sample_order import counted_batches, sample_order, sample_pos
 from distkit.data._stream_spec import StreamSpec
 from distkit.errors import ConfigurationError
 from distkit.runtime import _agreement
-from distkit.runtime._arguments import check_model
 from distkit.runtime._outputs import batch_to_cpu, split_batch_output
 from distkit.runtime._prediction_files import remove_files, write_file
 from distkit.runtime._preparation import checked_placement, describe_data
+from distkit.runtime._runtime_arguments import check_model
 from distkit.strategies._placement import Placement
 from distkit.strategies.base import Strategy
 

@@ -20,8 +20,8 @@ from distkit.data._stream_spec import StreamSpec
 from distkit.errors import ConfigurationError
 from distkit.metrics import Metric
 from distkit.runtime import _agreement
-from distkit.runtime._arguments import check_model
 from distkit.runtime._evaluation import LossFn, Metrics, named_metrics
+from distkit.runtime._runtime_arguments import check_model
 from distkit.strategies._placement import Placement
 
 if TYPE_CHECKING:

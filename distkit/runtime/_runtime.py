@@ -33,7 +33,6 @@ from distkit.faults._preempt import Preemption
 from distkit.faults._progress import Progress
 from distkit.registry import make_strategy
 from distkit.runtime import _agreement, _weights
-from distkit.runtime._arguments import check_setup_args
 from distkit.runtime._call_tags import tagged_sum
 from distkit.runtime._checkpointing import ActivationCheckpointing
 from distkit.runtime._determinism import Determinism, apply_determinism
@@ -42,11 +41,12 @@ from distkit.runtime._evaluation import EvalStepFn, LossFn, Metrics, as_score, e
 from distkit.runtime._input_check import SameBatchCheck
 from distkit.runtime._loader import RuntimeLoader
 from distkit.runtime._loop import LoopState
-from distkit.runtime._options import RuntimeOptions
 from distkit.runtime._predict import PredictFn, PredictPlan, prepare_predict, run_predict
 from distkit.runtime._preemption import LoopPreemption
 from distkit.runtime._preparation import checked_placement, prepare_evaluate
 from distkit.runtime._profiler import Profiler, ProfileRun, user_profile
+from distkit.runtime._runtime_arguments import check_setup_args
+from distkit.runtime._runtime_options import RuntimeOptions
 from distkit.runtime._script import ScriptGuard, brief_if_uncaught
 from distkit.runtime._seeding import RankSeeding
 from distkit.runtime._set_up import SetUpModel, SetUpOptimizer

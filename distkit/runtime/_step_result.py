@@ -15,7 +15,7 @@ import torch
 
 from distkit.errors import ConfigurationError
 from distkit.loss import Loss
-from distkit.runtime._arguments import check_loss
+from distkit.runtime._runtime_arguments import check_loss
 
 
 def model_loss(result: Any) -> Any:

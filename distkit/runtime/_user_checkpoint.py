@@ -24,13 +24,12 @@ from torch import nn
 
 from distkit import checkpoint as ckpt
 from distkit._validate import check_path
-from distkit._version import __version__
 from distkit.checkpoint import _layout, _shard_files
 from distkit.checkpoint._fits import model_misfits
 from distkit.errors import CheckpointError, ConfigurationError
 from distkit.runtime import _agreement
 from distkit.runtime._loader import RuntimeLoader
-from distkit.runtime._saving import write_on_rank_zero
+from distkit.runtime._rank_zero_write import write_on_rank_zero
 from distkit.runtime._set_up import SetUpModel, SetUpOptimizer
 from distkit.strategies.capabilities import fp32
 
@@ -105,13 +104,9 @@ def save_state(runtime: Runtime, path: str | os.PathLike[str], state: object) ->
         records = {
             "format": ckpt.FORMAT,
             "version": ckpt.VERSION,
-            "producer": {
-                "strategy": strategy.name,
-                "precision": strategy.options.precision,
-                "world_size": strategy.world_size,
-                "distkit": __version__,
-                "torch": str(torch.__version__),
-            },
+            "producer": ckpt.producer(
+                strategy.name, strategy.options.precision, strategy.world_size
+            ),
             "scaler": strategy.precision.state_dict(),
             _layout.KINDS: kinds,
             "ranks": ranks,

@@ -23,7 +23,7 @@ from distkit.checkpoint import _pretrained
 from distkit.checkpoint import _safetensors as st
 from distkit.errors import ConfigurationError
 from distkit.runtime import _agreement
-from distkit.runtime._saving import share_outcome
+from distkit.runtime._rank_zero_write import share_outcome
 from distkit.runtime._set_up import SetUpModel
 from distkit.strategies.base import Strategy
 

@@ -14,7 +14,7 @@ import torch
 
 from distkit.errors import ConfigurationError
 from distkit.strategies.base import Strategy
-from distkit.testing._horovodrun import run_under_horovodrun
+from distkit.testing._horovodrun_ranks import run_under_horovodrun
 from distkit.testing._processes import plain_env, run_on_ranks, torchrun_env
 from distkit.testing._promises import BY_NAME, promise_named
 from distkit.testing._target import StrategyUnderTest

@@ -36,7 +36,7 @@ from distkit.runtime import (
 from distkit.strategies._placement import check_claims
 from distkit.strategies._steps import GradientClip
 from distkit.strategies.base import Strategy
-from distkit.trainer import _resume, _saving
+from distkit.trainer import _checkpoint_save, _resume
 from distkit.trainer._config import Setting, TrainerConfig
 from distkit.trainer._epoch_loop import StopRequest
 from distkit.trainer._fit import train
@@ -526,7 +526,7 @@ class Trainer:
         weights-only).
         """
         self._require_open("save_checkpoint")
-        _saving.save_to(self.strategy, self._run, self.callbacks, path, extra)
+        _checkpoint_save.save_to(self.strategy, self._run, self.callbacks, path, extra)
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, Any]:
         """Load a checkpoint onto this rank's device; the next ``fit`` continues from it.

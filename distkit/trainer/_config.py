@@ -25,7 +25,7 @@ from distkit.faults import _preempt
 from distkit.runtime import Profiler, RuntimeOptions, check_compile, profiler_settings
 from distkit.strategies._placement import input_device_override
 from distkit.strategies._steps import GradientClip
-from distkit.trainer._arguments import check_trainer_arguments
+from distkit.trainer._trainer_arguments import check_trainer_arguments
 
 #: the Trainer's arguments that are the Runtime's settings (``preempt_signals`` and
 #: ``requeue`` are the Trainer's own: a fit's preemption saves in its ``checkpoint_dir``)

@@ -34,7 +34,7 @@ from distkit.runtime import (
     seed_generators,
 )
 from distkit.strategies.base import Strategy
-from distkit.trainer import _resume, _saving
+from distkit.trainer import _checkpoint_save, _resume
 from distkit.trainer._config import TrainerConfig
 from distkit.trainer._epoch_loop import EpochLoop, StopRequest, hyperparams
 from distkit.trainer._fit_call import FitCall
@@ -139,7 +139,7 @@ def _saver(
     """The fit's checkpoint save into ``folder`` (None: the fit saves none)."""
     if folder is None:
         return None
-    return lambda: _saving.save_to_folder(strategy, latest, callbacks, folder)
+    return lambda: _checkpoint_save.save_to_folder(strategy, latest, callbacks, folder)
 
 
 def _first_state(

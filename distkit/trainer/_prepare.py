@@ -32,9 +32,9 @@ from distkit.runtime import (
 )
 from distkit.strategies._placement import Placement
 from distkit.trainer import _resume
-from distkit.trainer._arguments import check_fit_args, check_scheduler, check_validation
 from distkit.trainer._config import TrainerConfig
 from distkit.trainer._fit_call import FitCall
+from distkit.trainer._trainer_arguments import check_fit_args, check_scheduler, check_validation
 
 
 @dataclass(frozen=True)

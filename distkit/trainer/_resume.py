@@ -16,7 +16,6 @@ from torch import nn
 from distkit import checkpoint as ckpt
 from distkit import registry
 from distkit._atomic import mtime_ns
-from distkit._version import __version__
 from distkit.checkpoint import _shard_files
 from distkit.checkpoint._fits import model_misfits
 from distkit.errors import ConfigurationError
@@ -76,16 +75,14 @@ def build_payload(
     return {
         "format": ckpt.FORMAT,
         "version": ckpt.VERSION,
-        "producer": {
-            "strategy": strategy.name,
-            "precision": strategy.options.precision,
-            "world_size": strategy.world_size,
-            "optimizer": type(run.optimizer).__name__,
-            "distkit": __version__,
-            "torch": str(torch.__version__),
+        "producer": ckpt.producer(
+            strategy.name,
+            strategy.options.precision,
+            strategy.world_size,
+            optimizer=type(run.optimizer).__name__,
             # every built-in backend's library (and the strategy's own), named by the classes
             **{lib: _version(lib) for lib in registry.DEFAULT_REGISTRY.libraries(type(strategy))},
-        },
+        ),
         **states,  # model and optimizer (and, when sharded, the shards folder)
         "scaler": scaler,
         "scheduler": run.scheduler.state_dict() if run.scheduler is not None else None,

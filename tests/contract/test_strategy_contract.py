@@ -23,7 +23,7 @@ import torch
 import distkit
 import distkit.testing
 from distkit._imports import is_importable
-from distkit.testing._horovodrun import horovodrun_path
+from distkit.testing._horovodrun_ranks import horovodrun_path
 from tests.support.fakes import use_fake_apex
 
 # `--random-order` keeps this module's order (its module is still shuffled among the others):

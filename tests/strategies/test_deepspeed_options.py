@@ -15,7 +15,7 @@ from distkit.errors import ConfigurationError
 from distkit.launch._env import LaunchEnv
 from distkit.launch.diagnosis import MachineFacts, StrategyReport
 from distkit.strategies.deepspeed import _doctor
-from distkit.strategies.deepspeed._config import engine_config
+from distkit.strategies.deepspeed._engine_config import engine_config
 from tests.support.gates import needs
 
 

@@ -28,8 +28,12 @@ from distkit.strategies._graph import graph_leaves
 from distkit.strategies._steps import GradientClip, StepOutcome
 from distkit.strategies.base import Strategy, Topology
 from distkit.strategies.capabilities import StateIO
-from distkit.strategies.deepspeed import _doctor, _lifecycle, _meta, _shards, _steps
-from distkit.strategies.deepspeed._config import check_known_keys, engine_config, resolve_stage
+from distkit.strategies.deepspeed import _doctor, _engine_step, _lifecycle, _meta, _shards
+from distkit.strategies.deepspeed._engine_config import (
+    check_known_keys,
+    engine_config,
+    resolve_stage,
+)
 from distkit.strategies.deepspeed._state import DeepSpeedStateIO, Engine, load_into_engine
 from distkit.strategies.precision import Precision, float64_parameters
 
@@ -282,7 +286,7 @@ class DeepSpeedStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         reached = graph_leaves(loss)
         others = [record for record in records if record is not mine]
         if any(id(p) in reached for record in others for p in record.params()):
-            raise UnsupportedFeatureError(_steps.CROSSING)
+            raise UnsupportedFeatureError(_engine_step.CROSSING)
         try:
             engine.backward(loss, scale_wrt_gas=False)
         except (IndexError, AssertionError, RuntimeError) as exc:
@@ -290,7 +294,7 @@ class DeepSpeedStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
                 raise  # no other engine ran a forward this loss could have gone through
             # another engine's backward hook ran inside this one (the loss went through its
             # forward with its parameters frozen): DeepSpeed's state is no longer sound
-            why = f"{_steps.CROSSING} ({type(exc).__name__}: {exc})"
+            why = f"{_engine_step.CROSSING} ({type(exc).__name__}: {exc})"
             raise UnsupportedFeatureError(why) from exc
         mine.forwarded = False
 
@@ -310,7 +314,7 @@ class DeepSpeedStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
     def check_step_settings(
         self, *, before_step: bool, clip: GradientClip | None, skip_nonfinite: bool
     ) -> None:
-        why = _steps.refusal(
+        why = _engine_step.refusal(
             before_step=before_step,
             clip=clip,
             skip_nonfinite=skip_nonfinite,
@@ -332,7 +336,7 @@ class DeepSpeedStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         self.check_step_settings(
             before_step=before_step is not None, clip=clip, skip_nonfinite=skip_nonfinite
         )
-        _steps.set_clip(engine, clip.max_norm if clip is not None else None)
+        _engine_step.set_clip(engine, clip.max_norm if clip is not None else None)
         skipped = engine.skipped_steps
         engine.step()
         stepped = engine.skipped_steps == skipped  # fp16: DeepSpeed's scaler skipped it
