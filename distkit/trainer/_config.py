@@ -27,22 +27,14 @@ from distkit.strategies._placement import input_device_override
 from distkit.strategies._steps import GradientClip
 from distkit.trainer._trainer_arguments import check_trainer_arguments
 
-#: the Trainer's arguments that are the Runtime's settings (``preempt_signals`` and
-#: ``requeue`` are the Trainer's own: a fit's preemption saves in its ``checkpoint_dir``)
-RUNTIME_SETTINGS = frozenset(
-    {
-        "precision",
-        "grad_accum_steps",
-        "seed",
-        "sync_batchnorm",
-        "find_unused_parameters",
-        "fault_timeout",
-        "hang_warning",
-        "collective_timeout",
-        "activation_checkpointing",
-        "deterministic",
-    }
-)
+#: the Trainer's arguments that are the Runtime's settings: every field of RuntimeOptions but
+#: ``preempt_signals`` and ``requeue`` (the Trainer's own: a fit's preemption saves in its
+#: ``checkpoint_dir``) and ``same_data_on_every_rank`` (the Trainer shards its data itself)
+RUNTIME_SETTINGS = frozenset(f.name for f in dataclasses.fields(RuntimeOptions) if f.init) - {
+    "preempt_signals",
+    "requeue",
+    "same_data_on_every_rank",
+}
 
 
 @dataclass(frozen=True)
@@ -166,10 +158,7 @@ class Setting(Generic[T]):
     def __get__(self, trainer: object, owner: type | None = None) -> Any:
         if trainer is None:
             return self
-        config: TrainerConfig = trainer.config  # type: ignore[attr-defined]
-        if self.name in RUNTIME_SETTINGS:
-            return getattr(config.runtime_options, self.name)
-        return getattr(config, self.name)
+        return getattr(trainer.config, self.name)  # type: ignore[attr-defined]
 
     def __set__(self, trainer: object, value: T) -> None:
         config: TrainerConfig = trainer.config  # type: ignore[attr-defined]
