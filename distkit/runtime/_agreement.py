@@ -3,9 +3,10 @@
 Ranks whose collectives run out of step hang (or, on gloo, fail later with an error that
 names nothing useful): one resumed from a checkpoint that another cannot see, one has a
 dataset of another length, one called ``save_checkpoint`` under ``if trainer.is_main:``.
-So ``fit``, ``evaluate`` and ``save_checkpoint`` begin with one ``all_gather_object`` of a
-small message per rank: the call it is in, the values that must match (strings), what it
-shares with the others, or the error it met while preparing. Every rank receives the same
+So ``fit``, ``evaluate`` and ``save_checkpoint`` begin with one gather of a small message
+per rank (a tagged sum of the pickles' sizes, then the pickles): the call it is in, the
+values that must match (strings), what it shares with the others, or the error it met while
+preparing. Every rank receives the same
 list and takes the same decision: go on, or raise :class:`RankDisagreementError` naming the
 ranks and their values. A rank's own error before the exchange is part of the exchange too,
 so no rank is left waiting for one that raised.
@@ -14,10 +15,12 @@ so no rank is left waiting for one that raised.
 from __future__ import annotations
 
 import hashlib
+import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+import torch
 from torch import nn
 
 from distkit.errors import RankDisagreementError
@@ -97,10 +100,7 @@ def _gather(strategy: Strategy, mine: Message, error: Exception | None = None) -
     """Every rank's message; raises when this rank failed to prepare (``error``) and others
     did not."""
     try:
-        # first a sum that every collective between fit's steps also is: a rank that is in
-        # one of those instead (it did not make this call) fails here, as this one does
-        _call_tags.tagged_sum(strategy, mine.call)
-        messages: list[Message] = strategy.all_gather_object(mine)
+        messages: list[Message] = _exchange_messages(strategy, mine)
     except RankDisagreementError:
         raise
     except Exception as exc:
@@ -116,6 +116,23 @@ def _gather(strategy: Strategy, mine: Message, error: Exception | None = None) -
             return messages  # every rank failed on its own: each raises its own error
         raise RankDisagreementError(_explain(messages)) from error
     return messages
+
+
+def _exchange_messages(strategy: Strategy, mine: Message) -> list[Message]:
+    """Every rank's message, in two collectives and two host reads: first a sum that every
+    collective between fit's steps also is (a rank in one of those instead, which did not
+    make this call, fails there as this one does), carrying each rank's pickled size in a
+    slot of its own; then one gather of the pickles, padded to the largest."""
+    size, rank = strategy.world_size, strategy.rank
+    payload = pickle.dumps(mine)
+    slots = [0.0] * size
+    slots[rank] = float(len(payload))
+    lengths = [int(n) for n in _call_tags.tagged_sum(strategy, mine.call, slots)]
+    padded = torch.zeros(max(lengths), dtype=torch.uint8)
+    padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    gathered = strategy.all_gather(padded)
+    rows = (gathered if gathered.device.type == "cpu" else gathered.cpu()).numpy()
+    return [pickle.loads(rows[r, :n].tobytes()) for r, n in enumerate(lengths)]
 
 
 def disagreement(messages: Sequence[Message]) -> str | None:

@@ -64,15 +64,16 @@ COLLECTIVE = (
 
 
 def payload_slots(world_size: int) -> int:
-    """The numbers every tagged sum carries besides the tags (the most any call needs: the
-    non-finite check's three per rank)."""
-    return 3 * world_size
+    """The numbers every tagged sum carries besides the tags (the most any call needs: a log
+    point's three with the non-finite check's three per rank)."""
+    return 3 * world_size + 3
 
 
 def tagged_sum(strategy: Strategy, call: str, values: Sequence[float] = ()) -> list[float]:
     """The sum over ranks of ``values`` (host-side numbers), once every rank is in ``call``.
 
-    A collective: one host-side all-reduce of ``4 x world_size`` float64 numbers.
+    A collective: one host-side all-reduce of ``4 x world_size + 3`` float64 numbers (on one
+    rank, none: ``values`` come back as they are).
 
     Raises:
         RankDisagreementError: on every rank, when some rank is in another call.
@@ -81,6 +82,8 @@ def tagged_sum(strategy: Strategy, call: str, values: Sequence[float] = ()) -> l
     slots = payload_slots(size)
     if len(values) > slots:
         raise ValueError(f"{len(values)} values in a tagged sum: at most {slots}")
+    if size == 1:  # one rank: the sum is its own numbers, and no other rank can differ
+        return [float(v) for v in values]
     vector = torch.zeros(slots + size, dtype=torch.float64)
     vector[: len(values)] = torch.tensor([float(v) for v in values], dtype=torch.float64)
     vector[slots + rank] = _CODES[call]

@@ -104,7 +104,9 @@ class Collectives:
                 f"all_reduce_async sums host-side numbers; got a tensor on {tensor.device}. "
                 "Pass a CPU tensor (use all_reduce for device tensors)"
             )
-        return DoneSum(self.all_reduce(tensor, op="sum").cpu())
+        total = self.all_reduce(tensor, op="sum")
+        # a backend that summed on its device hands back a device tensor: home it once
+        return DoneSum(total if total.device.type == "cpu" else total.cpu())
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """``obj`` as rank ``src`` holds it, on every rank (any picklable object)."""

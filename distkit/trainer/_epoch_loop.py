@@ -109,11 +109,12 @@ class EpochLoop:
         logs = self._step_logs(state, result)
         self.callbacks.call("on_train_step_end", self.owner, logs)
         stop = self._agree_stop() if self._stop_each_step else False
-        if self.window.due(step):
-            self._check_losses()
+        if self.window.due(step):  # a check point: its non-finite check rides in the gather
+            loop = self.loop
             loss, any_stop = self.window.gather(
-                self.loop.losses.take_window(), stop=self.stop.requested
+                loop.losses, loop.watch, step, stop=self.stop.requested
             )
+            loop.optimizer.check_items()  # token-exact losses: a step over no items
             row = {"train_loss": loss, "lr": logs["lr"], "epoch": state.epoch}
             if "grad_norm" in logs:
                 row["grad_norm"] = logs["grad_norm"]

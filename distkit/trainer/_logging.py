@@ -23,6 +23,8 @@ from distkit.loggers import Logger
 from distkit.loggers._base import as_number, as_numbers
 from distkit.runtime import tagged_sum
 from distkit.strategies.base import Strategy
+from distkit.trainer._losses import LossLedger
+from distkit.trainer._nonfinite import NonFiniteWatch
 
 
 class StepLogs(Mapping[str, Any]):
@@ -221,16 +223,26 @@ class LogWindow:
     def due(self, step: int) -> bool:
         return step % self.every == 0
 
-    def gather(self, loss_sum: torch.Tensor, *, stop: bool) -> tuple[float, bool]:
+    def gather(
+        self, ledger: LossLedger, watch: NonFiniteWatch, now: int, *, stop: bool
+    ) -> tuple[float, bool]:
         """(mean training loss over every rank's samples since the last log point, whether
-        any rank wants to stop): one all-reduce and one host synchronisation.
+        any rank wants to stop), with ``watch``'s non-finite check (``nonfinite="raise"``)
+        riding in the same sum: one host read (:meth:`LossLedger.read_window`) and one
+        all-reduce (none on one rank). ``now`` is the global step.
 
-        ``loss_sum`` is this rank's loss x samples over the window (a device scalar).
+        Raises:
+            NonFiniteLossError: on every rank, when a rank noted a non-finite loss.
         """
-        # the one host read of the window; then a host-side sum, tagged (see _call_tags)
-        mine = [float(loss_sum.to(torch.float64)), float(self._samples), float(stop)]
-        total, samples, stops = tagged_sum(self.strategy, "log", mine)
+        size, rank = self.strategy.world_size, self.strategy.rank
+        total, samples, found = ledger.read_window(self._samples)
         self._samples = 0
+        check = watch.payload(found, size, rank) if watch.due(now) else []
+        # a host-side sum, tagged (see _call_tags)
+        summed = tagged_sum(self.strategy, "log", [total, samples, float(stop), *check])
+        if check:
+            watch.verdict(summed[3:], now)
+        total, samples, stops = summed[:3]
         return (total / samples if samples else float("nan")), stops > 0
 
 

@@ -9,7 +9,7 @@ total (``FitState.loss_sum``), into the log window's total, and into the non-fin
 that ``nonfinite="raise"`` reads. The trainer folds at its check points (log points,
 validations, checkpoints, the end of an epoch or of ``fit``) and every ``FOLD_EVERY``
 losses, which bounds what is kept. Nothing here reads a device value on the host except
-:meth:`LossLedger.first_nonfinite`.
+:meth:`LossLedger.first_nonfinite` and :meth:`LossLedger.read_window`.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 FOLD_EVERY = 512
 
 Where = tuple[int, int]  # (epoch, global step) of a noted loss
+Found = tuple[int, int, str]  # (epoch, step, "nan" | "inf" | "-inf") of the first bad loss
 
 
 class LossLedger:
@@ -50,12 +51,6 @@ class LossLedger:
         self.epoch_sum = torch.tensor(loss_sum, dtype=torch.float64, device=self.epoch_sum.device)
         return self.epoch_sum
 
-    def take_window(self) -> torch.Tensor:
-        """The window's total (everything noted folded in), and a new window from zero."""
-        self.fold()
-        total, self.window_sum = self.window_sum, torch.zeros_like(self.window_sum)
-        return total
-
     def add_step(
         self, losses: list[torch.Tensor], counts: list[int | torch.Tensor], epoch: int, step: int
     ) -> None:
@@ -79,20 +74,35 @@ class LossLedger:
             self._folded.append((values, self._where))
         self._losses, self._counts, self._where = [], [], []
 
-    def first_nonfinite(self) -> tuple[int, int, str] | None:
+    def first_nonfinite(self) -> Found | None:
         """``(epoch, step, "nan" | "inf" | "-inf")`` of the first non-finite loss noted since
         the last call (None: all finite): folds, then one host read of the losses."""
         self.fold()
         folded, self._folded = self._folded, []
         if not folded:
             return None
-        values = torch.cat([v for v, _ in folded]).tolist()
-        first = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
-        if first is None:
-            return None
-        epoch, step = [w for _, ws in folded for w in ws][first]
-        value = values[first]
-        return epoch, step, "nan" if math.isnan(value) else "inf" if value > 0 else "-inf"
+        return _first_bad(torch.cat([v for v, _ in folded]).tolist(), folded)
+
+    def read_window(self, samples: int | torch.Tensor) -> tuple[float, float, Found | None]:
+        """A log point's numbers in one host read: the window's total (then a new window
+        from zero), ``samples`` (the window's count, a number or a device tensor) as a number,
+        and :meth:`first_nonfinite`'s answer."""
+        self.fold()
+        total, self.window_sum = self.window_sum, torch.zeros_like(self.window_sum)
+        folded, self._folded = self._folded, []
+        count = torch.as_tensor(samples, dtype=torch.float64, device=total.device).view(1)
+        values = torch.cat([total.view(1), count, *[v for v, _ in folded]]).tolist()
+        return values[0], values[1], _first_bad(values[2:], folded) if folded else None
+
+
+def _first_bad(values: list[float], folded: list[tuple[torch.Tensor, list[Where]]]) -> Found | None:
+    """The first non-finite of ``values`` (the folded losses, read) and where it was noted."""
+    first = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
+    if first is None:
+        return None
+    epoch, step = [w for _, ws in folded for w in ws][first]
+    value = values[first]
+    return epoch, step, "nan" if math.isnan(value) else "inf" if value > 0 else "-inf"
 
 
 def step_mean(

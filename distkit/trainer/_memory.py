@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import re
 import sys
+from collections.abc import Sequence
 
 import torch
 
@@ -52,18 +53,21 @@ def peak_mib(device: torch.device) -> list[float]:
     return [_peak_rss_bytes() / _MIB, 0.0]
 
 
-def memory_record(per_rank: torch.Tensor, device: torch.device) -> dict[str, float]:
+def memory_record(
+    per_rank: torch.Tensor | Sequence[Sequence[float]], device: torch.device
+) -> dict[str, float]:
     """The epoch record's entries from one :func:`peak_mib` row per rank: the largest peak
     and its rank, the smallest, and (CUDA) the largest reserved."""
-    peaks = per_rank[:, 0]
-    rank = int(peaks.argmax())  # the first of equal peaks
+    rows = per_rank.tolist() if isinstance(per_rank, torch.Tensor) else per_rank
+    peaks = [row[0] for row in rows]
+    rank = peaks.index(max(peaks))  # the first of equal peaks
     record = {
         "peak_mem_mib": float(peaks[rank]),
         "peak_mem_rank": rank,
-        "peak_mem_min_mib": float(peaks.min()),
+        "peak_mem_min_mib": float(min(peaks)),
     }
     if device.type == "cuda":
-        record["peak_reserved_mib"] = float(per_rank[:, 1].max())
+        record["peak_reserved_mib"] = float(max(row[1] for row in rows))
     return record
 
 

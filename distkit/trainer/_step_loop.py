@@ -282,22 +282,23 @@ class StepLoop:
             dtype=torch.float64,
         )
         # one collective for the loss sums, the probe, every rank's memory and timing
-        per_rank = self.strategy.all_gather(torch.cat([mine, phases]))
-        totals = per_rank[:, :3].sum(dim=0)
+        # one host read of what every rank sent; the rest is arithmetic on numbers
+        per_rank = self.strategy.all_gather(torch.cat([mine, phases])).tolist()
+        loss_sum, samples, skipped = (sum(row[i] for row in per_rank) for i in range(3))
         self.timing = EpochTiming.from_ranks(
-            per_rank[:, 7:],
+            [row[7:] for row in per_rank],
             timer.samples,
-            comm_ms=float(per_rank[:, 3].mean()),  # like the phases: the mean over ranks
+            comm_ms=sum(row[3] for row in per_rank) / len(per_rank),  # the mean, as the phases
             comm_mb=numel * dtype.itemsize / 1e6,
             # local ranks count from 0 on each node: the processes sharing a node's cores
-            local_processes=int(per_rank[:, 6].max()) + 1,
+            local_processes=int(max(row[6] for row in per_rank)) + 1,
         )
         return {
             "epoch": state.epoch,
-            "train_loss": (totals[0] / totals[1]).item(),
+            "train_loss": loss_sum / samples if samples else float("nan"),
             # every rank skips the same steps
-            "skipped_steps": int(totals[2].item()) // self.strategy.world_size,
-            **_memory.memory_record(per_rank[:, 4:6], self.strategy.device),
+            "skipped_steps": int(skipped) // self.strategy.world_size,
+            **_memory.memory_record([row[4:6] for row in per_rank], self.strategy.device),
             **self.timing.as_record(),
         }
 

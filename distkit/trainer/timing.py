@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -139,7 +140,7 @@ class EpochTiming:
     @classmethod
     def from_ranks(
         cls,
-        per_rank: torch.Tensor,
+        per_rank: torch.Tensor | Sequence[Sequence[float]],
         global_samples: int,
         *,
         comm_ms: float = 0.0,
@@ -149,21 +150,22 @@ class EpochTiming:
         """``per_rank``: one :meth:`StepTimer.summary` row per rank; ``comm_ms``: the
         gradients' all-reduce time (:func:`distkit.trainer._comm_probe.allreduce_ms`), ``comm_mb``
         their size; ``local_processes``: how many training processes share rank 0's node."""
-        steps = max(float(per_rank[0, -1]), 1.0)
-        mean = per_rank.mean(dim=0)
-        step_ms = {p: float(mean[i]) * 1000.0 / steps for i, p in enumerate(PHASES)}
+        rows = per_rank.tolist() if isinstance(per_rank, torch.Tensor) else per_rank  # one read
+        steps = max(rows[0][-1], 1.0)
+        mean = [sum(column) / len(rows) for column in zip(*rows, strict=True)]
+        step_ms = {p: mean[i] * 1000.0 / steps for i, p in enumerate(PHASES)}
         step_ms["step"] = sum(step_ms[p] for p in PHASES)
-        work = per_rank[:, 0] + per_rank[:, 1]
-        slowest = int(work.argmax())
-        straggler = float(work.max() / work.min()) if float(work.min()) > 0 else 1.0
-        wall = float(per_rank[:, -2].max())
+        work = [row[0] + row[1] for row in rows]
+        slowest = work.index(max(work))  # the first of equals
+        straggler = max(work) / min(work) if min(work) > 0 else 1.0
+        wall = max(row[-2] for row in rows)
         return cls(
             step_ms=step_ms,
             samples_per_s=global_samples / wall if wall > 0 else 0.0,
             straggler=straggler,
             slowest_rank=slowest,
             data_share=step_ms["data"] / step_ms["step"] if step_ms["step"] > 0 else 0.0,
-            world_size=int(per_rank.shape[0]),
+            world_size=len(rows),
             comm_ms=comm_ms,
             # the all-reduce is inside the step: a share of 1 or more says the probe, run
             # alone, does not measure what the step pays (a step of a few ms), and no

@@ -143,3 +143,23 @@ def test_tagged_sum_is_one_rank_a_plain_sum():
 
     trainer = distkit.Trainer("dp", progress=False)
     assert tagged_sum(trainer.strategy, "stop", [1.0, 2.0]) == [1.0, 2.0]
+
+
+def test_call_tags_one_rank_sums_nothing_and_gets_its_own_numbers(monkeypatch):
+    """In a world of one no rank can be in another call: the tagged sum hands the numbers
+    back without a collective (and without a host read)."""
+    from distkit.runtime import tagged_sum
+
+    runtime = distkit.Runtime(strategy="dp")
+    try:
+        strategy = runtime.strategy
+
+        def no_sum(*args: Any, **kwargs: Any) -> Any:
+            raise AssertionError("a world of one summed")
+
+        monkeypatch.setattr(type(strategy), "all_reduce_async", no_sum)
+        assert tagged_sum(strategy, "log", [1.5, 2, 0]) == [1.5, 2.0, 0.0]
+        with pytest.raises(ValueError, match="at most"):
+            tagged_sum(strategy, "log", [0.0] * 7)
+    finally:
+        runtime.close()

@@ -11,6 +11,7 @@ every backend (in-process for dp, on real gloo / horovodrun processes for the ot
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -68,10 +69,13 @@ def _token_step(model: torch.nn.Module, batch: Any) -> distkit.Loss:
     return distkit.Loss(total, (y >= 0).sum())
 
 
-def syncs_per_step(strategy: str, *, token_exact: bool = False, **settings: Any) -> list[list[str]]:
+def syncs_per_step(
+    strategy: Any, *, token_exact: bool = False, samples_per_rank: int = 64, **settings: Any
+) -> list[list[str]]:
     """Fit a small MLP with ``strategy`` and return the host reads filed by step.
 
-    ``settings`` go to the Trainer (batch_size 4, one epoch of 64 samples unless given).
+    ``settings`` go to the Trainer (batch_size 4, one epoch of ``samples_per_rank`` samples
+    per rank unless given).
     Element 0 is set-up before the first step; element k (k >= 1) is what happened after
     step k ended until step k+1 ended (a log point's reads after step k land there).
     """
@@ -81,7 +85,7 @@ def syncs_per_step(strategy: str, *, token_exact: bool = False, **settings: Any)
     trainer = distkit.Trainer(strategy, callbacks=[spans], **options)
     model = make_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    data = make_dataset(64 * trainer.world_size)
+    data = make_dataset(samples_per_rank * trainer.world_size)
     with counting(spans):
         if token_exact:
             trainer.fit(model, optimizer, data, step_fn=_token_step)
@@ -99,3 +103,37 @@ def steady_syncs(spans: list[list[str]], log_every: int) -> dict[int, list[str]]
     """
     last = len(spans) - 1
     return {k: spans[k] for k in range(1, last) if k % log_every != 0 and spans[k]}
+
+
+def may_stop_sums() -> tuple[list[str], list[list[str]]]:
+    """A 16-step dp/ddp fit (by world size) with a callback that may stop after any step: the
+    device of every tensor the strategy's host-side sums got, and the host reads by step."""
+    sums: list[str] = []
+
+    def spy(self: distkit.Strategy, tensor: torch.Tensor, *, name: str) -> Any:
+        sums.append(tensor.device.type)
+        return real(self, tensor, name=name)
+
+    class MayStop(StepSpans):
+        stops_training = True
+
+    spans = MayStop()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    trainer = distkit.Trainer("ddp" if world > 1 else "dp", batch_size=4, max_epochs=1,
+                              progress=False, callbacks=[spans])  # fmt: skip
+    model = torch.nn.Linear(6, 3)
+    generator = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(64 * world, 6, generator=generator),
+        torch.randint(0, 3, (64 * world,), generator=generator),
+    )
+    backend = type(trainer.strategy)  # its own sum (torch.distributed's: on a gloo group)
+    real = backend.all_reduce_async
+    backend.all_reduce_async = spy  # type: ignore[method-assign]
+    try:
+        with counting(spans):
+            trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
+                        loss_fn=torch.nn.functional.cross_entropy)  # fmt: skip
+    finally:
+        backend.all_reduce_async = real  # type: ignore[method-assign]
+    return sums, spans.spans

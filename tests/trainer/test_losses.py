@@ -30,8 +30,9 @@ def test_losses_fold_sums_loss_times_count_in_float64():
     assert float(ledger.epoch_sum) == 0.0  # nothing is summed before a fold
     ledger.fold()
     assert abs(float(ledger.epoch_sum) - expected) < 1e-12
-    assert abs(float(ledger.take_window()) - expected) < 1e-12
-    assert float(ledger.take_window()) == 0.0  # a new window starts from zero
+    total, samples, found = ledger.read_window(17)
+    assert abs(total - expected) < 1e-12 and (samples, found) == (17.0, None)
+    assert ledger.read_window(0) == (0.0, 0.0, None)  # a new window starts from zero
     assert ledger.first_nonfinite() is None
 
 
@@ -63,6 +64,27 @@ def test_losses_first_nonfinite_names_the_first_bad_step_across_folds():
     ledger.add_step([torch.tensor(float("nan"))], [2], epoch=3, step=9)
     assert ledger.first_nonfinite() == (3, 8, "-inf")
     assert ledger.first_nonfinite() is None  # read once; the next check starts afresh
+
+
+def test_losses_read_window_reads_the_host_once_for_total_count_and_bad_step():
+    """A log point's numbers (the window's total, a device count, the first non-finite loss)
+    come from one host read: the counter sees one tolist and nothing else."""
+    from tests.support.host_syncs import StepSpans, counting
+
+    ledger = _ledger()
+    ledger.add_step([torch.tensor(1.0), torch.tensor(2.0)], [2, 2], epoch=0, step=0)
+    ledger.add_step([torch.tensor(float("inf"))], [1], epoch=0, step=1)
+    spans = StepSpans()
+    with counting(spans):
+        total, samples, found = ledger.read_window(torch.tensor(5))
+    assert [read.split(" at ")[0] for read in spans.spans[0]] == ["tolist"]
+    assert total == math.inf and samples == 5.0 and found == (0, 1, "inf")
+    assert ledger.read_window(0) == (0.0, 0.0, None)
+    # without the watch nothing is kept to scan, and the total is still read
+    quiet = _ledger(watch=False)
+    quiet.add_step([torch.tensor(float("nan"))], [3], epoch=0, step=0)
+    total, samples, found = quiet.read_window(3)
+    assert math.isnan(total) and samples == 3.0 and found is None
 
 
 def test_losses_step_mean_is_the_step_loss_over_its_samples():

@@ -203,8 +203,9 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
             _broadcast_module(model)  # every rank starts from rank 0's weights, as under DDP
         originals = dict(model.named_parameters())
         kwargs: dict[str, Any] = {"reshard_after_forward": self.reshard_after_forward}
-        if self._mesh is not None:
-            kwargs["mesh"] = self._mesh  # HSDP: shard inside a group, replicate across
+        # HSDP: shard inside a group, replicate across; else one mesh over the world for
+        # every unit (fully_shard without one builds a mesh of its own per call)
+        kwargs["mesh"] = self._mesh if self._mesh is not None else _world_mesh(self.device)
         if self.mp_policy is not None:
             kwargs["mp_policy"] = self.mp_policy
         elif self.options.precision == "bf16":  # bf16 compute, fp32 reduction and output
@@ -397,3 +398,10 @@ def _check_fully_shard_keywords(given: dict[str, Any]) -> None:
                 f"takes {name!r}.{hint} FSDPStrategy takes {', '.join(own)}, and passes on to "
                 f"fully_shard: {', '.join(n for n in taken if n != 'mesh')}"
             )
+
+
+def _world_mesh(device: torch.device) -> Any:
+    """The 1-D DeviceMesh of every rank that FSDP shards over without HSDP."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (torch.distributed.get_world_size(),))
