@@ -78,6 +78,7 @@ class Context:
     data: TensorDataset
     model: str = "cnn"  # or "tiny", "resnet"
     precision: str = "32"  # or "bf16", "fp16": autocast, each framework its own way
+    counter: CallCounter | None = None  # counts Python calls between stamps (one epoch)
 
     def make_model(self) -> nn.Module:
         if self.model == "tiny":  # a step is then mostly the framework's own per-step work
@@ -98,9 +99,38 @@ class Context:
         if self.cuda:  # host time only sees kernel launches: wait for the previous step
             torch.cuda.synchronize()
         stamps.append((time.perf_counter(), time.process_time()))
+        if self.counter is not None:
+            self.counter.mark()
 
     def optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+
+
+class CallCounter:
+    """The Python calls (functions and builtins) on the training thread between a
+    framework's step stamps: how much per-step Python it runs, a count a noisy machine
+    cannot blur as it blurs times. Counted in one extra epoch after the timed rounds (the
+    count slows the steps down); the epoch's set-up is outside it, as in the times."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.marks: list[int] = []
+
+    def _count(self, frame: Any, event: str, arg: Any) -> None:
+        if event == "call" or event == "c_call":
+            self.calls += 1
+
+    def mark(self) -> None:
+        if not self.marks:
+            sys.setprofile(self._count)
+        self.marks.append(self.calls)
+
+    def stop(self) -> float | None:
+        """Calls per step (None: fewer than two stamps)."""
+        sys.setprofile(None)
+        if len(self.marks) < 2:
+            return None
+        return (self.marks[-1] - self.marks[0]) / (len(self.marks) - 1)
 
 
 def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -417,6 +447,19 @@ def measure(ctx: Context, names: list[str], rounds: int) -> dict[str, dict[str, 
                 wall[name] += steps
                 cpu[name] += [(b[1] - a[1]) * 1e3 for a, b in pairs]
                 round_medians[name].append(statistics.median(steps))
+    calls: dict[str, float | None] = {}
+    for name, runner in runners.items():  # then one epoch each with its calls counted
+        if name in results:
+            continue
+        ctx.counter = CallCounter()
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                runner.epoch(rounds + 1)
+        except Exception as exc:
+            results[name] = failure(exc)
+        finally:
+            calls[name] = ctx.counter.stop()
+            ctx.counter = None
     for name, runner in runners.items():
         with contextlib.suppress(Exception):
             if hasattr(runner, "close"):
@@ -434,6 +477,7 @@ def measure(ctx: Context, names: list[str], rounds: int) -> dict[str, dict[str, 
             "q1_ms": q1,
             "q3_ms": q3,
             "cpu_ms_per_step": statistics.median(cpu[name]),
+            "calls_per_step": calls.get(name),
             "steps_timed": len(wall[name]),
             "round_medians_ms": round_medians[name],
         }
@@ -541,7 +585,7 @@ def print_table(key: str, block: dict[str, Any]) -> None:
     print(f"\n{key}: {block['processes']} process(es), {block['model']} model{mixed}, batch "
           f"{block['batch_size_per_process']} per process, one thread each")  # fmt: skip
     print(f"{'framework':<12}{'ms/step':>8}{'vs hand':>9}{'by round':>20}{'cpu vs hand':>12}"
-          f"{'samples/s':>11}{'steps':>7}  how")  # fmt: skip
+          f"{'calls/step':>11}{'samples/s':>11}{'steps':>7}  how")  # fmt: skip
     for name, r in results.items():
         if r["status"] != "ok":
             print(f"{name:<12}{r['detail']}")
@@ -551,15 +595,18 @@ def print_table(key: str, block: dict[str, Any]) -> None:
         if name != "hand" and r.get("round_ratios"):
             rounds = r["round_ratios"]
             by_round = f"{r['round_ratio_median']:.3f} [{min(rounds):.2f}-{max(rounds):.2f}]"
+        calls = r.get("calls_per_step")
+        calls = "-" if calls is None else f"{calls:.0f}"
         print(
             f"{name:<12}{r['ms_per_step']:>8.2f}{ratio:>9}{by_round:>20}{cpu_ratio:>12}"
-            f"{r['samples_per_s']:>11,.0f}{r['steps_timed']:>7}  {r['how']}"
+            f"{calls:>11}{r['samples_per_s']:>11,.0f}{r['steps_timed']:>7}  {r['how']}"
         )
     print(
         "ms/step: median wall time from one forward to the next, over all timed rounds;\n"
         "vs hand: that median / the hand loop's; by round: the median [lowest-highest] of the\n"
         "per-round ratios (each against the hand loop's same round: a wide range = a noisy\n"
-        "machine); cpu vs hand: the same with this process's CPU time instead of wall time"
+        "machine); cpu vs hand: the same with this process's CPU time instead of wall time;\n"
+        "calls/step: Python calls on the training thread per step, in one more epoch (exact)"
     )
 
 

@@ -10,9 +10,13 @@ import torch
 
 from distkit.errors import ConfigurationError
 
+_CPU = torch.device("cpu")
+
 
 def to_device(batch: Any, device: torch.device) -> Any:
     """``batch`` with every tensor inside (tuples, lists, dicts) moved to ``device``."""
+    if device == _CPU and _on_cpu(batch):
+        return batch  # what .to("cpu") would give back: the same tensors (every CPU step)
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=device.type == "cuda")
     # tuples and lists before the mappings: most batches are, and those checks are ABCs'
@@ -28,6 +32,20 @@ def to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, Mapping):
         return {k: to_device(v, device) for k, v in batch.items()}
     return batch
+
+
+def _on_cpu(batch: Any) -> bool:
+    """Whether ``batch`` is a CPU tensor or a tuple / list of them (one type check each:
+    the batches of a CPU step, read without moving anything)."""
+    kind = type(batch)
+    if kind is torch.Tensor:
+        return bool(batch.is_cpu)
+    if kind is not tuple and kind is not list:
+        return False
+    for value in batch:  # noqa: SIM110 (a loop, not all(...): its generator costs more)
+        if type(value) is not torch.Tensor or not value.is_cpu:
+            return False
+    return True
 
 
 def split_batch(batch: Any) -> tuple[Any, torch.Tensor]:

@@ -110,6 +110,7 @@ def test_peers_runs_distkit_and_the_hand_loop_on_1_and_2_processes(tmp_path: Pat
             assert entry["status"] == "ok", entry
             assert entry["ratio"] > 0 and entry["samples_per_s"] > 0
             assert entry["steps_timed"] == 5  # 6 steps: 5 forward-to-forward intervals
+            assert entry["calls_per_step"] > 10  # counted in one more epoch
         assert block["frameworks"]["hand"]["ratio"] == 1.0
     assert "distkit" in proc.stdout and "vs hand" in proc.stdout
 

@@ -197,7 +197,8 @@ class LoopState:
         count: int | torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``rt.backward``'s work (see :meth:`distkit.Runtime.backward`)."""
-        if not self.modules and self.fit is None:
+        # (the optimizers' dict first: a weak dictionary's len is a Python call per backward)
+        if not self.owners and not self.modules and self.fit is None:
             raise ConfigurationError(
                 "rt.backward(loss) before rt.setup(model, optimizer): set the model up first, "
                 "so that its gradients are synchronised over the ranks"
@@ -263,7 +264,8 @@ class LoopState:
         self.backwards += 1
         if micro is None or micro.last_in_step:
             self.strategy.backward(loss if weight == 1.0 else loss * weight, optimizer)
-            self.unused.after_backward(self._ddp_models())
+            if self.unused.looking:  # the loop's first backwards only
+                self.unused.after_backward(self._ddp_models())
             return returned
         with contextlib.ExitStack() as stack:  # mid-window: no gradient synchronisation
             for set_up in self.models():

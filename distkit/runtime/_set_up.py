@@ -345,7 +345,8 @@ class SetUpOptimizer(torch.optim.Optimizer):
             outcome, norm = self._strategy.step(
                 self._inner, clip=clip, skip_nonfinite=skip_nonfinite, before_step=before_step
             )
-        self.last_outcome, self.last_grad_norm = outcome, norm
+        own = self.__dict__  # (written directly: this class's __setattr__ routes names)
+        own["last_outcome"], own["last_grad_norm"] = outcome, norm
         if self._inner is not self.optimizer:
             # torch's LR schedulers watch the user's optimizer's step (see mark_stepped)
             self.optimizer._opt_called = True  # type: ignore[attr-defined]
@@ -389,7 +390,7 @@ class SetUpOptimizer(torch.optim.Optimizer):
         wrong one at some world sizes only."""
         done = self._backwards()
         if done != self._backwards_at_step:
-            self._backwards_at_step = done
+            self.__dict__["_backwards_at_step"] = done  # (see step_now)
             return
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         if any(p.grad is not None for p in params):

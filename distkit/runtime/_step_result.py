@@ -31,6 +31,9 @@ def model_loss(result: Any) -> Any:
 def training_loss(result: Any, source: str) -> tuple[torch.Tensor, int | torch.Tensor | None]:
     """``(loss, count)``: a token-exact total and its count, or a mean loss and None;
     checked as a loss to backpropagate (a tensor reaching the model)."""
+    if type(result) is torch.Tensor:  # the usual batch-mean loss: no other kind to look for
+        check_loss(result, source)
+        return result, None
     result = model_loss(result)
     if isinstance(result, Loss):
         check_loss(result.total, f"{source} (its Loss.total)")

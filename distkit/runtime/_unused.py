@@ -46,6 +46,11 @@ class UnusedCheck:
         self._done: set[int] = set()  # ids of the models found complete
         self._looks = 0
 
+    @property
+    def looking(self) -> bool:
+        """Whether the next synchronising backward is still looked at (the first few)."""
+        return self._looks < LOOKS
+
     def after_backward(self, models: Iterable[tuple[nn.Module, nn.Module, str]]) -> None:
         """``models``: each set-up model's ``(wrapped, module, owner)``, where ``owner`` is
         how the message spells the argument's home (``"distkit.Runtime"``)."""

@@ -70,6 +70,9 @@ class EpochLoop:
     _validated_at: int | None = None  # the global step of the latest validation
     _last_validation: dict[str, float] = field(default_factory=dict)
     _stop_each_step: bool = False  # callbacks.stop_each_step, read once (run)
+    #: whether a callback overrides on_train_step_end, read once (run): else no step's
+    #: logs are made, and only log points read the learning rate
+    _steps_read: bool = True
     _saved_at: int | None = None  # the global step of the newest checkpoint in the folder
 
     @property
@@ -90,6 +93,7 @@ class EpochLoop:
         state = self.state
         self._stop_each_step = self.callbacks.stop_each_step
         self.callbacks.call("on_fit_start", self.owner)
+        self._steps_read = bool(self.callbacks.overriding("on_train_step_end"))
         while state.epoch < self.config.max_epochs and not self._steps_done():
             end = self.loop.run_epoch(state, self._after_step)
             # a stop on the epoch's last step (max_steps, should_stop) still closes the epoch:
@@ -106,8 +110,8 @@ class EpochLoop:
         config = self.config
         step = state.global_step
         self.window.add(result.items)
-        logs = self._step_logs(state, result)
-        self.callbacks.call("on_train_step_end", self.owner, logs)
+        if self._steps_read:
+            self.callbacks.call("on_train_step_end", self.owner, self._step_logs(state, result))
         stop = self._agree_stop() if self._stop_each_step else False
         if self.window.due(step):  # a check point: its non-finite check rides in the gather
             loop = self.loop
@@ -115,9 +119,13 @@ class EpochLoop:
                 loop.losses, loop.watch, step, stop=self.stop.requested
             )
             loop.optimizer.check_items()  # token-exact losses: a step over no items
-            row = {"train_loss": loss, "lr": logs["lr"], "epoch": state.epoch}
-            if "grad_norm" in logs:
-                row["grad_norm"] = logs["grad_norm"]
+            row: dict[str, Any] = {
+                "train_loss": loss,
+                "lr": _lr(loop.optimizer.optimizer),
+                "epoch": state.epoch,
+            }
+            if result.grad_norm is not None:
+                row["grad_norm"] = result.grad_norm
             self.sink.log(row, step)
             stop = stop or any_stop
             self.stop.requested = self.stop.requested or any_stop

@@ -108,6 +108,8 @@ class LogSink:
 
     def flush(self) -> None:
         """Write the pending row to every logger."""
+        if self._step is None:  # nothing pending (most steps: called after each)
+            return
         _raise_first([self._write_row(failing=False)])
 
     def hyperparams(self, params: Mapping[str, Any]) -> None:

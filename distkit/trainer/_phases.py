@@ -28,17 +28,18 @@ class Ranges(Protocol):
 class Phases:
     """The phase a step is in, told to the watchdog, the timer and the profiler at once."""
 
-    __slots__ = ("_current", "_progress", "_ranges", "_timer")
+    __slots__ = ("_current", "_mark", "_progress", "_ranges")
 
     def __init__(self, progress: Progress, timer: StepTimer, ranges: Ranges | None) -> None:
-        self._progress, self._timer, self._ranges = progress, timer, ranges
+        self._progress, self._ranges = progress, ranges
+        self._mark = timer.mark  # bound once: called a few times per step
         self._current: str | None = None
 
     def enter(self, phase: str) -> None:
         """Start ``phase``: the time since the timer's last mark goes to the phase left (none
         after :meth:`leave`), the watchdog reads ``phase``, its profiler range opens."""
         if self._current is not None:
-            self._timer.mark(self._current)
+            self._mark(self._current)
         self._progress.phase = phase
         if self._ranges is not None:
             self._ranges.begin(phase)
@@ -50,7 +51,7 @@ class Phases:
         callbacks and checkpoints: ``"other"``)."""
         name = timed if timed is not None else self._current
         if name is not None:
-            self._timer.mark(name)
+            self._mark(name)
         if self._ranges is not None:
             self._ranges.end()
         self._current = None

@@ -6,7 +6,7 @@ import contextlib
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from tqdm.auto import tqdm
@@ -59,9 +59,9 @@ class StepLoopSettings:
     clip: GradientClip | None = None  # clip the averaged, unscaled gradients before a step
 
 
-@dataclass(frozen=True)
-class StepResult:
-    """What one optimizer step did, as this rank saw it (device values stay on the device)."""
+class StepResult(NamedTuple):
+    """What one optimizer step did, as this rank saw it (device values stay on the device).
+    (A named tuple: one is made per step, at a tuple's cost.)"""
 
     losses: list[torch.Tensor]  # the batch-mean losses of its counted micro-batches
     #: what each mean is over: their real samples (this rank's), or a token-exact loss's items
@@ -74,15 +74,18 @@ class StepResult:
     grad_norm: torch.Tensor | None  # total norm of the averaged gradients before clipping
 
 
-@dataclass
 class _StepSums:
-    """One optimizer step's counted micro-batches, as :class:`StepResult` reports them."""
+    """One optimizer step's counted micro-batches, as :class:`StepResult` reports them
+    (a plain class with slots: one is made per step)."""
 
-    skip_nonfinite: bool
-    losses: list[torch.Tensor] = field(default_factory=list)
-    counts: list[int | torch.Tensor] = field(default_factory=list)
-    samples: int = 0
-    items: int | torch.Tensor = 0
+    __slots__ = ("counts", "items", "losses", "samples", "skip_nonfinite")
+
+    def __init__(self, skip_nonfinite: bool) -> None:
+        self.skip_nonfinite = skip_nonfinite
+        self.losses: list[torch.Tensor] = []
+        self.counts: list[int | torch.Tensor] = []
+        self.samples = 0
+        self.items: int | torch.Tensor = 0
 
     def add(self, loss: torch.Tensor, counted: int, items: int | torch.Tensor | None) -> None:
         # "skip" reads the loss here (its step reads the gradients anyway); "raise" reads
@@ -173,6 +176,7 @@ class StepLoop:
         phases = Phases(progress, timer, None if self.profile is None else self.profile.ranges)
         phases.enter("data")
         with self._bar(state, left) as bar, contextlib.closing(iter(loader)) as batches:
+            shown = not bar.disable  # (a hidden bar's update still costs a call per batch)
             for batch in batches:
                 taken += 1
                 micro = loop.micro  # the batch's micro-batch: its weight, its window's end
@@ -191,7 +195,8 @@ class StepLoop:
                 state.position += micro.samples
                 if state.local_position is not None:
                     state.local_position += micro.count
-                bar.update()
+                if shown:
+                    bar.update()
                 if micro.last_in_step:
                     stopped = self._optimizer_step(state, sums, phases, after_step)
                     sums, fresh_step = _StepSums(skip_nonfinite=sums.skip_nonfinite), True

@@ -76,6 +76,22 @@ def test_to_device_same_device_keeps_values():
     assert type(moved) is list and torch.equal(moved[0], tensor)
 
 
+def test_to_device_hands_a_cpu_batch_of_tensors_back_as_it_is():
+    """The CPU step's fast path: nothing to move, so the same tuple (what .to("cpu") gives
+    for each tensor); a batch holding anything else still goes through the general path."""
+    pair = (torch.ones(2), torch.arange(2))
+    cpu = torch.device("cpu")
+
+    assert to_device(pair, cpu) is pair
+    assert to_device(pair[0], cpu) is pair[0]
+    mixed = [torch.ones(2), "name"]
+    moved = to_device(mixed, cpu)
+    assert moved is not mixed and moved[0] is mixed[0] and moved[1] == "name"
+    named = Pair(image=torch.ones(1), label=torch.zeros(1))
+    assert type(to_device(named, cpu)) is Pair  # (a subclass of tuple: the general path)
+    assert all(_is_meta(t) for t in to_device(pair, META)), "another device: moved"
+
+
 @pytest.mark.parametrize("container", [tuple, list])
 def test_split_batch_two_items_gives_inputs_and_target(container):
     inputs, target = torch.ones(3, 2), torch.tensor([0, 1, 0])
