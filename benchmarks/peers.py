@@ -47,7 +47,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from overhead import PRECISIONS, autocast, make_data, make_model  # same models, same data
+from overhead import (  # same models, same data, same allocator settings
+    PRECISIONS,
+    STEADY_MALLOC,
+    autocast,
+    make_data,
+    make_model,
+)
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -646,6 +652,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--out", type=Path, help="JSON path (default benchmarks/results/peers.json)"
     )
+    parser.add_argument(
+        "--steady-malloc", action="store_true",
+        help="run with glibc's heap trimming and mmap threshold raised (as overhead.py's "
+        "option): no loop pays for memory handed back to the OS and page-faulted in again, "
+        "which otherwise moves a CNN's step by +-10%% with the heap's layout",
+    )  # fmt: skip
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     only = [name.strip() for name in args.only.split(",") if name.strip()]
@@ -668,6 +680,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.steady_malloc and os.environ.get("MALLOC_TRIM_THRESHOLD_") != STEADY_MALLOC:
+        # glibc reads these at start-up: run again with them (torchrun passes them on)
+        env = {**os.environ, "MALLOC_TRIM_THRESHOLD_": STEADY_MALLOC,
+               "MALLOC_MMAP_THRESHOLD_": STEADY_MALLOC}  # fmt: skip
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
     os.environ["OMP_NUM_THREADS"] = "1"  # also keeps Lightning/Accelerate from choosing
     if args.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # every framework on the CPU, distkit included
@@ -690,6 +707,7 @@ def main(argv: list[str] | None = None) -> int:
             "batch_size_per_process": args.batch_size,
             "model": args.model,
             "precision": args.precision,
+            "steady_malloc": args.steady_malloc,
             "versions": versions(),
             "method": "median step (forward to next forward) over interleaved rounds; "
             "ratio = median / hand loop's median",
