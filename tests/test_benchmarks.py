@@ -115,6 +115,29 @@ def test_peers_runs_distkit_and_the_hand_loop_on_1_and_2_processes(tmp_path: Pat
     assert "distkit" in proc.stdout and "vs hand" in proc.stdout
 
 
+def test_growth_notes_the_first_step_and_every_distkit_check_on_2_ranks(tmp_path: Path) -> None:
+    out = tmp_path / "growth.json"
+    run_script(
+        str(BENCH / "growth.py"), "--ranks", "2", "--only", "hand,trainer,runtime",
+        "--out", str(out),
+    )  # fmt: skip
+    results = json.loads(out.read_text())["results"]
+    for loop in ("hand", "trainer", "runtime"):
+        summary = results[loop]["2"]
+        assert summary["status"] == "ok", summary
+        assert summary["first_step_s"] >= summary["first_step_rank0_s"] > 0
+    assert results["hand"]["2"]["checks"] == {}  # the hand loop has no checks of distkit's
+    fit = results["trainer"]["2"]["checks"]
+    # the start-of-fit agreement: a tagged sum of 4 x 2 + 3 float64, then the messages
+    assert fit["exchange[fit] all_reduce_async"]["bytes_per_rank"] == (4 * 2 + 3) * 8
+    assert fit["exchange[fit] all_gather"]["calls"] == 1
+    assert fit["tagged_sum[log] all_reduce_async (in loop)"]["calls"] == 4  # a log point a step
+    loop = results["runtime"]["2"]["checks"]
+    assert {"exchange[setup] all_gather", "exchange[loader] all_gather"} <= set(loop)
+    for entry in [*fit.values(), *loop.values()]:
+        assert 0 <= entry["min_s"] <= entry["max_s"]
+
+
 def test_peers_reports_a_missing_framework_instead_of_crashing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
