@@ -176,7 +176,6 @@ class StepLoop:
         phases = Phases(progress, timer, None if self.profile is None else self.profile.ranges)
         phases.enter("data")
         with self._bar(state, left) as bar, contextlib.closing(iter(loader)) as batches:
-            shown = not bar.disable  # (a hidden bar's update still costs a call per batch)
             for batch in batches:
                 taken += 1
                 micro = loop.micro  # the batch's micro-batch: its weight, its window's end
@@ -195,8 +194,7 @@ class StepLoop:
                 state.position += micro.samples
                 if state.local_position is not None:
                     state.local_position += micro.count
-                if shown:
-                    bar.update()
+                bar.update()
                 if micro.last_in_step:
                     stopped = self._optimizer_step(state, sums, phases, after_step)
                     sums, fresh_step = _StepSums(skip_nonfinite=sums.skip_nonfinite), True
