@@ -27,6 +27,7 @@ from distkit.trainer._logging import LogSink, LogWindow, StepLogs
 from distkit.trainer._losses import step_mean
 from distkit.trainer._memory import MEMORY_KEYS, memory_text
 from distkit.trainer._step_loop import StepLoop, StepResult, mark_stepped
+from distkit.trainer._throughput import THROUGHPUT_KEYS, throughput_text
 
 #: the epoch record's per-phase timings stay out of the loggers (they are in the report)
 _TIMING_PREFIX = "time_"
@@ -241,7 +242,8 @@ class EpochLoop:
         loop = self.loop
         if not (self.config.progress and self.runtime.is_main):
             return
-        hidden = ("epoch", "skipped_steps", "samples_per_s", *MEMORY_KEYS)  # one part of its own
+        # each with a part of its own
+        hidden = ("epoch", "skipped_steps", "samples_per_s", *MEMORY_KEYS, *THROUGHPUT_KEYS)
         parts = [f"epoch {int(record['epoch']) + 1}/{self.config.max_epochs}"]
         parts += [
             f"{k}={v:.4f}"
@@ -256,6 +258,9 @@ class EpochLoop:
         tqdm.write(" ".join(parts))
         if loop.timing is not None:
             tqdm.write(loop.timing.table(self.runtime.strategy.comm_phase, loop.loader.num_workers))
+        throughput = throughput_text(record, loop.peak)
+        if throughput:
+            tqdm.write(throughput)
 
     def _check_losses(self) -> None:
         """A check point: the noted losses folded into the totals, and (``nonfinite="raise"``)

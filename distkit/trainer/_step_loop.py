@@ -12,6 +12,7 @@ import torch
 from tqdm.auto import tqdm
 
 from distkit.batch import split_batch
+from distkit.data import MicroBatch
 from distkit.errors import ConfigurationError
 from distkit.errors import NonFiniteLossError as NonFiniteLossError  # its old home
 from distkit.faults._progress import Progress
@@ -33,6 +34,7 @@ from distkit.trainer._fit_state import FitState as FitState  # its old home
 from distkit.trainer._losses import LossLedger
 from distkit.trainer._nonfinite import NonFiniteWatch
 from distkit.trainer._phases import Phases
+from distkit.trainer._throughput import Peak, count_flops, device_peak, throughput_record
 from distkit.trainer.timing import EpochTiming, StepTimer
 
 #: the context of a micro-batch that needs none (reusable: it holds no state)
@@ -78,7 +80,7 @@ class _StepSums:
     """One optimizer step's counted micro-batches, as :class:`StepResult` reports them
     (a plain class with slots: one is made per step)."""
 
-    __slots__ = ("counts", "items", "losses", "samples", "skip_nonfinite")
+    __slots__ = ("counts", "items", "losses", "samples", "skip_nonfinite", "token_exact")
 
     def __init__(self, skip_nonfinite: bool) -> None:
         self.skip_nonfinite = skip_nonfinite
@@ -86,12 +88,15 @@ class _StepSums:
         self.counts: list[int | torch.Tensor] = []
         self.samples = 0
         self.items: int | torch.Tensor = 0
+        self.token_exact = False  # a micro-batch's loss was a Loss(total, count)
 
     def add(self, loss: torch.Tensor, counted: int, items: int | torch.Tensor | None) -> None:
         # "skip" reads the loss here (its step reads the gradients anyway); "raise" reads
         # the noted losses at the next check point: no host sync
         if self.skip_nonfinite and counted and not torch.isfinite(loss):
             counted = 0  # its step is skipped: keep it out of the epoch's mean loss
+        if items is not None:
+            self.token_exact = True
         if counted:
             self.losses.append(loss.detach())
             weight = counted if items is None else items
@@ -133,12 +138,25 @@ class StepLoop:
     #: run once on the first batch's (output, target) with ``loss_fn``: what validation
     #: will hand its metrics, refused before any step rather than after an epoch
     output_check: Callable[[Any, Any], None] | None = None
+    #: count the model's FLOPs on the fit's first micro-batch with samples (off for a
+    #: compiled forward: torch's counter cannot see inside a compiled graph)
+    count_flops: bool = True
+    #: this rank's FLOPs per sample (forward and backward), once counted (see _throughput)
+    flops_per_sample: float | None = None
+    token_exact: bool = False  # the fit's losses are token-exact (its epochs get tokens/s)
+    peak: Peak | None = None  # the device's matmul peak, found at the first epoch's end
+    #: the micro-batch's forward and backward: counted once, then plain (see __post_init__)
+    step_micro: Callable[[Any, MicroBatch, Phases], tuple[torch.Tensor, Any]] = field(
+        init=False, repr=False
+    )
 
     @property
     def strategy(self) -> Strategy:
         return self.runtime.strategy
 
     def __post_init__(self) -> None:
+        counted = self.count_flops and self.flops_per_sample is None
+        self.step_micro = self._counted_forward_backward if counted else self._forward_backward
         if self.before_step is not None and not takes_before_step(self.strategy):
             # every rank holds the same strategy class: all raise here, before any step
             name = type(self.strategy).__qualname__
@@ -188,7 +206,7 @@ class StepLoop:
                     # (measured: ~8% slower steps of the benchmarks' CNN on CPU)
                     optimizer.clear()
                     fresh_step = False
-                loss, items = self._forward_backward(batch, micro.last_in_step, phases)
+                loss, items = self.step_micro(batch, micro, phases)
                 phases.leave()
                 sums.add(loss, micro.count, items)
                 state.position += micro.samples
@@ -219,6 +237,7 @@ class StepLoop:
     ) -> bool:
         """The window's optimizer step, then ``after_step`` (True: stop)."""
         phases.enter("optimizer")
+        self.token_exact = self.token_exact or sums.token_exact
         self.losses.add_step(sums.losses, sums.counts, state.epoch, state.global_step)
         outcome, norm = self._step(state)
         state.samples = state.samples + sums.items
@@ -242,12 +261,24 @@ class StepLoop:
             dynamic_ncols=True,
         )
 
+    def _counted_forward_backward(
+        self, batch: Any, micro: MicroBatch, phases: Phases
+    ) -> tuple[torch.Tensor, int | torch.Tensor | None]:
+        """:meth:`_forward_backward` with its FLOPs counted (the first micro-batch that
+        holds samples), then the plain one for every later micro-batch."""
+        if not micro.count:  # a placeholder: nothing to count per sample
+            return self._forward_backward(batch, micro, phases)
+        result, flops = count_flops(lambda: self._forward_backward(batch, micro, phases))
+        self.flops_per_sample = flops / micro.count
+        self.step_micro = self._forward_backward
+        return result
+
     def _forward_backward(
-        self, batch: Any, last_in_step: bool, phases: Phases
+        self, batch: Any, micro: MicroBatch, phases: Phases
     ) -> tuple[torch.Tensor, int | torch.Tensor | None]:
         """One micro-batch's forward and backward; its loss, unweighted (a token-exact
         total: returned as its mean, its items noted)."""
-        model, strategy = self.model, self.strategy
+        model, strategy, last_in_step = self.model, self.strategy, micro.last_in_step
         source = "loss_fn" if self.step_fn is None else "step_fn"
         # mid-window the micro-batch's forward and backward run out of gradient sync (one
         # no_sync for both); the set-up model keeps a placeholder out of sync BatchNorm
@@ -268,6 +299,7 @@ class StepLoop:
         assert timer is not None, "epoch_record follows run_epoch"
         phases = timer.summary()  # before the probe: its time is no part of the epoch's
         memory = _memory.peak_mib(self.strategy.device)  # the probe's buffer neither
+        flops, peak = self._flops_and_peak()  # this rank's, summed over ranks below
         # a collective on every rank, here at the same point; a separate buffer (no training
         # state), so the epoch trained exactly as it would without it
         numel, dtype = _comm_probe.gradient_size(self.model)
@@ -281,6 +313,8 @@ class StepLoop:
                 comm_ms,
                 *memory,
                 float(self.strategy.local_rank),
+                flops,
+                peak,
             ],
             dtype=torch.float64,
         )
@@ -289,7 +323,7 @@ class StepLoop:
         per_rank = self.strategy.all_gather(torch.cat([mine, phases])).tolist()
         loss_sum, samples, skipped = (sum(row[i] for row in per_rank) for i in range(3))
         self.timing = EpochTiming.from_ranks(
-            [row[7:] for row in per_rank],
+            [row[9:] for row in per_rank],
             timer.samples,
             comm_ms=sum(row[3] for row in per_rank) / len(per_rank),  # the mean, as the phases
             comm_mb=numel * dtype.itemsize / 1e6,
@@ -303,7 +337,29 @@ class StepLoop:
             "skipped_steps": int(skipped) // self.strategy.world_size,
             **_memory.memory_record([row[4:6] for row in per_rank], self.strategy.device),
             **self.timing.as_record(),
+            **throughput_record(
+                # every rank's count (the same model: the same count), and their peaks
+                flops_per_sample=sum(row[7] for row in per_rank) / len(per_rank),
+                samples_per_s=self.timing.samples_per_s,
+                peak_sum=sum(row[8] for row in per_rank) if all(r[8] for r in per_rank) else 0,
+                items=samples if self.token_exact else None,
+                wall_s=self.timing.wall_s,
+            ),
         }
+
+    def _flops_and_peak(self) -> tuple[float, float]:
+        """This rank's FLOPs per sample (0: not counted) and the peak of the devices it
+        trains on (0: not known; a DataParallel rank's devices summed), for the epoch's
+        gather: every rank then reports the same MFU. The peak is found once per fit."""
+        if not self.flops_per_sample:
+            return 0.0, 0.0
+        strategy = self.strategy
+        if self.peak is None:
+            self.peak = device_peak(strategy.device, strategy.precision.name)
+        if self.peak is None:
+            return self.flops_per_sample, 0.0
+        devices = max(len(getattr(strategy, "device_ids", ())), 1)
+        return self.flops_per_sample, self.peak.flops * devices
 
     def _loss(self, batch: Any) -> torch.Tensor:
         model = self.model.forward_module  # the backend's wrapper (compiled where asked)

@@ -151,6 +151,7 @@ class EpochTiming:
     comm_share: float = 0.0  # comm_ms / step time
     comm_mb: float = 0.0  # the gradients' size, all-reduced once per step
     local_processes: int = 1  # training processes on the node of rank 0 (which reports)
+    wall_s: float = 0.0  # the slowest rank's wall time for the epoch's training loop
 
     @classmethod
     def from_ranks(
@@ -188,6 +189,7 @@ class EpochTiming:
             comm_share=comm_ms / step_ms["step"] if step_ms["step"] > 0 else 0.0,
             comm_mb=comm_mb,
             local_processes=local_processes,
+            wall_s=wall,
         )
 
     def as_record(self) -> dict[str, float]:

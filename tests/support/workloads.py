@@ -43,10 +43,11 @@ def make_bn_model(
 
 
 def without_timing(history: list[dict]) -> list[dict]:
-    """History records without the run-dependent measurements: timing and peak memory."""
-    measured = ("time_", "peak_")
+    """History records without the run-dependent measurements: timing, peak memory and the
+    rates (samples/s, tokens/s, MFU)."""
+    measured, rates = ("time_", "peak_"), ("samples_per_s", "tokens_per_s", "mfu")
     return [
-        {k: v for k, v in record.items() if not k.startswith(measured) and k != "samples_per_s"}
+        {k: v for k, v in record.items() if not k.startswith(measured) and k not in rates}
         for record in history
     ]
 

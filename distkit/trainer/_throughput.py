@@ -1,0 +1,152 @@
+"""The throughput figures users compare: tokens/s and MFU, in the epoch record.
+
+- **FLOPs per sample** are counted once, on the fit's first micro-batch that holds samples,
+  with torch's ``FlopCounterMode`` around its forward and backward (the matmuls and
+  convolutions torch counts: what "model FLOPs" means in MFU), divided by its samples. A
+  model whose cost per sample changes from batch to batch (sequences of other lengths) is
+  counted at its first batch.
+- **The peak** is the device's dense matmul peak in the training precision: for a GPU from
+  a table of published figures (:data:`GPU_PEAKS`, TFLOP/s per device; a GPU not in it gets
+  no MFU); on a CPU a matmul measured once per process with the process's threads, labelled
+  as measured.
+- **MFU** = FLOPs per sample x the epoch's samples/s (every rank's) / the sum of the peaks
+  of every device that trained (each rank's, gathered with the epoch's record, so that every
+  rank reports the same figure; a rank's measured CPU peak is its own).
+- **tokens/s**, for token-exact losses (``distkit.Loss(total, count)``): the epoch's items
+  over every rank, over the same wall time as samples/s.
+
+Nothing here runs per step: the count is one step's, the peak is measured once, the rest is
+arithmetic on the epoch's gathered numbers.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+#: dense (no sparsity) matmul peaks, TFLOP/s per device, by the device name's marker, the
+#: most specific first; "tf32" is fp32 training with TF32 matmuls allowed
+GPU_PEAKS: tuple[tuple[str, dict[str, float]], ...] = (
+    ("H100 PCIe", {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "32": 51.2}),
+    ("H100", {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "32": 66.9}),
+    ("H200", {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "32": 66.9}),
+    ("A100", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "32": 19.5}),
+    ("L40S", {"bf16": 362.1, "fp16": 362.1, "tf32": 183.0, "32": 91.6}),
+    ("L4", {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "32": 30.3}),
+    ("V100", {"fp16": 125.0, "32": 15.7}),
+)
+_DTYPES = {"32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: the epoch record's entries (each only where it applies)
+THROUGHPUT_KEYS = ("tokens_per_s", "flops_per_sample", "mfu")
+
+
+@dataclass(frozen=True)
+class Peak:
+    """A device's matmul peak in FLOP/s, and where the figure comes from."""
+
+    flops: float
+    source: str  # "published: NVIDIA H100 80GB HBM3, bf16", "measured: CPU fp32 matmul, ..."
+
+    def text(self) -> str:
+        return f"{_flops_text(self.flops)}/s ({self.source})"
+
+
+def count_flops(run: Callable[[], T]) -> tuple[T, int]:
+    """``run()``'s result and the FLOPs torch counted while it ran (forward and backward)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        result = run()
+    return result, int(counter.get_total_flops())
+
+
+def device_peak(device: torch.device, precision: str) -> Peak | None:
+    """The matmul peak of one ``device`` in ``precision`` ("32", "bf16", "fp16"); None for a
+    GPU the table does not know (its MFU is then not reported)."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        kind = precision
+        if precision == "32" and torch.backends.cuda.matmul.allow_tf32:
+            kind = "tf32"
+        for marker, peaks in GPU_PEAKS:
+            if marker in name and kind in peaks:
+                return Peak(peaks[kind] * 1e12, f"published: {name}, {kind}")
+        return None
+    if device.type != "cpu":
+        return None
+    name = {"32": "fp32"}.get(precision, precision)
+    threads = torch.get_num_threads()
+    flops = cpu_matmul_peak(precision, threads)
+    threads_text = f"{threads} thread{'s' if threads > 1 else ''}"
+    return Peak(flops, f"measured: CPU {name} matmul, {threads_text}")
+
+
+@functools.lru_cache(maxsize=8)
+def cpu_matmul_peak(precision: str, threads: int, size: int = 512) -> float:
+    """FLOP/s of a ``size`` x ``size`` matmul on this process's CPU threads (``threads``
+    keys the cache), the best of a few timed runs of about 20 ms each."""
+    dtype = _DTYPES[precision]
+    a = torch.randn(size, size).to(dtype)
+    b = torch.randn(size, size).to(dtype)
+    torch.mm(a, b)  # warm-up: the kernel's first call chooses its path
+    start = time.perf_counter()
+    torch.mm(a, b)
+    once = max(time.perf_counter() - start, 1e-6)
+    reps = max(1, min(200, int(0.02 / once)))
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(reps):
+            torch.mm(a, b)
+        best = min(best, (time.perf_counter() - start) / reps)
+    return 2.0 * size**3 / best
+
+
+def throughput_record(
+    *,
+    flops_per_sample: float | None,
+    samples_per_s: float,
+    peak_sum: float,
+    items: float | None,
+    wall_s: float,
+) -> dict[str, float]:
+    """The epoch record's entries: ``flops_per_sample`` and ``mfu`` (where counted and the
+    peak of every device that trained, ``peak_sum``, is known: else 0), ``tokens_per_s``
+    (``items``: a token-exact epoch's items, every rank's)."""
+    record: dict[str, float] = {}
+    if items is not None and wall_s > 0:
+        record["tokens_per_s"] = items / wall_s
+    if flops_per_sample:
+        record["flops_per_sample"] = flops_per_sample
+        if peak_sum > 0:
+            record["mfu"] = flops_per_sample * samples_per_s / peak_sum
+    return record
+
+
+def throughput_text(record: dict[str, float], peak: Peak | None) -> str:
+    """The epoch report's line (empty when nothing was counted)."""
+    parts = []
+    if "tokens_per_s" in record:
+        parts.append(f"{record['tokens_per_s']:,.0f} tokens/s")
+    if "flops_per_sample" in record:
+        parts.append(f"{_flops_text(record['flops_per_sample'])} per sample")
+    if "mfu" in record and peak is not None:
+        parts.append(f"MFU {record['mfu']:.1%} of {peak.text()}")
+    elif "flops_per_sample" in record:
+        parts.append("MFU: no peak known for this device")
+    return ("  " + "; ".join(parts)) if parts else ""
+
+
+def _flops_text(flops: float) -> str:
+    units = (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3))
+    for unit, scale in units:
+        if flops >= scale:
+            return f"{flops / scale:.3g} {unit}"
+    return f"{flops:.3g} FLOP"
