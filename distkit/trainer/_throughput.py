@@ -93,8 +93,11 @@ def cpu_matmul_peak(precision: str, threads: int, size: int = 512) -> float:
     """FLOP/s of a ``size`` x ``size`` matmul on this process's CPU threads (``threads``
     keys the cache), the best of a few timed runs of about 20 ms each."""
     dtype = _DTYPES[precision]
-    a = torch.randn(size, size).to(dtype)
-    b = torch.randn(size, size).to(dtype)
+    # a generator of its own: drawing from torch's global one would change the training
+    # that follows (its dropout, its shuffles), which determinism and resume rely on
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(size, size, generator=generator).to(dtype)
+    b = torch.randn(size, size, generator=generator).to(dtype)
     torch.mm(a, b)  # warm-up: the kernel's first call chooses its path
     start = time.perf_counter()
     torch.mm(a, b)

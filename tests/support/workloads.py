@@ -43,9 +43,11 @@ def make_bn_model(
 
 
 def without_timing(history: list[dict]) -> list[dict]:
-    """History records without the run-dependent measurements: timing, peak memory and the
-    rates (samples/s, tokens/s, MFU)."""
-    measured, rates = ("time_", "peak_"), ("samples_per_s", "tokens_per_s", "mfu")
+    """History records without the run-dependent measurements: timing, peak memory, the
+    rates (samples/s, tokens/s, MFU) and the FLOPs per sample (counted on a fit's first
+    batch: a resumed fit's first batch of variable length is another)."""
+    measured = ("time_", "peak_")
+    rates = ("samples_per_s", "tokens_per_s", "mfu", "flops_per_sample")
     return [
         {k: v for k, v in record.items() if not k.startswith(measured) and k not in rates}
         for record in history

@@ -157,3 +157,14 @@ def test_the_cpu_peak_is_measured_once_per_precision_and_thread_count():
     again = _throughput.cpu_matmul_peak("32", torch.get_num_threads())
 
     assert first == again > 1e8  # a cached figure; any CPU does more than 0.1 GFLOP/s
+
+
+def test_measuring_the_cpu_peak_leaves_torch_s_random_numbers_alone():
+    """The peak is measured at an epoch's end, mid-fit: it must not advance the global
+    generator that the next epoch's dropout and shuffles draw from."""
+    _throughput.cpu_matmul_peak.cache_clear()
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    _throughput.cpu_matmul_peak("32", torch.get_num_threads())
+    assert torch.equal(torch.rand(3), expected)
