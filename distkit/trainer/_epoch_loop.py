@@ -116,7 +116,7 @@ class EpochLoop:
         stop = self._agree_stop() if self._stop_each_step else False
         if self.window.due(step):  # a check point: its non-finite check rides in the gather
             loop = self.loop
-            loss, any_stop = self.window.gather(
+            loss, items, any_stop = self.window.gather(
                 loop.losses, loop.watch, step, stop=self.stop.requested
             )
             loop.optimizer.check_items()  # token-exact losses: a step over no items
@@ -128,6 +128,7 @@ class EpochLoop:
             if result.grad_norm is not None:
                 row["grad_norm"] = result.grad_norm
             self.sink.log(row, step)
+            loop.log_point(state, loss, items)  # the bar: loss, samples/s, tokens/s, MFU
             stop = stop or any_stop
             self.stop.requested = self.stop.requested or any_stop
         val_every = config.val_every_n_steps

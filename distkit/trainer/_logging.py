@@ -227,9 +227,10 @@ class LogWindow:
 
     def gather(
         self, ledger: LossLedger, watch: NonFiniteWatch, now: int, *, stop: bool
-    ) -> tuple[float, bool]:
-        """(mean training loss over every rank's samples since the last log point, whether
-        any rank wants to stop), with ``watch``'s non-finite check (``nonfinite="raise"``)
+    ) -> tuple[float, float, bool]:
+        """(mean training loss over every rank's samples since the last log point, those
+        samples summed over ranks (a token-exact loss's items), whether any rank wants to
+        stop), with ``watch``'s non-finite check (``nonfinite="raise"``)
         riding in the same sum: one host read (:meth:`LossLedger.read_window`) and one
         all-reduce (none on one rank). ``now`` is the global step.
 
@@ -245,7 +246,7 @@ class LogWindow:
         if check:
             watch.verdict(summed[3:], now)
         total, samples, stops = summed[:3]
-        return (total / samples if samples else float("nan")), stops > 0
+        return (total / samples if samples else float("nan")), samples, stops > 0
 
 
 def _raise_first(errors: list[Exception | None]) -> None:

@@ -34,7 +34,14 @@ from distkit.trainer._fit_state import FitState as FitState  # its old home
 from distkit.trainer._losses import LossLedger
 from distkit.trainer._nonfinite import NonFiniteWatch
 from distkit.trainer._phases import Phases
-from distkit.trainer._throughput import Peak, count_flops, device_peak, throughput_record
+from distkit.trainer._throughput import (
+    Peak,
+    RateWindow,
+    count_flops,
+    device_peak,
+    rates_text,
+    throughput_record,
+)
 from distkit.trainer.timing import EpochTiming, StepTimer
 
 #: the context of a micro-batch that needs none (reusable: it holds no state)
@@ -144,7 +151,11 @@ class StepLoop:
     #: this rank's FLOPs per sample (forward and backward), once counted (see _throughput)
     flops_per_sample: float | None = None
     token_exact: bool = False  # the fit's losses are token-exact (its epochs get tokens/s)
-    peak: Peak | None = None  # the device's matmul peak, found at the first epoch's end
+    peak: Peak | None = None  # the device's matmul peak (None: not known), found once
+    _peak_found: bool = False
+    #: the throughput between log points (the step rows' and the progress bar's)
+    rates: RateWindow = field(default_factory=RateWindow)
+    _bar: tqdm[Any] | None = None  # the current epoch's progress bar
     #: the micro-batch's forward and backward: counted once, then plain (see __post_init__)
     step_micro: Callable[[Any, MicroBatch, Phases], tuple[torch.Tensor, Any]] = field(
         init=False, repr=False
@@ -184,16 +195,11 @@ class StepLoop:
         sums = _StepSums(skip_nonfinite=self.settings.nonfinite == "skip")
         loader = self.loader.resume_at(state.epoch, state.position, state.local_position)
         left = loader.remaining()  # None: a stream, whose length is not known
-        progress = self.rank_progress
-        progress.epoch, progress.step = state.epoch, state.global_step
         stopped, fresh_step = False, True  # fresh: the next micro-batch starts a step
-        timer = self.timer = StepTimer(self.strategy.device)
-        _memory.reset_peak(self.strategy.device)  # the epoch's peak, read by epoch_record
         start_position, taken = state.position, 0  # taken: this rank's micro-batches so far
-        timer.start()
-        phases = Phases(progress, timer, None if self.profile is None else self.profile.ranges)
-        phases.enter("data")
-        with self._bar(state, left) as bar, contextlib.closing(iter(loader)) as batches:
+        timer, phases = self._start_timing(state)
+        with self._new_bar(state, left) as bar, contextlib.closing(iter(loader)) as batches:
+            self._bar = bar
             for batch in batches:
                 taken += 1
                 micro = loop.micro  # the batch's micro-batch: its weight, its window's end
@@ -220,6 +226,7 @@ class StepLoop:
                         break
                 phases.enter("data")
         phases.close()
+        self._bar = None
         timer.samples = state.position - start_position
         optimizer.clear()  # no gradients held through validation and checkpoints
         if not stopped:
@@ -227,6 +234,21 @@ class StepLoop:
         # every rank stops at the same step; with a known length each knows whether it was
         # the epoch's last (a stream's end is found only by reading on: "stopped")
         return "stopped-at-end" if left is not None and taken >= left else "stopped"
+
+    def _start_timing(self, state: FitState) -> tuple[StepTimer, Phases]:
+        """The epoch's timer, started, and its phases, in "data"; the memory peak reset and
+        the throughput window opened at the same point."""
+        progress = self.rank_progress
+        progress.epoch, progress.step = state.epoch, state.global_step
+        if self.count_flops:
+            self._device_peak()  # once, before any timing or memory peak: a CPU's is measured
+        timer = self.timer = StepTimer(self.strategy.device)
+        _memory.reset_peak(self.strategy.device)  # the epoch's peak, read by epoch_record
+        timer.start()
+        self.rates.open(state.position, state.global_step)
+        phases = Phases(progress, timer, None if self.profile is None else self.profile.ranges)
+        phases.enter("data")
+        return timer, phases
 
     def _optimizer_step(
         self,
@@ -251,7 +273,26 @@ class StepLoop:
         phases.leave("other")  # checkpoints: not part of a step
         return stopped
 
-    def _bar(self, state: FitState, left: int | None) -> tqdm[Any]:
+    def log_point(self, state: FitState, loss: float, items: float) -> None:
+        """A log point on the progress bar: the loss since the last one and the throughput
+        over the same steps (see :class:`RateWindow`; ``items``: the window's samples or
+        token-exact items, summed over ranks). Nothing without a bar drawn."""
+        bar = self._bar
+        if bar is None or bar.disable:
+            return
+        _, peak = self._flops_and_peak()
+        rates = self.rates.close(
+            position=state.position,
+            global_step=state.global_step,
+            items=items if self.token_exact else None,
+            flops_per_sample=self.flops_per_sample,
+            peak_sum=peak * self.strategy.world_size,
+        )
+        # the whole postfix replaced: a window without figures shows none, not stale ones
+        # (an ordered dict: keywords tqdm would sort)
+        bar.set_postfix(ordered_dict={"loss": f"{loss:.4g}", **rates_text(rates)})
+
+    def _new_bar(self, state: FitState, left: int | None) -> tqdm[Any]:
         return tqdm(
             total=left,
             desc=f"epoch {state.epoch + 1}/{self.settings.max_epochs}",
@@ -353,13 +394,19 @@ class StepLoop:
         gather: every rank then reports the same MFU. The peak is found once per fit."""
         if not self.flops_per_sample:
             return 0.0, 0.0
-        strategy = self.strategy
-        if self.peak is None:
-            self.peak = device_peak(strategy.device, strategy.precision.name)
-        if self.peak is None:
+        peak = self._device_peak()
+        if peak is None:
             return self.flops_per_sample, 0.0
-        devices = max(len(getattr(strategy, "device_ids", ())), 1)
-        return self.flops_per_sample, self.peak.flops * devices
+        devices = max(len(getattr(self.strategy, "device_ids", ())), 1)
+        return self.flops_per_sample, peak.flops * devices
+
+    def _device_peak(self) -> Peak | None:
+        """The training device's peak, looked up (or measured) the first time it is asked."""
+        if not self._peak_found:
+            strategy = self.strategy
+            self.peak = device_peak(strategy.device, strategy.precision.name)
+            self._peak_found = True
+        return self.peak
 
     def _loss(self, batch: Any) -> torch.Tensor:
         model = self.model.forward_module  # the backend's wrapper (compiled where asked)

@@ -15,8 +15,16 @@
 - **tokens/s**, for token-exact losses (``distkit.Loss(total, count)``): the epoch's items
   over every rank, over the same wall time as samples/s.
 
+At each log point the progress bar shows, with :class:`RateWindow`, the same figures over
+the steps since the previous log point (the loggers' rows stay the loss, the learning rate
+and the norm; they get the figures with each epoch's record): samples/s from the samples every
+rank took (known on the host), tokens/s from the window's items summed in the log point's
+existing sum, MFU over this rank's peak times the world's devices (the epoch record's uses
+every rank's own). A window that spans an epoch's end (its validation, its checkpoint) gives
+no figures: the next log point's window starts clean.
+
 Nothing here runs per step: the count is one step's, the peak is measured once, the rest is
-arithmetic on the epoch's gathered numbers.
+arithmetic on numbers the log points and the epoch's gather already have.
 """
 
 from __future__ import annotations
@@ -133,6 +141,57 @@ def throughput_record(
     return record
 
 
+class RateWindow:
+    """Throughput between two log points of one epoch (see the module's docstring)."""
+
+    def __init__(self) -> None:
+        self._since: tuple[float, int] | None = None  # (clock, position); None: not clean
+        self._logged_at: int | None = None  # the global step of the last log point
+
+    def open(self, position: int, global_step: int) -> None:
+        """An epoch's training starts at ``position``: the window is clean when nothing
+        trained since the last log point (or the fit has not logged yet)."""
+        clean = self._logged_at is None or self._logged_at == global_step
+        self._since = (time.perf_counter(), position) if clean else None
+
+    def close(
+        self,
+        *,
+        position: int,
+        global_step: int,
+        items: float | None,
+        flops_per_sample: float | None,
+        peak_sum: float,
+    ) -> dict[str, float]:
+        """The figures since the window opened (empty where it spans an epoch's end), and a
+        new window from here. ``items``: the window's summed items (token-exact losses;
+        None otherwise), ``peak_sum``: the peaks of every device that trains (0: unknown)."""
+        now = time.perf_counter()
+        since, self._since, self._logged_at = self._since, (now, position), global_step
+        if since is None or now <= since[0] or position <= since[1]:
+            return {}
+        wall = now - since[0]
+        samples_per_s = (position - since[1]) / wall
+        rates = {"samples_per_s": samples_per_s}
+        if items is not None:
+            rates["tokens_per_s"] = items / wall
+        if flops_per_sample and peak_sum > 0:
+            rates["mfu"] = flops_per_sample * samples_per_s / peak_sum
+        return rates
+
+
+def rates_text(rates: dict[str, float]) -> dict[str, str]:
+    """A log point's figures as the progress bar shows them."""
+    shown = {}
+    if "samples_per_s" in rates:
+        shown["samples/s"] = f"{rates['samples_per_s']:,.0f}"
+    if "tokens_per_s" in rates:
+        shown["tokens/s"] = f"{rates['tokens_per_s']:,.0f}"
+    if "mfu" in rates:
+        shown["MFU"] = _percent_text(rates["mfu"])
+    return shown
+
+
 def throughput_text(record: dict[str, float], peak: Peak | None) -> str:
     """The epoch report's line (empty when nothing was counted)."""
     parts = []
@@ -141,10 +200,15 @@ def throughput_text(record: dict[str, float], peak: Peak | None) -> str:
     if "flops_per_sample" in record:
         parts.append(f"{_flops_text(record['flops_per_sample'])} per sample")
     if "mfu" in record and peak is not None:
-        parts.append(f"MFU {record['mfu']:.1%} of {peak.text()}")
+        parts.append(f"MFU {_percent_text(record['mfu'])} of {peak.text()}")
     elif "flops_per_sample" in record:
         parts.append("MFU: no peak known for this device")
     return ("  " + "; ".join(parts)) if parts else ""
+
+
+def _percent_text(share: float) -> str:
+    """41.2%; below 0.1% three significant digits (a small model on a CPU: 0.000512%)."""
+    return f"{share:.1%}" if share >= 1e-3 else f"{100 * share:.3g}%"
 
 
 def _flops_text(flops: float) -> str:

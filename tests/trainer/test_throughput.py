@@ -1,6 +1,10 @@
-"""tokens/s and MFU in the epoch record: FLOPs counted once, the peak measured or looked up."""
+"""tokens/s and MFU in the epoch record, the log points' rows and the progress bar: FLOPs
+counted once, the peak measured or looked up."""
 
 from __future__ import annotations
+
+import io
+import sys
 
 import pytest
 import torch
@@ -12,6 +16,7 @@ from distkit.loggers import Logger
 from distkit.trainer import _throughput
 from distkit.trainer._throughput import (
     Peak,
+    RateWindow,
     count_flops,
     device_peak,
     throughput_record,
@@ -72,10 +77,11 @@ def test_a_fit_records_flops_per_sample_and_mfu_and_says_them(capsys):
         assert record["mfu"] == pytest.approx(expected, rel=1e-9)  # the same cached peak
         assert 0 < record["mfu"] < 1
         assert "tokens_per_s" not in record  # a mean loss: no items to count
-    logged = [row for row in rows.rows if "mfu" in row]
-    assert len(logged) == 2 and logged[0]["flops_per_sample"] == MLP_FLOPS
+    logged = [row for row in rows.rows if "flops_per_sample" in row]  # the epochs' rows
+    assert len(logged) == 2 and all("mfu" in row for row in logged)
     out = "".join(capsys.readouterr())
     assert "per sample; MFU " in out and "(measured: CPU fp32 matmul" in out
+    assert "MFU 0.0%" not in out  # a small share in three significant digits
     assert "mfu=" not in out  # said in its own words, once
 
 
@@ -160,11 +166,111 @@ def test_the_cpu_peak_is_measured_once_per_precision_and_thread_count():
 
 
 def test_measuring_the_cpu_peak_leaves_torch_s_random_numbers_alone():
-    """The peak is measured at an epoch's end, mid-fit: it must not advance the global
-    generator that the next epoch's dropout and shuffles draw from."""
+    """The peak is measured before the first epoch, after the fit's seed: it must not
+    advance the global generator that the next epoch's dropout and shuffles draw from."""
     _throughput.cpu_matmul_peak.cache_clear()
     torch.manual_seed(5)
     expected = torch.rand(3)
     torch.manual_seed(5)
     _throughput.cpu_matmul_peak("32", torch.get_num_threads())
     assert torch.equal(torch.rand(3), expected)
+
+
+def test_a_rate_window_gives_the_figures_since_the_last_log_point(monkeypatch):
+    clock = iter([10.0, 12.0, 13.0])
+    monkeypatch.setattr(_throughput.time, "perf_counter", lambda: next(clock))
+    window = RateWindow()
+    window.open(position=0, global_step=0)  # 10.0
+
+    first = window.close(position=64, global_step=4, items=640.0, flops_per_sample=1e6,
+                         peak_sum=2e9)  # 12.0: 64 samples in 2 s  # fmt: skip
+    second = window.close(position=96, global_step=6, items=None, flops_per_sample=None,
+                          peak_sum=0.0)  # 13.0: 32 samples in 1 s  # fmt: skip
+
+    assert first == {"samples_per_s": 32.0, "tokens_per_s": 320.0, "mfu": 32.0 * 1e6 / 2e9}
+    assert second == {"samples_per_s": 32.0}  # no items, no count: those figures left out
+
+
+def test_a_rate_window_that_spans_an_epoch_s_end_gives_nothing(monkeypatch):
+    clock = iter([0.0, 1.0, 5.0, 6.0, 7.0])
+    monkeypatch.setattr(_throughput.time, "perf_counter", lambda: next(clock))
+    window = RateWindow()
+    window.open(position=0, global_step=0)
+    window.close(position=24, global_step=3, items=None, flops_per_sample=None, peak_sum=0)
+    # the epoch had 4 steps: step 4 trained after the log point, then the epoch ended
+    window.open(position=0, global_step=4)  # 5.0: not clean
+    spanning = window.close(position=8, global_step=6, items=None, flops_per_sample=None,
+                            peak_sum=0)  # fmt: skip
+    after = window.close(position=16, global_step=7, items=None, flops_per_sample=None,
+                         peak_sum=0)  # fmt: skip
+
+    assert spanning == {}  # the epoch's end inside it: no figures rather than wrong ones
+    assert after == {"samples_per_s": 8.0}  # 8 samples from 6.0 to 7.0
+
+
+def _token_step(model, batch):
+    x, y = batch
+    total = nn.functional.cross_entropy(model(x), y, reduction="sum")
+    return distkit.Loss(total, 3 * len(y))  # three "tokens" per sample
+
+
+class _Terminal(io.StringIO):
+    """stderr as a terminal: the progress bar draws only where a person watches."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def _postfixes(drawn: str) -> list[dict[str, str]]:
+    """Every distinct postfix the bar drew, in order (``loss=..., samples/s=..., ...``)."""
+    seen: list[dict[str, str]] = []
+    for frame in drawn.replace("\r", "\n").splitlines():
+        if "loss=" not in frame:
+            continue
+        tail = frame[frame.index("loss=") :].split("]")[0]
+        fields = dict(part.strip().split("=", 1) for part in tail.split(", "))
+        if not seen or seen[-1] != fields:
+            seen.append(fields)
+    return seen
+
+
+def _number(text: str) -> float:
+    return float(text.rstrip("%").replace(",", ""))
+
+
+def test_the_bar_shows_loss_samples_tokens_and_mfu_at_log_points(monkeypatch):
+    """8 steps an epoch, a log point every 3: steps 3, 6 | 9 (its window spans the first
+    epoch's end: the loss alone), 12, 15."""
+    screen = _Terminal()
+    monkeypatch.setattr(sys, "stderr", screen)
+    monkeypatch.setenv("COLUMNS", "200")  # a wide one: at 80 columns tqdm cuts the postfix
+    losses = []
+
+    class Losses(Logger):
+        def log_metrics(self, metrics, step):
+            if "lr" in metrics:  # a log point's row
+                losses.append(metrics["train_loss"])
+
+    with distkit.Trainer("dp", batch_size=BATCH, max_epochs=2, log_every_n_steps=3,
+                         loggers=[Losses()]) as trainer:  # fmt: skip
+        model = _mlp()
+        trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), _data(),
+                    step_fn=_token_step)  # fmt: skip
+
+    shown = _postfixes(screen.getvalue())
+    assert [float(fields["loss"]) for fields in shown] == pytest.approx(losses, rel=1e-3)
+    with_rates = [i for i, fields in enumerate(shown) if "samples/s" in fields]
+    assert with_rates == [0, 1, 3, 4]
+    assert set(shown[2]) == {"loss"}  # across the epoch's end: no figures rather than wrong
+    for i in with_rates:
+        samples, tokens = _number(shown[i]["samples/s"]), _number(shown[i]["tokens/s"])
+        assert abs(tokens - 3 * samples) <= 2  # three items per sample; each rounded to 1
+        assert 0 < _number(shown[i]["MFU"]) < 100
+
+
+def test_without_a_terminal_the_bar_draws_nothing_and_no_window_closes(monkeypatch, capsys):
+    with distkit.Trainer("dp", batch_size=BATCH, max_epochs=1, log_every_n_steps=2) as trainer:
+        model = _mlp()
+        trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), _data(),
+                    step_fn=_token_step)  # fmt: skip
+    assert "samples/s=" not in "".join(capsys.readouterr())  # piped: the epoch lines only
