@@ -39,6 +39,7 @@ from distkit.trainer._throughput import (
     RateWindow,
     count_flops,
     device_peak,
+    matmul_kind,
     rates_text,
     throughput_record,
 )
@@ -404,7 +405,11 @@ class StepLoop:
         """The training device's peak, looked up (or measured) the first time it is asked."""
         if not self._peak_found:
             strategy = self.strategy
-            self.peak = device_peak(strategy.device, strategy.precision.name)
+            parameters = next(
+                (p.dtype for p in self.model.parameters() if p.is_floating_point()), None
+            )
+            kind = matmul_kind(strategy.precision.name, parameters)
+            self.peak = device_peak(strategy.device, kind)
             self._peak_found = True
         return self.peak
 

@@ -5,7 +5,9 @@
   convolutions torch counts: what "model FLOPs" means in MFU), divided by its samples. A
   model whose cost per sample changes from batch to batch (sequences of other lengths) is
   counted at its first batch.
-- **The peak** is the device's dense matmul peak in the training precision: for a GPU from
+- **The peak** is the device's dense matmul peak in the dtype the matmuls run in (the
+  autocast's under ``precision="bf16"``/``"fp16"``; under ``"32"`` the parameters' own, so
+  a float64 or a bf16-cast model is measured against its own peak): for a GPU from
   a table of published figures (:data:`GPU_PEAKS`, TFLOP/s per device; a GPU not in it gets
   no MFU); on a CPU a matmul measured once per process with the process's threads, labelled
   as measured.
@@ -40,17 +42,19 @@ import torch
 T = TypeVar("T")
 
 #: dense (no sparsity) matmul peaks, TFLOP/s per device, by the device name's marker, the
-#: most specific first; "tf32" is fp32 training with TF32 matmuls allowed
+#: most specific first; "tf32" is fp32 training with TF32 matmuls allowed, "64" FP64 (tensor
+#: cores where the GPU has them; left out where NVIDIA publishes no figure)
 GPU_PEAKS: tuple[tuple[str, dict[str, float]], ...] = (
-    ("H100 PCIe", {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "32": 51.2}),
-    ("H100", {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "32": 66.9}),
-    ("H200", {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "32": 66.9}),
-    ("A100", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "32": 19.5}),
+    ("H100 PCIe", {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "32": 51.2, "64": 51.2}),
+    ("H100", {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "32": 66.9, "64": 66.9}),
+    ("H200", {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "32": 66.9, "64": 66.9}),
+    ("A100", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "32": 19.5, "64": 19.5}),
     ("L40S", {"bf16": 362.1, "fp16": 362.1, "tf32": 183.0, "32": 91.6}),
     ("L4", {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "32": 30.3}),
-    ("V100", {"fp16": 125.0, "32": 15.7}),
+    ("V100", {"fp16": 125.0, "32": 15.7, "64": 7.8}),
 )
-_DTYPES = {"32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPES = {"32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "64": torch.float64}
+_KINDS = {dtype: kind for kind, dtype in _DTYPES.items()}
 #: the epoch record's entries (each only where it applies)
 THROUGHPUT_KEYS = ("tokens_per_s", "flops_per_sample", "mfu")
 
@@ -75,9 +79,19 @@ def count_flops(run: Callable[[], T]) -> tuple[T, int]:
     return result, int(counter.get_total_flops())
 
 
+def matmul_kind(precision: str, parameters: torch.dtype | None) -> str:
+    """The dtype a fit's matmuls run in, as :func:`device_peak` names it: ``precision``'s
+    autocast dtype ("bf16", "fp16"), or under "32" the parameters' own ("64" for a float64
+    model, "bf16" for a model cast to bf16)."""
+    if precision != "32" or parameters is None:
+        return precision
+    return _KINDS.get(parameters, "32")
+
+
 def device_peak(device: torch.device, precision: str) -> Peak | None:
-    """The matmul peak of one ``device`` in ``precision`` ("32", "bf16", "fp16"); None for a
-    GPU the table does not know (its MFU is then not reported)."""
+    """The matmul peak of one ``device`` in ``precision`` ("32", "bf16", "fp16", "64": see
+    :func:`matmul_kind`); None for a GPU the table does not know in it (its MFU is then not
+    reported)."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         kind = precision
@@ -89,7 +103,7 @@ def device_peak(device: torch.device, precision: str) -> Peak | None:
         return None
     if device.type != "cpu":
         return None
-    name = {"32": "fp32"}.get(precision, precision)
+    name = {"32": "fp32", "64": "fp64"}.get(precision, precision)
     threads = torch.get_num_threads()
     flops = cpu_matmul_peak(precision, threads)
     threads_text = f"{threads} thread{'s' if threads > 1 else ''}"

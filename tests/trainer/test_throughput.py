@@ -19,6 +19,7 @@ from distkit.trainer._throughput import (
     RateWindow,
     count_flops,
     device_peak,
+    matmul_kind,
     throughput_record,
     throughput_text,
 )
@@ -274,3 +275,27 @@ def test_without_a_terminal_the_bar_draws_nothing_and_no_window_closes(monkeypat
         trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), _data(),
                     step_fn=_token_step)  # fmt: skip
     assert "samples/s=" not in "".join(capsys.readouterr())  # piped: the epoch lines only
+
+
+def test_the_peak_is_the_dtype_the_matmuls_run_in():
+    assert matmul_kind("bf16", torch.float32) == "bf16"  # the autocast's
+    assert matmul_kind("32", torch.float64) == "64"  # a float64 model: no autocast
+    assert matmul_kind("32", torch.bfloat16) == "bf16"  # a model cast to bf16
+    assert matmul_kind("32", None) == "32"  # no floating parameter
+    peak = device_peak(torch.device("cpu"), "64")
+    assert peak is not None and peak.source.startswith("measured: CPU fp64 matmul")
+
+
+def test_a_float64_fit_is_measured_against_the_fp64_peak(capsys):
+    with distkit.Trainer("dp", batch_size=BATCH, max_epochs=1) as trainer:
+        model = _mlp().double()
+        x, y = _data().tensors
+        data = TensorDataset(x.double(), y)
+        result = trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
+                             loss_fn=nn.functional.cross_entropy)  # fmt: skip
+
+    peak = device_peak(torch.device("cpu"), "64")
+    assert peak is not None
+    record = result.history[0]
+    assert record["mfu"] == pytest.approx(MLP_FLOPS * record["samples_per_s"] / peak.flops)
+    assert "(measured: CPU fp64 matmul" in "".join(capsys.readouterr())
