@@ -339,6 +339,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return train(trainer, model, optimizer, kind, args)
 
 
+def mfu_text(record: dict[str, float]) -> str:
+    """", MFU 41.2%" from an epoch record ("" where the device's peak is not known)."""
+    if "mfu" not in record:
+        return ""
+    share = record["mfu"]
+    return f", MFU {share:.1%}" if share >= 1e-3 else f", MFU {100 * share:.3g}%"
+
+
 def train(
     trainer: distkit.Trainer,
     model: nn.Module,
@@ -403,7 +411,8 @@ def train(
             f"val perplexity: {perplexity:.2f} (unigram baseline: {baseline:.2f})  "
             f"val token accuracy: {last['val_token_acc']:.4f}  "
             f"train loss: {last['train_loss']:.4f}  "
-            f"({len(result.history)} epoch(s) in {seconds:.1f} s)",
+            f"({len(result.history)} epoch(s) in {seconds:.1f} s; last epoch "
+            f"{last['tokens_per_s']:,.0f} tokens/s{mfu_text(last)})",
             flush=True,
         )
         print(f"weights: {out / 'model.safetensors'}", flush=True)

@@ -188,6 +188,13 @@ def test_lm_example_one_process_beats_the_unigram_baseline_and_saves(one_process
     output, weights, out = one_process
     assert "strategy=dp, world_size=1" in output
     _perplexities(output)
+    # the epoch report's throughput line: tokens/s (a token-exact loss), FLOPs and MFU
+    throughput = re.findall(r"^  ([\d,]+) tokens/s; .* per sample; MFU ([\d.]+)% of .*$",
+                            output, flags=re.M)  # fmt: skip
+    assert len(throughput) == 2, output
+    assert all(int(tokens.replace(",", "")) > 0 and 0 < float(mfu) < 100
+               for tokens, mfu in throughput)  # fmt: skip
+    assert re.search(r"last epoch [\d,]+ tokens/s, MFU [\d.]+%\)", output)
     assert output.count("samples (temperature 0.7, seed 0):") == 1
     assert re.search(r"^  def ", output, flags=re.M) and re.search(r"^  import ", output, re.M)
     if lm.pick_model("auto") == "torch":  # no transformers here: the example took plain torch
