@@ -494,12 +494,44 @@ def quartiles(values: list[float]) -> list[float]:
     return statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
 
 
-def add_ratios(results: dict[str, dict[str, Any]], world: int, batch_size: int) -> None:
+def model_flops(ctx: Context) -> dict[str, Any]:
+    """The model's FLOPs per sample (one forward and backward, counted by torch's
+    FlopCounterMode as distkit's Trainer counts them) and this device's matmul peak in the
+    precision (distkit's measured CPU figure or its table of GPU figures): the same for every
+    framework, so MFU ranks them exactly as samples/s does."""
+    from distkit.trainer._throughput import count_flops, device_peak, matmul_kind
+
+    device = torch.device("cuda", 0) if ctx.cuda else torch.device("cpu")
+    model = ctx.make_model().to(device)
+    x, y = ctx.data.tensors
+    x, y = x[: ctx.batch_size].to(device), y[: ctx.batch_size].to(device)
+
+    def step() -> None:
+        with autocast(device, ctx.precision):
+            loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+
+    _, flops = count_flops(step)
+    parameters = next(p.dtype for p in model.parameters())
+    peak = device_peak(device, matmul_kind(ctx.precision, parameters))
+    return {
+        "flops_per_sample": flops / len(y),
+        "peak_flops": None if peak is None else peak.flops,
+        "peak_source": None if peak is None else peak.source,
+    }
+
+
+def add_ratios(
+    results: dict[str, dict[str, Any]], world: int, batch_size: int, flops: dict[str, Any]
+) -> None:
     hand = results.get("hand", {})
     for entry in results.values():
         if entry.get("status") != "ok":
             continue
         entry["samples_per_s"] = world * batch_size / entry["ms_per_step"] * 1e3
+        if flops["peak_flops"]:  # every process's device: the same kind, the same peak
+            per_s = flops["flops_per_sample"] * entry["samples_per_s"]
+            entry["mfu"] = per_s / (world * flops["peak_flops"])
         if hand.get("status") == "ok":
             entry["ratio"] = entry["ms_per_step"] / hand["ms_per_step"]
             entry["cpu_ratio"] = entry["cpu_ms_per_step"] / hand["cpu_ms_per_step"]
@@ -591,7 +623,7 @@ def print_table(key: str, block: dict[str, Any]) -> None:
     print(f"\n{key}: {block['processes']} process(es), {block['model']} model{mixed}, batch "
           f"{block['batch_size_per_process']} per process, one thread each")  # fmt: skip
     print(f"{'framework':<12}{'ms/step':>8}{'vs hand':>9}{'by round':>20}{'cpu vs hand':>12}"
-          f"{'calls/step':>11}{'samples/s':>11}{'steps':>7}  how")  # fmt: skip
+          f"{'calls/step':>11}{'samples/s':>11}{'MFU':>9}{'steps':>7}  how")  # fmt: skip
     for name, r in results.items():
         if r["status"] != "ok":
             print(f"{name:<12}{r['detail']}")
@@ -603,16 +635,19 @@ def print_table(key: str, block: dict[str, Any]) -> None:
             by_round = f"{r['round_ratio_median']:.3f} [{min(rounds):.2f}-{max(rounds):.2f}]"
         calls = r.get("calls_per_step")
         calls = "-" if calls is None else f"{calls:.0f}"
+        mfu = f"{100 * r['mfu']:.3g}%" if "mfu" in r else "-"
         print(
             f"{name:<12}{r['ms_per_step']:>8.2f}{ratio:>9}{by_round:>20}{cpu_ratio:>12}"
-            f"{calls:>11}{r['samples_per_s']:>11,.0f}{r['steps_timed']:>7}  {r['how']}"
+            f"{calls:>11}{r['samples_per_s']:>11,.0f}{mfu:>9}{r['steps_timed']:>7}  {r['how']}"
         )
     print(
         "ms/step: median wall time from one forward to the next, over all timed rounds;\n"
         "vs hand: that median / the hand loop's; by round: the median [lowest-highest] of the\n"
         "per-round ratios (each against the hand loop's same round: a wide range = a noisy\n"
         "machine); cpu vs hand: the same with this process's CPU time instead of wall time;\n"
-        "calls/step: Python calls on the training thread per step, in one more epoch (exact)"
+        "calls/step: Python calls on the training thread per step, in one more epoch (exact);\n"
+        f"MFU: {block['flops_per_sample']:,.0f} FLOPs per sample (FlopCounterMode, forward and "
+        f"backward) x samples/s over the processes' peak ({block['peak_source'] or 'unknown'})"
     )
 
 
@@ -719,7 +754,8 @@ def main(argv: list[str] | None = None) -> int:
             results = measure(context(1, 0, 1, args), args.only, args.rounds)
         else:
             results = launch(nprocs, args)
-        add_ratios(results, nprocs, args.batch_size)
+        flops = model_flops(context(1, 0, 1, args))
+        add_ratios(results, nprocs, args.batch_size, flops)
         key = "single" if nprocs == 1 else f"x{nprocs}"
         report[key] = {
             "processes": nprocs,
@@ -727,6 +763,7 @@ def main(argv: list[str] | None = None) -> int:
             "batch_size_per_process": args.batch_size,
             "model": args.model,
             "precision": args.precision,
+            **flops,
             "frameworks": results,
         }
         print_table(key, report[key])

@@ -2,7 +2,8 @@
 
 Each configuration trains the overhead benchmark's CNN for a few epochs with the same per-process
 batch (weak scaling: the global batch grows with the process count) and reports the median of
-distkit's own per-epoch throughput (``samples_per_s`` in the history) after the first epoch.
+distkit's own per-epoch throughput (``samples_per_s`` in the history) after the first epoch,
+and its MFU beside it (``mfu``: FLOPs per sample over the devices' peak; see docs/performance.md).
 Efficiency = throughput(N) / (N x throughput(1)). One thread per process.
 
     python benchmarks/scaling.py                  # dp x1, ddp x1/x2, horovod x1/x2
@@ -12,7 +13,7 @@ Efficiency = throughput(N) / (N x throughput(1)). One thread per process.
 On CUDA only ddp runs (one GPU per process, cuda:LOCAL_RANK, NCCL), and the throughput is
 distkit's own per-epoch figure, timed with CUDA events read once per epoch.
 
-Writes benchmarks/results/scaling.json: {strategy: {"N": {"samples_per_s", "efficiency"}}}.
+Writes benchmarks/results/scaling.json: {strategy: {"N": {"samples_per_s", "mfu", "efficiency"}}}.
 """
 
 from __future__ import annotations
@@ -48,11 +49,14 @@ def worker(strategy: str, steps: int, epochs: int, batch_size: int, out: Path, *
     if trainer.is_main:
         rates = [record["samples_per_s"] for record in result.history[1:]]
         steps_ms = [record["time_step_ms"] for record in result.history[1:]]
+        # distkit's own MFU (absent where the device's peak is not known)
+        mfus = [record["mfu"] for record in result.history[1:] if "mfu" in record]
         out.write_text(
             json.dumps(
                 {
                     "samples_per_s": statistics.median(rates),
                     "step_ms": statistics.median(steps_ms),
+                    "mfu": statistics.median(mfus) if mfus else None,
                     "world_size": trainer.world_size,
                 }
             )
@@ -113,13 +117,15 @@ def main(argv: list[str] | None = None) -> int:
     for strategy, counts in plan.items():
         for procs in counts:
             results.setdefault(strategy, {})[str(procs)] = launch(strategy, procs, args)
-    print(f"\n{'strategy':<10}{'procs':>6}{'samples/s':>12}{'step ms':>10}{'efficiency':>12}")
+    print(f"\n{'strategy':<10}{'procs':>6}{'samples/s':>12}{'MFU':>9}{'step ms':>10}"
+          f"{'efficiency':>12}")  # fmt: skip
     for strategy, by_procs in results.items():
         base = by_procs.get("1", {}).get("samples_per_s")
         for procs, r in by_procs.items():
             r["efficiency"] = r["samples_per_s"] / (int(procs) * base) if base else float("nan")
-            print(f"{strategy:<10}{procs:>6}{r['samples_per_s']:>12,.0f}{r['step_ms']:>10.2f}"
-                  f"{r['efficiency']:>12.2f}")  # fmt: skip
+            mfu = "-" if r.get("mfu") is None else f"{100 * r['mfu']:.3g}%"
+            print(f"{strategy:<10}{procs:>6}{r['samples_per_s']:>12,.0f}{mfu:>9}"
+                  f"{r['step_ms']:>10.2f}{r['efficiency']:>12.2f}")  # fmt: skip
     (args.results / "scaling.json").write_text(json.dumps(results, indent=2))
     cuda = args.device == "cuda"
     machine = f"{torch.cuda.device_count()} GPUs" if cuda else f"{os.cpu_count()} cores"

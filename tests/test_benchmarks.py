@@ -111,8 +111,18 @@ def test_peers_runs_distkit_and_the_hand_loop_on_1_and_2_processes(tmp_path: Pat
             assert entry["ratio"] > 0 and entry["samples_per_s"] > 0
             assert entry["steps_timed"] == 5  # 6 steps: 5 forward-to-forward intervals
             assert entry["calls_per_step"] > 10  # counted in one more epoch
+            # the same FLOPs per sample for every loop: MFU ranks them as samples/s does
+            mfu = (
+                block["flops_per_sample"]
+                * entry["samples_per_s"]
+                / (processes * block["peak_flops"])
+            )
+            assert entry["mfu"] == pytest.approx(mfu, rel=1e-12) and 0 < entry["mfu"] < 1
+        assert block["peak_source"].startswith("measured: CPU fp32 matmul, 1 thread")
         assert block["frameworks"]["hand"]["ratio"] == 1.0
     assert "distkit" in proc.stdout and "vs hand" in proc.stdout
+    # one model, counted once per block: the same count at every world size
+    assert report["single"]["flops_per_sample"] == report["x2"]["flops_per_sample"] > 1e6
 
 
 def test_growth_notes_the_first_step_and_every_distkit_check_on_2_ranks(tmp_path: Path) -> None:
