@@ -349,6 +349,21 @@ def test_fsdp_shard_policy_chooses_the_units():
     assert not default("0.sub", nn.Linear(2, 2))  # top-level children only
 
 
+def test_fsdp_shards_each_layer_of_a_top_level_module_list_and_equals_one_process(
+    run_on_ranks,
+):
+    """``self.layers = nn.ModuleList(...)`` at the top: the default units used to name the
+    list itself, which fully_shard refuses ("containers that do not implement forward")."""
+    from distkit.strategies.fsdp._units import default_units
+    from tests.support.workloads import make_stack
+
+    assert default_units(make_stack()) == {"inp", "layers.0", "layers.1", "layers.2", "out"}
+    two = run_on_ranks(partial(_train, model="stack"), "fsdp", 4, 61, world_size=2)
+    one = run_on_ranks(partial(_train, model="stack"), "ddp", 8, 61, world_size=1)[0]
+    assert max_abs_diff(two[0]["state"], two[1]["state"]) == 0.0
+    assert max_abs_diff(two[0]["state"], one["state"]) <= TOL
+
+
 class _Tied(nn.Module):
     """An embedding, two blocks in a module list, and an output layer tied to the embedding."""
 
@@ -366,8 +381,9 @@ def test_fsdp_default_units_keep_tied_weights_out_of_two_units():
 
     # untied: each top-level child with parameters
     assert default_units(nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 2))) == {"0", "2"}
-    # tied: embed and head share a weight, so neither is a unit; blocks and norm are whole
-    assert default_units(_Tied()) == {"blocks", "norm"}
+    # tied: embed and head share a weight, so neither is a unit; norm is whole, and the
+    # blocks' module list (no forward of its own: fully_shard refuses it) gives its items
+    assert default_units(_Tied()) == {"blocks.0", "blocks.1", "norm"}
     wrapper = nn.Module()
     wrapper.model = _Tied()  # the tie inside one child: that child is a unit
     wrapper.other = nn.Linear(2, 2)

@@ -42,6 +42,40 @@ def make_bn_model(
     ).to(dtype)
 
 
+class Block(nn.Module):
+    """A residual block ``x + W2 tanh(W1 x)``: what a stack repeats."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.inner = nn.Linear(width, width)
+        self.outer = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.outer(torch.tanh(self.inner(x)))
+
+
+class Stack(nn.Module):
+    """A model as transformers are written: an input layer, a top-level ``nn.ModuleList`` of
+    repeated blocks (``self.layers``), an output layer."""
+
+    def __init__(self, features: int = 6, classes: int = 3, width: int = 16, depth: int = 3):
+        super().__init__()
+        self.inp = nn.Linear(features, width)
+        self.layers = nn.ModuleList(Block(width) for _ in range(depth))
+        self.out = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x)
+
+
+def make_stack(seed: int = 0, dtype: torch.dtype = torch.float32, depth: int = 3) -> Stack:
+    torch.manual_seed(seed)
+    return Stack(depth=depth).to(dtype)
+
+
 def without_timing(history: list[dict]) -> list[dict]:
     """History records without the run-dependent measurements: timing, peak memory, the
     rates (samples/s, tokens/s, MFU) and the FLOPs per sample (counted on a fit's first
@@ -87,7 +121,8 @@ def train_with_distkit(
     """
     if dtype is None:
         dtype = DTYPE if precision in ("32", "fp32") else torch.float32
-    net = make_bn_model(dtype=dtype) if model == "bn" else make_mlp(dtype=dtype)
+    builders = {"bn": make_bn_model, "stack": make_stack, "mlp": make_mlp}
+    net = builders[model](dtype=dtype)
     dataset = make_dataset(n, dtype=dtype)
     data: Any = DataLoader(dataset, batch_size=batch_size, shuffle=True) if as_loader else dataset
     trainer = distkit.Trainer(

@@ -6,7 +6,8 @@ one unit only, and a language model's output layer tied to its embedding
 (``lm_head.weight is transformer.wte.weight``) sits in two top-level children. Such a child
 is not a unit (its shared parameters stay with the root, which is gathered for the whole
 forward); instead each block of its module lists (a transformer's layers, the bulk of its
-parameters) that shares nothing becomes one.
+parameters) that shares nothing becomes one. A top-level module list or dict (no forward of
+its own, which ``fully_shard`` refuses) has its items as units instead.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from collections.abc import Callable
 from torch import nn
 
 ShardPolicy = Callable[[str, nn.Module], bool]
+#: containers without a forward of their own, which fully_shard refuses as a unit
+_NO_FORWARD = (nn.ModuleList, nn.ModuleDict)
 
 
 def default_units(model: nn.Module) -> set[str]:
@@ -34,6 +37,14 @@ def default_units(model: nn.Module) -> set[str]:
     units: set[str] = set()
     for name, child in model.named_children():
         if not any(True for _ in child.parameters()):
+            continue
+        if self_contained(name, child) and isinstance(child, _NO_FORWARD):
+            # fully_shard refuses a container without a forward of its own (a model's
+            # top-level ``self.layers = nn.ModuleList(...)``): its items are the units
+            units.update(
+                f"{name}.{item}" for item, block in child.named_children()
+                if any(True for _ in block.parameters())
+            )  # fmt: skip
             continue
         if self_contained(name, child):
             units.add(name)
