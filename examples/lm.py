@@ -65,6 +65,8 @@ VAL_EVERY = 4  # every 4th selected file is a validation file
 PROMPTS = (b"def ", b"import ", b"class ", b"    return ")
 WIDTH, LAYERS, HEADS = 64, 2, 4
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
+#: --compile: Trainer(compile=...)
+COMPILE: dict[str, bool | str] = {"off": False, "model": True, "blocks": "blocks"}
 
 
 # ------------------------------------------------------------------------------------ data
@@ -174,19 +176,24 @@ def pick_model(kind: str) -> str:
     return "hf"
 
 
-def build_model(kind: str, max_len: int) -> nn.Module:
-    """A fresh causal LM over :data:`VOCAB` tokens (``kind``: ``hf`` or ``torch``)."""
+def build_model(kind: str, max_len: int, layers: int = LAYERS) -> nn.Module:
+    """A fresh causal LM over :data:`VOCAB` tokens (``kind``: ``hf`` or ``torch``); GPT-2
+    with ``layers`` blocks (the plain torch model has its own two)."""
     if kind == "torch":
         return TinyCausalLM(VOCAB, max_len)
     from transformers import GPT2Config, GPT2LMHeadModel  # optional: imported only here
 
     config = GPT2Config(
-        vocab_size=VOCAB, n_positions=max_len, n_embd=WIDTH, n_layer=LAYERS, n_head=HEADS,
+        vocab_size=VOCAB, n_positions=max_len, n_embd=WIDTH, n_layer=layers, n_head=HEADS,
         bos_token_id=BOS, eos_token_id=BOS, pad_token_id=PAD,
         # a few epochs over a small corpus: dropout would only slow it down
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
         # GPT-2's 0.02 suits width 768; at width 64 it starts near-uniform and learns slowly
         initializer_range=0.05,
+        # training and sample_line recompute every position: no key-value cache, which
+        # GPT-2 would build in training too (and hand every block, each block's state a
+        # guard that makes compile="blocks" compile every block anew)
+        use_cache=False,
     )  # fmt: skip
     return GPT2LMHeadModel(config)
 
@@ -275,6 +282,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--compile", default="off", choices=sorted(COMPILE),
+        help="torch.compile: off, model (the whole model) or blocks (each transformer block; "
+        "one graph for all of them) (default: off)",
+    )  # fmt: skip
+    parser.add_argument(
         "--files", type=int, default=24,
         help="standard library modules to read, every 4th for validation (default: 24)",
     )  # fmt: skip
@@ -334,13 +346,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         grad_accum_steps=args.grad_accum,
         seed=args.seed,
         scheduler_interval="step",
+        compile=COMPILE[args.compile],
     )
     with trainer:  # closing tears down the process group distkit created
         return train(trainer, model, optimizer, kind, args)
 
 
 def mfu_text(record: dict[str, float]) -> str:
-    """", MFU 41.2%" from an epoch record ("" where the device's peak is not known)."""
+    """ ", MFU 41.2%" from an epoch record ("" where the device's peak is not known)."""
     if "mfu" not in record:
         return ""
     share = record["mfu"]

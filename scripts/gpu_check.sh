@@ -136,7 +136,8 @@ focus() {
         $(workers "${FOCUS_WORKERS:-3}") ${FOCUS_TESTS:-tests/strategies/test_cuda_paths.py \
         tests/strategies/test_cuda_large_models.py tests/strategies/test_host_syncs.py \
         tests/trainer/test_memory.py tests/trainer/test_profiler.py \
-        tests/runtime/test_determinism.py tests/checkpoint tests/strategies/test_compile.py}
+        tests/runtime/test_determinism.py tests/checkpoint tests/strategies/test_compile.py \
+        tests/strategies/test_compile_blocks.py}
 }
 
 suite() {

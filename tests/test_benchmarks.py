@@ -125,6 +125,26 @@ def test_peers_runs_distkit_and_the_hand_loop_on_1_and_2_processes(tmp_path: Pat
     assert report["single"]["flops_per_sample"] == report["x2"]["flops_per_sample"] > 1e6
 
 
+def test_compile_blocks_times_each_mode_on_gpt2_and_compares_it_with_eager(tmp_path):
+    pytest.importorskip(
+        "transformers", reason="the GPT-2 example's model (pip install transformers)"
+    )
+    out = tmp_path / "compile_blocks.json"
+    proc = run_script(
+        str(BENCH / "compile_blocks.py"), "--layers", "3", "--steps", "6", "--warmup", "2",
+        "--backend", "aot_eager", "--out", str(out),
+    )  # fmt: skip
+    results = json.loads(out.read_text())["layers_3"]
+    assert list(results) == ["eager", "model", "blocks"]
+    for mode, entry in results.items():
+        assert entry["status"] == "ok", entry
+        assert entry["steps"] == 6 and entry["first_step_s"] > 0 and entry["step_ms"] > 0
+        assert entry["max_weight_diff"] == 0.0, mode  # aot_eager runs eager's kernels
+    assert results["eager"]["graphs"] == 0
+    assert results["blocks"]["graphs"] == 1  # three GPT2Blocks, one graph
+    assert "GPT-2, 3 blocks" in proc.stdout
+
+
 def test_growth_notes_the_first_step_and_every_distkit_check_on_2_ranks(tmp_path: Path) -> None:
     out = tmp_path / "growth.json"
     run_script(

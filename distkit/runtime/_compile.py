@@ -2,7 +2,8 @@
 
 The strategy decides *what* to compile (its ``compile_model`` hook: the DDP wrapper, the
 sharded module...); this module decides *how*: ``torch.compile`` with the user's arguments,
-or, for a model the user compiled themselves, their own compile settings.
+each repeated block in place (``compile="blocks"``, see :mod:`._compile_blocks`), or, for a
+model the user compiled themselves, their own compile settings.
 """
 
 from __future__ import annotations
@@ -15,25 +16,45 @@ import torch
 from torch import nn
 
 from distkit.errors import ConfigurationError
+from distkit.runtime._compile_blocks import BlockCompiler
 
 #: compiles a module: ``torch.compile`` with fixed arguments, or a model's own dynamo context
 Compiler = Callable[[nn.Module], nn.Module]
 
 
-def check_compile(value: object) -> dict[str, Any] | None:
-    """``compile=``: False (off), True (torch.compile's defaults) or a dict of its arguments.
+#: ``compile=``'s own key beside torch.compile's arguments: compile each repeated block
+BLOCKS = "blocks"
 
-    Returns the arguments, or None when off.
+
+def check_compile(value: object) -> dict[str, Any] | None:
+    """``compile=``: False (off), True (torch.compile's defaults), a dict of its arguments,
+    or ``"blocks"`` (each repeated block compiled with torch.compile's defaults; in a dict,
+    ``"blocks": True`` beside the arguments).
+
+    Returns the arguments (``"blocks": True`` among them for a per-block compile), or None
+    when off.
     """
     if value is False:
         return None
     if value is True:
         return {}
+    if value == BLOCKS:
+        return {BLOCKS: True}
     if isinstance(value, dict) and all(isinstance(k, str) for k in value):
-        return dict(value)
+        if not isinstance(value.get(BLOCKS, False), bool):
+            raise ConfigurationError(
+                f"compile={{'blocks': {value[BLOCKS]!r}, ...}}: 'blocks' is True (compile "
+                "each repeated block) or False (the whole model), got "
+                f"{type(value[BLOCKS]).__name__}"
+            )
+        options = dict(value)
+        if not options.get(BLOCKS, True):
+            del options[BLOCKS]
+        return options
     raise ConfigurationError(
         f"compile must be True, False or a dict of torch.compile arguments (e.g. "
-        f"{{'mode': 'max-autotune'}}), got {value!r}"
+        f"{{'mode': 'max-autotune'}}), or 'blocks' to compile each repeated block (a "
+        f"transformer's layers; {{'blocks': True, 'mode': ...}} with arguments), got {value!r}"
     )
 
 
@@ -65,6 +86,7 @@ def plan(model: nn.Module, options: dict[str, Any] | None) -> tuple[nn.Module, C
     original = getattr(model, "_orig_mod", None)
     if isinstance(model, nn.Module) and isinstance(original, nn.Module):
         own = getattr(model, "dynamo_ctx", None)
+        # (``options`` with "blocks": the user's whole-model compile gives way to blocks)
         if options is None and callable(own):
             return original, own
         return original, _torch_compile(options or {})
@@ -74,4 +96,7 @@ def plan(model: nn.Module, options: dict[str, Any] | None) -> tuple[nn.Module, C
 
 
 def _torch_compile(options: dict[str, Any]) -> Compiler:
+    if options.get(BLOCKS):
+        arguments = {key: value for key, value in options.items() if key != BLOCKS}
+        return BlockCompiler(arguments)
     return functools.partial(torch.compile, **options)  # type: ignore[return-value]

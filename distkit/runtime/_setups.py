@@ -15,6 +15,7 @@ from torch import nn
 from distkit.errors import ConfigurationError
 from distkit.runtime._checkpointing import Policy, apply_checkpointing, remove_checkpointing
 from distkit.runtime._compile import Compiler
+from distkit.runtime._compile_blocks import BlockCompiler
 from distkit.strategies._placement import Placement, place, state_follows_parameters
 from distkit.strategies.base import Strategy
 from distkit.strategies.precision import check_model_dtype
@@ -56,6 +57,7 @@ class SetupCache:
         self._optimizers = weakref.WeakKeyDictionary()
         self._compiled: weakref.WeakKeyDictionary[nn.Module, nn.Module]
         self._compiled = weakref.WeakKeyDictionary()
+        self._block_compilers: list[BlockCompiler] = []  # compile="blocks": released at close
         # where each model was when it was set up: after set-up a strategy may have moved
         # parts of it (FSDP's CPU offload keeps parameters on the CPU, buffers on the GPU)
         self._placements: weakref.WeakKeyDictionary[nn.Module, Placement]
@@ -123,6 +125,8 @@ class SetupCache:
             compiled = self._compiled[model] = self.strategy.compile_model(
                 self._models[model], compiler
             )
+            if isinstance(compiler, BlockCompiler):  # in place: undone at close
+                self._block_compilers.append(compiler)
         return compiled
 
     def shutdown(self) -> None:
@@ -134,6 +138,9 @@ class SetupCache:
         """
         self.closed = True
         remove_checkpointing(list(self._checkpointed))
+        for compiler in self._block_compilers:
+            compiler.release()
+        self._block_compilers.clear()
         self._models.clear()
         self._optimizers.clear()
         self._compiled.clear()

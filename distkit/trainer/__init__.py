@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -128,7 +128,9 @@ class Trainer:
         val_every_n_steps: validate every this many optimizer steps as well as at the end of
             each epoch (None: only at the end of each epoch).
         compile: ``torch.compile`` the model in the order the strategy needs (after DDP's
-            wrapper, after fsdp's sharding); True, or a dict of ``torch.compile`` arguments.
+            wrapper, after fsdp's sharding); True, or a dict of ``torch.compile`` arguments;
+            ``"blocks"`` compiles each repeated block (a transformer's layers) in place
+            instead, with ``{"blocks": True, ...}`` for arguments.
         input_device: where each batch's inputs go for a model you placed on devices of
             your own (ddp and horovod keep it there; see the DDP page); None: the device of
             its first parameter. A model distkit places itself (one built on the CPU) takes
@@ -237,7 +239,7 @@ class Trainer:
         loggers: list[Logger] | None = None,
         log_every_n_steps: int = 50,
         val_every_n_steps: int | None = None,
-        compile: bool | dict[str, Any] = False,
+        compile: bool | Literal["blocks"] | dict[str, Any] = False,
         input_device: str | int | torch.device | None = None,
         cudnn_benchmark: bool = False,
         deterministic: bool | str = False,

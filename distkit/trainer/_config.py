@@ -61,7 +61,7 @@ class TrainerConfig:
     gradient_clip_value: float | None = None
     log_every_n_steps: int = 50
     val_every_n_steps: int | None = None
-    compile: bool | dict[str, Any] = False
+    compile: bool | str | dict[str, Any] = False
     input_device: str | int | torch.device | None = None
     cudnn_benchmark: bool = False
     preempt_signals: Any = None

@@ -219,8 +219,9 @@ def _step_loop(
         before_step=before_step,
         profile=profile,
         output_check=_metric_check(call),
-        # torch's FLOP counter cannot see inside a compiled forward: no count, no MFU
-        count_flops=fitted[0].forward_module is fitted[0].wrapped,
+        # torch's FLOP counter cannot see inside a compiled forward (nor compiled blocks):
+        # no count, no MFU
+        count_flops=call.compiler is None,
     )
 
 

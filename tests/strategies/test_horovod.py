@@ -39,6 +39,8 @@ CALLS = {
     "clip": (H, "train_clipped", ("horovod", 2), {"grad_accum_steps": 2}),
     "clip_fp16": (H, "train_clipped", ("horovod", 4), {"precision": "fp16"}),
     "compile": ("tests.strategies.test_compile", "eager_then_compiled", ("horovod", 4, 1), {}),
+    "compile_blocks": ("tests.strategies.test_compile_blocks", "eager_then_blocks",
+                       ("horovod", 4), {}),
     "schedulers": (H, "scheduler_warnings", (), {}),
 }  # fmt: skip
 
@@ -242,6 +244,17 @@ def test_horovod_compiled_model_equals_eager(horovod):
         assert runs["count"]["graphs"] > 0, "nothing was compiled"
         assert max_abs_diff(runs["count"]["state"], runs["off"]["state"]) <= TOL  # float64
     ranks = _ok(horovod["compile"])
+    assert max_abs_diff(ranks[0]["count"]["state"], ranks[1]["count"]["state"]) == 0.0
+
+
+@needs_horovod
+def test_horovod_compiled_blocks_equal_eager(horovod):
+    """compile="blocks" under Horovod's hooks: each block compiled, the weights eager's."""
+    for runs in _ok(horovod["compile_blocks"]):
+        assert runs["count"]["compiled"] == ["layers.0", "layers.1", "layers.2"]
+        assert runs["count"]["graphs"] >= 1
+        assert max_abs_diff(runs["count"]["state"], runs["off"]["state"]) == 0.0
+    ranks = _ok(horovod["compile_blocks"])
     assert max_abs_diff(ranks[0]["count"]["state"], ranks[1]["count"]["state"]) == 0.0
 
 
