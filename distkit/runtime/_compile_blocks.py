@@ -26,7 +26,7 @@ from typing import Any
 
 from torch import nn
 
-from distkit.errors import ConfigurationError
+from distkit.errors import ConfigurationError, UnsupportedFeatureError
 
 #: the containers whose children are a stack of blocks
 _STACKS = (nn.ModuleList, nn.Sequential)
@@ -72,6 +72,14 @@ class BlockCompiler:
         self.compiled: list[nn.Module] = []  # the blocks compiled, to restore at close
 
     def __call__(self, model: nn.Module) -> nn.Module:
+        if isinstance(model, nn.DataParallel) and len(model.device_ids) > 1:
+            # a replica is a copy of each module's attributes, the compiled call among them:
+            # bound to the original block, it would run the original's weights on every GPU
+            raise UnsupportedFeatureError(
+                f'compile="blocks" with nn.DataParallel over {len(model.device_ids)} GPUs: '
+                "its replicas copy each block's compiled call, which belongs to the original "
+                "block. Use strategy='ddp' (one process per GPU), or compile=True"
+            )
         blocks = repeated_blocks(model)
         if not blocks:
             raise ConfigurationError(

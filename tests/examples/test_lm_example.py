@@ -171,6 +171,14 @@ def test_lm_token_loss_is_the_sum_and_count_of_labelled_tokens(kind):
     assert loss.total.item() == pytest.approx(by_hand.item(), rel=1e-5)
 
 
+def test_lm_example_compile_option_is_the_trainer_s():
+    chosen = {name: lm.COMPILE[lm.parse_args(["--compile", name]).compile]
+              for name in ("off", "model", "blocks")}  # fmt: skip
+    assert chosen == {"off": False, "model": True, "blocks": "blocks"}
+    with pytest.raises(SystemExit):
+        lm.parse_args(["--compile", "layers"])
+
+
 def test_lm_example_options_are_checked():
     for bad in (["--files", "1"], ["--epochs", "0"], ["--max-len", "4"], ["--temperature", "-1"]):
         with pytest.raises(SystemExit):

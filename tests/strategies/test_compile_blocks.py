@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import distkit
-from distkit.runtime._compile_blocks import repeated_blocks
+from distkit.runtime._compile_blocks import BlockCompiler, repeated_blocks
 from tests.strategies.test_compile import CountingBackend
 from tests.support.exactness import DTYPE, TOL
 from tests.support.gates import needs
@@ -95,6 +95,17 @@ def test_a_model_without_repeated_blocks_is_refused_naming_its_classes():
 def test_compile_blocks_rejects_what_it_cannot_mean(value, words):
     with pytest.raises(distkit.ConfigurationError, match=words):
         distkit.Trainer("dp", progress=False, compile=value)
+
+
+def test_compile_blocks_refuses_dataparallel_replicas():
+    """A stand-in for nn.DataParallel over two GPUs (none here): only its device_ids are
+    read. Its replicas would copy each block's compiled call, bound to the original."""
+    wrapper = nn.DataParallel.__new__(nn.DataParallel)
+    nn.Module.__init__(wrapper)
+    wrapper.module, wrapper.device_ids = make_stack(), [0, 1]
+    with pytest.raises(distkit.UnsupportedFeatureError, match=r"over 2 GPUs: .* strategy='ddp'"):
+        BlockCompiler({})(wrapper)
+    assert _compiled(wrapper) == []
 
 
 # ---------------------------------------------------------------- one process
