@@ -154,7 +154,7 @@ class StepLoop:
     token_exact: bool = False  # the fit's losses are token-exact (its epochs get tokens/s)
     peak: Peak | None = None  # the device's matmul peak (None: not known), found once
     _peak_found: bool = False
-    #: the throughput between log points (the step rows' and the progress bar's)
+    #: the throughput between log points, for the progress bar
     rates: RateWindow = field(default_factory=RateWindow)
     _bar: tqdm[Any] | None = None  # the current epoch's progress bar
     #: the micro-batch's forward and backward: counted once, then plain (see __post_init__)
