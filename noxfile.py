@@ -136,7 +136,8 @@ def bench(session: nox.Session) -> None:
         return
     _install(session)
     # the peers only in this environment; torch pinned on the same line so none replaces it
-    session.install(TORCH, "lightning", "accelerate", "matplotlib")
+    # (transformers: compile_blocks.py's GPT-2; it does not depend on torch)
+    session.install(TORCH, "lightning", "accelerate", "matplotlib", "transformers")
     session.run("python", "-m", "distkit.horovod_build")  # the Horovod rows
     session.run("python", "benchmarks/overhead.py", *rest, env=env)
     session.run("python", "benchmarks/scaling.py", env=env)
@@ -144,6 +145,7 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/streams.py", env=env)
     session.run("python", "benchmarks/peers.py", env=env)
     session.run("python", "benchmarks/startup.py", env=env)
+    session.run("python", "benchmarks/compile_blocks.py", env=env)
     session.run("python", "benchmarks/plot.py")
 
 
