@@ -364,7 +364,16 @@ def test_bench_session_on_cpu_runs_every_cpu_script_with_the_arguments_for_overh
     scripts = [args[1] for args in session.runs if args[1].startswith("benchmarks/")]
     assert scripts == [
         f"benchmarks/{name}.py"
-        for name in ("overhead", "scaling", "memory", "streams", "peers", "startup", "plot")
+        for name in (
+            "overhead",
+            "scaling",
+            "memory",
+            "streams",
+            "peers",
+            "startup",
+            "compile_blocks",
+            "plot",
+        )
     ]
     assert session.runs[1] == ("python", "benchmarks/overhead.py", "--only", "single")
     assert not any("gpu.py" in " ".join(args) for args in session.runs)
