@@ -21,7 +21,6 @@ Runtime (the Trainer) gives each block its plain call back.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
@@ -107,13 +106,3 @@ class BlockCompiler:
 def _classes(model: nn.Module) -> str:
     names = sorted({type(m).__name__ for m in model.modules()})
     return ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
-
-
-def block_classes(model: nn.Module) -> list[str]:
-    """The class names of ``model``'s repeated blocks, each once (for messages and reports)."""
-    return list(dict.fromkeys(type(block).__name__ for block in repeated_blocks(model)))
-
-
-def compiled_blocks(model: nn.Module) -> Iterator[nn.Module]:
-    """The modules of ``model`` whose call runs compiled (``nn.Module.compile``)."""
-    return (m for m in model.modules() if getattr(m, "_compiled_call_impl", None) is not None)

@@ -186,12 +186,16 @@ class RateWindow:
             return {}
         wall = now - since[0]
         samples_per_s = (position - since[1]) / wall
-        rates = {"samples_per_s": samples_per_s}
-        if items is not None:
-            rates["tokens_per_s"] = items / wall
-        if flops_per_sample and peak_sum > 0:
-            rates["mfu"] = flops_per_sample * samples_per_s / peak_sum
-        return rates
+        # the epoch record's arithmetic over the window, less its count (a fit's constant)
+        figures = throughput_record(
+            flops_per_sample=flops_per_sample,
+            samples_per_s=samples_per_s,
+            peak_sum=peak_sum,
+            items=items,
+            wall_s=wall,
+        )
+        figures.pop("flops_per_sample", None)
+        return {"samples_per_s": samples_per_s, **figures}
 
 
 def rates_text(rates: dict[str, float]) -> dict[str, str]:

@@ -38,16 +38,16 @@ def default_units(model: nn.Module) -> set[str]:
     for name, child in model.named_children():
         if not any(True for _ in child.parameters()):
             continue
-        if self_contained(name, child) and isinstance(child, _NO_FORWARD):
+        if self_contained(name, child):
+            if not isinstance(child, _NO_FORWARD):
+                units.add(name)
+                continue
             # fully_shard refuses a container without a forward of its own (a model's
             # top-level ``self.layers = nn.ModuleList(...)``): its items are the units
             units.update(
                 f"{name}.{item}" for item, block in child.named_children()
                 if any(True for _ in block.parameters())
             )  # fmt: skip
-            continue
-        if self_contained(name, child):
-            units.add(name)
             continue
         for inner, module in child.named_modules(prefix=name):
             if not isinstance(module, nn.ModuleList):
