@@ -107,7 +107,7 @@ def train_feed(
             drop_last=drop_last or spec.drop_last,
         )
     assert plan is not None, "map-style data has a plan"
-    loader, sampler = spec.train_loader(plan, seed=seed + strategy.rank)
+    loader, sampler = spec.train_loader(plan, seed=seed + strategy.data_rank)
     return MapFeed(strategy, loader, sampler, plan)
 
 
@@ -118,6 +118,6 @@ def eval_batches(
     if isinstance(spec, StreamSpec):
         feed = StreamFeed(strategy, spec, slots=1, seed=seed, purpose="eval")
         return stream_rounds(feed, announce=strategy.is_main)
-    world, rank = strategy.world_size, strategy.rank
+    world, rank = strategy.data_world_size, strategy.data_rank
     loader = spec.eval_loader(world_size=world, rank=rank, seed=seed + rank)
     return map_rounds(strategy, loader)

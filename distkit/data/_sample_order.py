@@ -61,7 +61,7 @@ def counted_batches(
         for batch, counted in stream_rounds(feed, announce=strategy.is_main):
             yield batch, batch_size_of(batch) if counted else 0
         return
-    world, rank = strategy.world_size, strategy.rank
+    world, rank = strategy.data_world_size, strategy.data_rank
     loader = spec.eval_loader(world_size=world, rank=rank, seed=seed + rank)
     # the shard's batches as its sampler draws them (a batch of strings has no tensor to
     # measure); the spare passes after them count nothing

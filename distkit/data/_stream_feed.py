@@ -78,15 +78,15 @@ class StreamFeed:
         if spec.self_sharded and position and local_position is None:
             raise ConfigurationError(
                 f"the checkpoint stopped mid-epoch in {spec.what}, a ShardedStream, at another "
-                f"number of processes than {strategy.world_size}: each process's place in its "
+                f"number of processes than {strategy.data_world_size}: each process's place in its "
                 "own share cannot be carried over. Resume with the number of processes it was "
                 "saved with, or from a checkpoint saved at the end of an epoch"
             )
         start = (local_position or 0) if spec.self_sharded else position
         self._ended = False
         local = spec.local_batches(
-            world_size=strategy.world_size,
-            rank=strategy.rank,
+            world_size=strategy.data_world_size,
+            rank=strategy.data_rank,
             epoch=epoch,
             start=start,
             seed=self.seed,
@@ -97,7 +97,8 @@ class StreamFeed:
     def _steps(
         self, local: Iterator[tuple[Any, int]], epoch: int, *, fresh: bool, start: int
     ) -> Iterator[tuple[Any, MicroBatch]]:
-        world, rank, block = self.strategy.world_size, self.strategy.rank, self.steps_ahead
+        strategy, block = self.strategy, self.steps_ahead
+        world, rank = strategy.data_world_size, strategy.data_rank
         current, pending = self._fetch(local)
         step = 0
         read = 0  # local batches of the blocks before this one
@@ -151,12 +152,13 @@ class StreamFeed:
         pairs = list(islice(local, self.steps_ahead * self.slots))
         batches = [batch for batch, _ in pairs]
         table = torch.zeros(
-            self.strategy.world_size, 2, self.steps_ahead * self.slots, dtype=torch.int64
+            self.strategy.data_world_size, 2, self.steps_ahead * self.slots, dtype=torch.int64
         )
-        if pairs:
+        if pairs and self.strategy.data_leader:  # a tensor-parallel group's rows: its first's
             sizes = [_size(batch, self.spec.what) for batch in batches]
             mine = torch.tensor([sizes, [digest for _, digest in pairs]], dtype=torch.int64)
-            table[self.strategy.rank, :, : len(pairs)] = mine
+            table[self.strategy.data_rank, :, : len(pairs)] = mine
+        if pairs:
             self._stand_in = batches[-1]
         self._sums += 1
         name = f"distkit.stream.{self.purpose}.{self._sums}"
@@ -203,7 +205,7 @@ class StreamFeed:
     def _disagreement(
         self, index: int, held: dict[int, int], epoch: int, *, start: int
     ) -> ConfigurationError:
-        world, per_batch = self.strategy.world_size, self.spec.batch_size
+        world, per_batch = self.strategy.data_world_size, self.spec.batch_size
         base = min(held)
         differ = [r for r, digest in held.items() if digest != held[base]]
         if per_batch is None:  # an iterable of batches: batch i of the stream goes to rank i % N
@@ -265,8 +267,8 @@ class StreamFeed:
         if self._stand_in is None:  # resumed past the end of this rank's share: its first
             strategy = self.strategy
             first = self.spec.local_batches(
-                world_size=strategy.world_size,
-                rank=strategy.rank,
+                world_size=strategy.data_world_size,
+                rank=strategy.data_rank,
                 epoch=epoch,
                 start=0,
                 seed=self.seed,
@@ -276,7 +278,7 @@ class StreamFeed:
         if self._stand_in is None:
             holders = [r for r, row in enumerate(counts) if sum(row)]
             raise ConfigurationError(
-                f"rank {self.strategy.rank} has no batch of {self.spec.what} in epoch {epoch} "
+                f"rank {self.strategy.data_rank} has no batch of {self.spec.what} in epoch {epoch} "
                 f"while rank(s) {holders} do: every process must join each step, and this one "
                 "has no batch to stand in with (it takes its latest). Give every process at "
                 "least one batch (more samples than processes; a ShardedStream with a share "
@@ -288,9 +290,9 @@ class StreamFeed:
         spec = self.spec
         if dropped:
             why = (
-                "drop_last=True dropped its first global batch, which is partial (fewer samples "
-                f"than {self.strategy.world_size} processes x batch_size). Lower batch_size or "
-                "set drop_last=False"
+                "drop_last=True dropped its first global batch, which is partial (fewer "
+                f"samples than {self.strategy.data_world_size} processes x batch_size). Lower "
+                "batch_size or set drop_last=False"
             )
         elif spec.one_shot:
             why = (

@@ -22,7 +22,13 @@ settings (``_runtime_options``), ``torch.compile``, activation checkpointing, de
 seeding and the argument checks (``_runtime_arguments``).
 """
 
-from distkit.runtime._agreement import Proposal, describe_model, exchange, named_shapes
+from distkit.runtime._agreement import (
+    Proposal,
+    describe_model,
+    exchange,
+    named_shapes,
+    per_data_rank,
+)
 from distkit.runtime._call_tags import tagged_sum
 from distkit.runtime._checkpointing import ActivationCheckpointing
 from distkit.runtime._compile import Compiler, check_compile
@@ -50,6 +56,7 @@ from distkit.runtime._weights import DEFAULT_MAX_SHARD_SIZE, save_weights
 PORT: dict[str, str] = {
     "Proposal": "fit, save_checkpoint and load_checkpoint agree across ranks before they act",
     "exchange": "the same agreement, for the Trainer's own collective calls",
+    "per_data_rank": "a checkpoint's per-rank records, one per data-parallel rank",
     "describe_model": "fit's agreement names the model every rank must pass",
     "named_shapes": "fit's agreement compares the model's parameters across ranks",
     "tagged_sum": "the loop's host-side sums (stop requests, log windows, non-finite losses)",
@@ -120,6 +127,7 @@ __all__ = [
     "named_metrics",
     "named_shapes",
     "open_profile",
+    "per_data_rank",
     "profiler_settings",
     "read_predictions",
     "renew_topology",

@@ -98,9 +98,10 @@ def evaluate_shard(
     finally:
         module.train(was_training)
     states = [metric.state(device) for metric in metrics.values()]
-    packed = strategy.all_reduce(
-        torch.cat([loss_sum, count, losses, *(s.reshape(-1) for s in states)]), op="sum"
-    )
+    mine = torch.cat([loss_sum, count, losses, *(s.reshape(-1) for s in states)])
+    if not strategy.data_leader:  # a tensor-parallel group's samples count on its first rank
+        mine = torch.zeros_like(mine)
+    packed = strategy.all_reduce(mine, op="sum")
     scores: dict[str, float] = {}
     if loss_fn is not None or (step_fn is not None and packed[2] > 0):
         scores["loss"] = (packed[0] / packed[1]).item() if packed[1] else float("nan")

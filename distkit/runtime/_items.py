@@ -8,7 +8,9 @@ optimizer. The backend averages the gradients over ranks, so at the step they ar
 world_size`` times the sum of every item's gradient over every rank and micro-batch, and one
 multiplication by ``world_size / (scale * C)``, with ``C`` the step's global count, makes
 them the gradient of the mean over the step's items: what one process computes with the
-whole global batch, whatever the padding. It runs on the finalized (averaged, unscaled)
+whole global batch, whatever the padding. (``world_size`` here is the data-parallel ranks:
+under tensor parallelism a group's ranks hold the same items, and only its first counts them.)
+It runs on the finalized (averaged, unscaled)
 gradients, before the callbacks' ``on_before_optimizer_step`` and clipping (so clipping sees
 the normalised gradients).
 
@@ -115,6 +117,11 @@ class ItemWindow:
             )
         return self._from_sums(strategy, items)
 
+    def _host_share(self, strategy: Strategy) -> float:
+        """This rank's host count in a sum over the world: its own, but nothing on the
+        ranks of a tensor-parallel group after its first (they hold the same items)."""
+        return float(self.host) if strategy.data_leader else 0.0
+
     def _first_sums(self, strategy: Strategy, items: bool) -> str:
         """How the counts are summed from now on: "host" (every rank gave ints: one
         host-side sum a step), "device" (tensors: one device all-reduce a step), or "both"
@@ -124,7 +131,7 @@ class ItemWindow:
         also holds that step's counts (kept in ``self._first``)."""
         if strategy.elastic is not None:
             return "both"
-        values = [float(self.host), float(self.device is not None), float(items)]
+        values = [self._host_share(strategy), float(self.device is not None), float(items)]
         self._first = tagged_sum(strategy, "items", values)
         _, devices, token_ranks = self._first
         if 0 < token_ranks < strategy.world_size:
@@ -145,13 +152,13 @@ class ItemWindow:
         if not items:
             return None
         if first is None:
-            values = [float(self.host), float(self.device is not None), float(items)]
+            values = [self._host_share(strategy), float(self.device is not None), float(items)]
             first = tagged_sum(strategy, "items", values)
         host, devices, _ = first
         if not devices:  # every rank's counts were ints: the global count is known here
             if host == 0:
                 raise ConfigurationError(zero_items("an optimizer step"))
-            return strategy.world_size / self.scale / host
+            return strategy.data_world_size / self.scale / host
         local = self.device if self.device is not None else _zero(strategy.device)
         return self._device_factor(strategy, *self._device_sum(strategy, local), host)
 
@@ -165,6 +172,8 @@ class ItemWindow:
         negative = _zero(local.device) if low is None else (low < 0).to(torch.float64)
         if low is not None:
             self.lowest = low if self.lowest is None else torch.minimum(self.lowest, low)
+        if not strategy.data_leader:  # its tensor-parallel group's first counts its items
+            local = torch.zeros_like(local)
         pair = torch.stack([local.reshape(()), negative.to(local.device)])
         summed = strategy.all_reduce(pair.to(strategy.device), op="sum")
         return summed[0], summed[1]
@@ -180,7 +189,7 @@ class ItemWindow:
             self.empty_steps = empty if self.empty_steps is None else self.empty_steps + empty
         bad = (negative > 0).to(torch.int64)
         self.negative_steps = bad if self.negative_steps is None else self.negative_steps + bad
-        numerator = strategy.world_size / self.scale
+        numerator = strategy.data_world_size / self.scale
         usable = (total > 0) & (negative == 0)
         return torch.where(usable, numerator / total.clamp(min=1), torch.zeros_like(total))
 

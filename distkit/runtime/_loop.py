@@ -289,7 +289,7 @@ class LoopState:
             count = count.sum()
         if micro is not None and micro.count == 0:  # a stand-in sample: it counts for nothing
             count = 0
-        world = self.strategy.world_size
+        world = self.strategy.data_world_size
         scale = world / micro.step_samples if micro is not None and micro.step_samples else 1.0
         for owner in owners:
             owner.items.note_items(count, scale, "rt.backward(total, count=...)")

@@ -153,19 +153,27 @@ def run_predict(strategy: Strategy, module: nn.Module, plan: PredictPlan, seed: 
             remove_files(plan.folder)
     kept, error = predict_shard(strategy, module, batches, plan.predict_fn, plan.placement)
     sizes = [size for size, _ in kept]
-    exchanged: list[tuple[list[int], str | None]] = strategy.all_gather_object((sizes, error))
-    errors = [message for _, message in exchanged if message is not None]
+    # a tensor-parallel group's ranks predict the same samples: its first rank's count
+    leader = strategy.data_leader
+    exchanged: list[tuple[list[int], str | None, bool]] = strategy.all_gather_object(
+        (sizes, error, leader)
+    )
+    errors = [message for _, message, _ in exchanged if message is not None]
     if errors:
         raise ConfigurationError("predict_fn's output is not one value per sample: " + errors[0])
-    counts = [rank_sizes for rank_sizes, _ in exchanged]
+    counts = [rank_sizes for rank_sizes, _, counted in exchanged if counted]
     positions = sample_positions(sample_order(plan.spec), counts)
     total = sum(len(p) for p in positions)
     records = list(
-        zip(positions[strategy.rank].split(sizes), (out for _, out in kept), strict=True)
+        zip(positions[strategy.data_rank].split(sizes), (out for _, out in kept), strict=True)
     )
+    if not leader:
+        records = []
     if plan.folder is not None:
         try:
-            write_file(plan.folder, strategy.rank, strategy.world_size, total, records)
+            if leader:
+                share, shares = strategy.data_rank, strategy.data_world_size
+                write_file(plan.folder, share, shares, total, records)
             failure = None
         except (OSError, ConfigurationError) as exc:
             failure = f"rank {strategy.rank} could not write its file: {type(exc).__name__}: {exc}"

@@ -167,7 +167,7 @@ class Runtime:
             same_batches=SameBatchCheck(
                 self.strategy, enabled=not self.options.same_data_on_every_rank
             ),
-            first_backward=lambda: seeding.split(self.rank),
+            first_backward=lambda: seeding.split(self.data_rank),
         )
         self._block_guard: contextlib.AbstractContextManager[None] | None = None
         self._script: ScriptGuard | None = None  # guard_script()'s
@@ -268,6 +268,19 @@ class Runtime:
     def local_rank(self) -> int:
         """This process's rank on its node."""
         return self.topology.local_rank
+
+    @property
+    def data_rank(self) -> int:
+        """Which share of the data this process loads: its place among the data-parallel
+        ranks (its :attr:`rank`, but under tensor parallelism, where the ranks of one
+        tensor-parallel group share one: ``rank // tensor_parallel``)."""
+        return self.strategy.data_rank
+
+    @property
+    def data_world_size(self) -> int:
+        """How many shares the data is cut into (:attr:`world_size`, but under tensor
+        parallelism ``world_size // tensor_parallel``): batch sizes are per share."""
+        return self.strategy.data_world_size
 
     @property
     def is_main(self) -> bool:
@@ -428,8 +441,8 @@ class Runtime:
         accum = strategy.options.grad_accum_steps
         plan = batch_plan(
             spec,
-            world_size=self.world_size,
-            rank=self.rank,
+            world_size=self.data_world_size,
+            rank=self.data_rank,
             grad_accum_steps=accum,
             seed=self.options.seed,
             drop_last=drop_last,
@@ -445,7 +458,7 @@ class Runtime:
         return RuntimeLoader(
             feed,
             seed=self.options.seed,
-            rank=self.rank,
+            rank=self.data_rank,
             device=self.device,
             enter=self.loop.enter,
             agree=self._agree_on_epoch,

@@ -88,6 +88,7 @@ def save_state(runtime: Runtime, path: str | os.PathLike[str], state: object) ->
         return _agreement.Proposal(agreed, kinds, shared={"rng": ckpt.rng_state()})
 
     kinds, ranks = _agreement.exchange(strategy, "rt.save", prepare)
+    ranks = _agreement.per_data_rank(strategy, ranks)
     entries: dict[str, Any] = {}
     for key, value in state.items():  # every rank, in the same order: gathers are collectives
         kind = kinds[key]
@@ -163,7 +164,8 @@ def load_state(runtime: Runtime, path: str | os.PathLike[str], state: object) ->
         elif kind == LOADER:
             value.load_state_dict(entries[key])
     ranks = records.get("ranks")
-    if isinstance(ranks, list) and len(ranks) == strategy.world_size:
-        ckpt.set_rng_state(ranks[strategy.rank]["rng"])  # this rank's own, where it exists
+    if isinstance(ranks, list) and len(ranks) == strategy.data_world_size:
+        # this rank's own, where it exists (a tensor-parallel group's ranks share one)
+        ckpt.set_rng_state(ranks[strategy.data_rank]["rng"])
     strategy.precision.load_state_dict(records.get("scaler") or {})
     return {key: value for key, value in entries.items() if kinds.get(key) == VALUE}

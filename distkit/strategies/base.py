@@ -390,6 +390,28 @@ class Strategy(Collectives, ABC):
         return self.topology.rank == 0
 
     @property
+    def data_rank(self) -> int:
+        """Which share of the data this rank loads: its place among the data-parallel ranks
+        (default: :attr:`rank`). The ranks of one tensor-parallel group share it: they split
+        each layer of one model copy and see the same samples."""
+        return self.rank
+
+    @property
+    def data_world_size(self) -> int:
+        """How many shares the data is cut into: the data-parallel ranks (default:
+        :attr:`world_size`; under tensor parallelism, ``world_size / tensor_parallel``).
+        Batch sizes are per data-parallel rank, and gradients are the mean over these."""
+        return self.world_size
+
+    @property
+    def data_leader(self) -> bool:
+        """Whether this rank counts for its data share in sums over the world (default:
+        True). The other ranks of a tensor-parallel group compute the same losses, counts and
+        outputs as its first: they take part in every collective, contributing nothing to a
+        count, so that each sample counts once."""
+        return True
+
+    @property
     def precision(self) -> Precision:
         if self._precision is None:
             self.start()

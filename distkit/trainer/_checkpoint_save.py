@@ -14,7 +14,7 @@ from typing import Any
 from distkit import checkpoint as ckpt
 from distkit._validate import check_path
 from distkit.errors import ConfigurationError
-from distkit.runtime import Proposal, exchange, write_on_rank_zero
+from distkit.runtime import Proposal, exchange, per_data_rank, write_on_rank_zero
 from distkit.strategies.base import Strategy
 from distkit.trainer import _resume
 from distkit.trainer._fit_state import Stateful
@@ -55,6 +55,7 @@ def _payload(
         strategy, "save_checkpoint", lambda: prepare_save(strategy, run, callbacks, extra, path)
     )
     assert run is not None  # prepare_save refused a missing run on every rank
+    ranks = per_data_rank(strategy, ranks)  # a collective under tensor parallelism
     # every rank: gathering (or writing) a sharded model's state is a collective
     states = strategy.state_io.checkpoint_state(run.model, run.optimizer, Path(path))
     if not strategy.is_main:

@@ -151,7 +151,7 @@ def _first_state(
 ) -> FitState:
     """Where the fit starts: the checkpoint's state restored, or a fresh one, seeded."""
     if payload is None:
-        seed_generators(config.runtime_options.seed + strategy.rank)
+        seed_generators(config.runtime_options.seed + strategy.data_rank)
         return FitState()
     state = _resume.restore_run(payload, strategy, scheduler, config.runtime_options.seed)
     callbacks.load_state_dict(payload.get("callbacks") or {})

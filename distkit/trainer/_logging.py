@@ -240,6 +240,8 @@ class LogWindow:
         size, rank = self.strategy.world_size, self.strategy.rank
         total, samples, found = ledger.read_window(self._samples)
         self._samples = 0
+        if not self.strategy.data_leader:  # its tensor-parallel group's first counts them
+            total, samples = 0.0, 0
         check = watch.payload(found, size, rank) if watch.due(now) else []
         # a host-side sum, tagged (see _call_tags)
         summed = tagged_sum(self.strategy, "log", [total, samples, float(stop), *check])

@@ -67,8 +67,8 @@ def plan_batches(
     """The global batches of ``spec`` for this rank at the current world size."""
     return batch_plan(
         spec,
-        world_size=runtime.world_size,
-        rank=runtime.rank,
+        world_size=runtime.data_world_size,
+        rank=runtime.data_rank,
         grad_accum_steps=config.runtime_options.grad_accum_steps,
         seed=config.runtime_options.seed,
         drop_last=config.drop_last,

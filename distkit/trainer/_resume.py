@@ -123,15 +123,15 @@ def restore_run(payload: dict[str, Any], strategy: Strategy, scheduler: Any, see
         }
     )
     ranks = payload.get("ranks") or []
-    if len(ranks) == strategy.world_size:
-        mine = ranks[strategy.rank]
+    if len(ranks) == strategy.data_world_size:  # one per data-parallel rank (per_data_rank)
+        mine = ranks[strategy.data_rank]
         ckpt.set_rng_state(mine["rng"])
         state.load_rank_state(mine)
     else:
         state.load_rank_state(None)  # each rank's place in a stream of its own is lost
         # another world size: the data order is re-cut exactly; per-rank random streams
         # (dropout, augmentation) cannot be carried over, so they are reseeded
-        torch.manual_seed(seed + strategy.rank + 1_000_003 * state.global_step)
+        torch.manual_seed(seed + strategy.data_rank + 1_000_003 * state.global_step)
         if strategy.is_main:
             state.loss_sum = sum(float(r["loss_sum"]) for r in ranks)
             state.samples = sum(int(r["samples"]) for r in ranks)

@@ -347,10 +347,12 @@ class StepLoop:
         numel, dtype = _comm_probe.gradient_size(self.model)
         with _NOTHING if self.profile is None else self.profile.ranges.around("allreduce_probe"):
             comm_ms = _comm_probe.allreduce_ms(self.strategy, numel, dtype)
+        # a tensor-parallel group's losses and samples count on its first rank
+        leader = self.strategy.data_leader
         mine = torch.tensor(
             [
-                state.settled_loss_sum(),
-                float(state.samples),
+                state.settled_loss_sum() if leader else 0.0,
+                float(state.samples) if leader else 0.0,
                 float(state.skipped_steps),
                 comm_ms,
                 *memory,
@@ -380,8 +382,10 @@ class StepLoop:
             **_memory.memory_record([row[4:6] for row in per_rank], self.strategy.device),
             **self.timing.as_record(),
             **throughput_record(
-                # every rank's count (the same model: the same count), and their peaks
-                flops_per_sample=sum(row[7] for row in per_rank) / len(per_rank),
+                # the FLOPs of one sample over the ranks that compute it (each rank's count
+                # of its part: the whole model, or under tensor parallelism a group's ranks
+                # together), and every rank's peak
+                flops_per_sample=sum(row[7] for row in per_rank) / self.strategy.data_world_size,
                 samples_per_s=self.timing.samples_per_s,
                 peak_sum=sum(row[8] for row in per_rank) if all(r[8] for r in per_rank) else 0,
                 items=samples if self.token_exact else None,

@@ -21,7 +21,7 @@ from distkit.strategies import _meta_init, _torch_dist, _torch_group
 from distkit.strategies._steps import GradientClip, clip_, local_norm, scale_, step_gradients
 from distkit.strategies.base import StepOutcome, Strategy, Topology
 from distkit.strategies.capabilities import StateIO
-from distkit.strategies.fsdp import _meta
+from distkit.strategies.fsdp import _layout, _meta, _tensor_plan
 from distkit.strategies.fsdp import _state as _fsdp_state
 from distkit.strategies.fsdp._options import checked_policy, hybrid_mesh
 from distkit.strategies.fsdp._state_io import SHARDED
@@ -62,6 +62,20 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
             group shards the model over its ranks, and the groups hold replicas whose
             gradients are averaged across them. 1 (default): one group, plain sharding.
             Needs a world size it divides.
+        tensor_parallel: tensor parallelism (TP) inside FSDP: each layer the plan names is
+            split over ``T`` consecutive ranks (torch's ``parallelize_module``), and the world
+            becomes the mesh ``(replicate, shard, tensor)``, of ``replicate x shard x T`` ranks:
+            the world size must be a multiple of ``replicate * T``. The ``T`` ranks of one
+            tensor-parallel group see the same samples: batch sizes are per data-parallel
+            rank, and every data path (samplers, streams, evaluation, predict) shards by the
+            data-parallel rank. 1 (default): no tensor parallelism.
+        tensor_plan: which modules are split, and how: a dict of ``fnmatch`` patterns over
+            ``model.named_modules()`` names to ``"colwise"``, ``"rowwise"``, ``"sequence"``
+            or a torch ``ParallelStyle`` (``{"blocks.*.up": "colwise", "blocks.*.down":
+            "rowwise"}``); ``"auto"``: a transformers model's own published plan; or
+            ``fn(model, tp_mesh) -> None``, which parallelises the model itself. Checked on
+            every rank before any collective (a pattern matching nothing, a style on a module
+            it cannot split, a dimension ``T`` does not divide, a tied weight: refused).
         **fsdp_kwargs: passed to every ``fully_shard`` call (``offload_policy``,
             ``shard_placement_fn``, ...); ``mesh`` is set by distkit. ``mp_policy``: your
             ``MixedPrecisionPolicy`` instead of the one distkit derives from
@@ -96,6 +110,8 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         backend: str | None = None,
         timeout: timedelta | float | None = None,
         replicate: int = 1,
+        tensor_parallel: int = 1,
+        tensor_plan: Any = None,
         **fsdp_kwargs: Any,
     ) -> None:
         super().__init__()
@@ -105,7 +121,19 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
                 "replica groups (HSDP: replicate=2 on 2 nodes shards inside each node)"
             )
         self.replicate = replicate
+        if (
+            isinstance(tensor_parallel, bool)
+            or not isinstance(tensor_parallel, int)
+            or tensor_parallel < 1
+        ):
+            raise ConfigurationError(
+                f"FSDPStrategy(tensor_parallel={tensor_parallel!r}); allowed: an int >= 1, the "
+                "ranks that split each layer (tensor_parallel=2 with a tensor_plan)"
+            )
+        self.tensor_parallel = tensor_parallel
+        self.tensor_plan = _tensor_plan.checked_plan_option(tensor_plan, tensor_parallel)
         self._mesh: Any = None  # the (replicate, shard) DeviceMesh under HSDP
+        self._layout: _layout.Layout | None = None  # with tensor_parallel > 1
         #: checkpoint state loaded into a meta model (or its optimizer) before its set-up,
         #: by id of the model or optimizer: applied (and dropped) once the set-up
         #: materialised it (a plain dict: a strategy is pickled to spawned processes)
@@ -135,7 +163,8 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
     @override
     def agreed_options(self) -> str:
         return (
-            f"replicate={self.replicate}, checkpoint={self.checkpoint}, "
+            f"replicate={self.replicate}, tensor_parallel={self.tensor_parallel}, "
+            f"tensor_plan={_plan_words(self.tensor_plan)}, checkpoint={self.checkpoint}, "
             f"reshard_after_forward={self.reshard_after_forward}, mp_policy={self.mp_policy}"
         )
 
@@ -147,24 +176,48 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         topology = self._join_group()
         if topology.world_size > 1:  # before the mesh's groups, which every rank must build alike
             everyone: list[Any] = [None] * topology.world_size
-            torch.distributed.all_gather_object(everyone, self.replicate)
+            torch.distributed.all_gather_object(everyone, (self.replicate, self.tensor_parallel))
             if len(set(everyone)) > 1:
+                replicas, degrees = ([e[i] for e in everyone] for i in (0, 1))
                 raise RankDisagreementError(
-                    f"the ranks disagree on FSDPStrategy(replicate=...): {everyone} (rank 0 "
-                    "first); every rank must build the same mesh. Pass the same value on "
-                    "every rank"
+                    f"the ranks disagree on FSDPStrategy(replicate=...): {replicas}, "
+                    f"(tensor_parallel=...): {degrees} (rank 0 first); every rank must build "
+                    "the same mesh. Pass the same values on every rank"
                 )
-        if self.replicate > 1:
+        if self.tensor_parallel > 1:
+            self._layout = _layout.layout_for(topology, self.replicate, self.tensor_parallel)
+        elif self.replicate > 1:
             self._mesh = hybrid_mesh(topology, self.replicate)
         return topology
+
+    @property
+    @override
+    def data_rank(self) -> int:
+        return self.rank if self._layout is None else self._layout.data_rank
+
+    @property
+    @override
+    def data_world_size(self) -> int:
+        return self.world_size if self._layout is None else self._layout.data_world_size
+
+    @property
+    @override
+    def data_leader(self) -> bool:
+        return self._layout is None or self._layout.tensor_rank == 0
 
     @override
     def teardown(self) -> None:
         self._mesh = None
+        self._layout = None
         self._leave_group()
         super().teardown()
 
     def _sharded(self) -> bool:
+        """Whether fully_shard shards the model: more than one data-parallel rank."""
+        return self.data_world_size > 1
+
+    def _split(self) -> bool:
+        """Whether any collective runs in the model's forward (sharded or split)."""
         return self.world_size > 1
 
     @override
@@ -185,6 +238,8 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         self, model: nn.Module, optimizer: torch.optim.Optimizer
     ) -> tuple[nn.Module, torch.optim.Optimizer]:
         meta = _meta.on_meta(model)
+        if self._layout is not None:
+            return self._setup_split(model, optimizer, self._layout, meta=meta)
         if not self._sharded():  # a world of one: nothing to shard or synchronise
             if self.mp_policy is not None:
                 warnings.warn(
@@ -197,15 +252,39 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
             if meta:
                 self._materialize(model, optimizer, dict(model.named_parameters()))
             return model, optimizer
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
         if not meta:  # a meta model has no values yet: each rank makes rank 0's (below)
             _broadcast_module(model)  # every rank starts from rank 0's weights, as under DDP
         originals = dict(model.named_parameters())
-        kwargs: dict[str, Any] = {"reshard_after_forward": self.reshard_after_forward}
         # HSDP: shard inside a group, replicate across; else one mesh over the world for
         # every unit (fully_shard without one builds a mesh of its own per call)
-        kwargs["mesh"] = self._mesh if self._mesh is not None else _world_mesh(self.device)
+        self._shard_units(model, self._mesh if self._mesh is not None else _world_mesh(self.device))
+        return self._after_wrapping(model, optimizer, originals, meta=meta)
+
+    def _setup_split(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        layout: _layout.Layout,
+        *,
+        meta: bool,
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """Tensor parallel: the plan's modules split over the tensor dimension (checked
+        first, on every rank alike), then FSDP over the data-parallel ranks, if several."""
+        plan = _tensor_plan.resolve(self.tensor_plan, model, layout.tensor)
+        if not meta:
+            _broadcast_module(model)  # every rank splits and shards rank 0's weights
+        originals = dict(model.named_parameters())
+        plan.apply(model, layout.tp_mesh())
+        if self._sharded():
+            self._shard_units(model, layout.dp_mesh())
+        return self._after_wrapping(model, optimizer, originals, meta=meta)
+
+    def _shard_units(self, model: nn.Module, mesh: Any) -> None:
+        """``fully_shard`` on the policy's units, bottom-up, then on the root, over ``mesh``."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        kwargs: dict[str, Any] = {"reshard_after_forward": self.reshard_after_forward}
+        kwargs["mesh"] = mesh
         if self.mp_policy is not None:
             kwargs["mp_policy"] = self.mp_policy
         elif self.options.precision == "bf16":  # bf16 compute, fp32 reduction and output
@@ -220,6 +299,16 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
             if policy(name, module):
                 fully_shard(module, **kwargs)
         fully_shard(model, **kwargs)
+
+    def _after_wrapping(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        originals: dict[str, Any],
+        *,
+        meta: bool,
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """A meta model materialised, or the optimizer pointed at the wrapped parameters."""
         if meta:
             self._materialize(model, optimizer, originals)
             return model, optimizer
@@ -271,16 +360,20 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
 
     @override
     def clip_gradients(self, optimizer: torch.optim.Optimizer, clip: GradientClip) -> torch.Tensor:
-        # each rank holds a slice of every gradient: the norm sums the squares of every slice
-        grads = [_local(g) for g in step_gradients(optimizer)]
-        squares = local_norm(grads, self.device).square().reshape(1)
-        if self._mesh is None:
-            total = self.all_reduce(squares, op="sum").sqrt().reshape(())
-        else:  # HSDP: every replica holds the same slices; the sum runs inside one group
-            squares = squares.clone()
-            torch.distributed.all_reduce(squares, group=self._mesh.get_group("shard"))
-            total = squares.sqrt().reshape(())
-        return clip_(grads, clip, total)
+        # each rank holds slices of the gradients: the norm sums the squares of every slice
+        # once, however many ranks hold a copy of it (HSDP's replicas; a tensor-parallel
+        # group's copies of the parameters it does not split)
+        grads = step_gradients(optimizer)
+        if self.world_size == 1:
+            return clip_(grads, clip, local_norm(grads, self.device))
+        rank = self.rank
+        counted = [_local(g) for g in grads if _layout.counted_once(g, rank)]
+        # in one dtype on every rank, whichever slices it counts (none: a zero of that dtype)
+        wide = any(g.dtype == torch.float64 for g in grads)
+        dtype = torch.float64 if wide else torch.float32
+        squares = local_norm(counted, self.device).square().reshape(1).to(dtype)
+        total = self.all_reduce(squares, op="sum").sqrt().reshape(())
+        return clip_([_local(g) for g in grads], clip, total)
 
     @override
     def scale_gradients(
@@ -297,7 +390,7 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
 
     @override
     def eval_rounds(self, batches: int) -> int:
-        if not self._sharded():
+        if not self._split():
             return batches
         # every forward all-gathers parameters: each rank runs as many as the busiest one
         return int(self.all_gather(torch.tensor([batches])).max().item())
@@ -388,7 +481,16 @@ def _check_fully_shard_keywords(given: dict[str, Any]) -> None:
         for name, parameter in inspect.signature(fully_shard).parameters.items()
         if parameter.kind is inspect.Parameter.KEYWORD_ONLY
     ]
-    own = ["shard", "reshard_after_forward", "checkpoint", "backend", "timeout", "replicate"]
+    own = [
+        "shard",
+        "reshard_after_forward",
+        "checkpoint",
+        "backend",
+        "timeout",
+        "replicate",
+        "tensor_parallel",
+        "tensor_plan",
+    ]
     for name in given:
         if name not in taken and name not in ("mesh", "module"):  # those: refused below
             near = difflib.get_close_matches(name, taken + own, n=1)
@@ -405,3 +507,11 @@ def _world_mesh(device: torch.device) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+
+
+def _plan_words(plan: Any) -> str:
+    """A plan as every rank can compare it: a function by its qualified name."""
+    if plan is None or isinstance(plan, (str, dict)):
+        return repr(plan)
+    name = getattr(plan, "__qualname__", type(plan).__name__)
+    return f"{getattr(plan, '__module__', '?')}.{name}"

@@ -9,8 +9,10 @@ back is not: each rank holds the full state (it read the file) and keeps its own
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -23,7 +25,8 @@ def gathered(value: Any) -> Any:
     A DTensor takes an all-gather: every rank calls this for the same tensors in the same order.
     """
     if _is_dtensor(value):
-        full = value.full_tensor().detach().cpu()  # gathered: a new tensor, no second copy
+        with _quiet_redistribution():
+            full = value.full_tensor().detach().cpu()  # gathered: a new tensor, no second copy
         # where nothing is gathered (each shard group one rank: HSDP with replicate equal to
         # the world size), full_tensor() is this rank's local tensor itself, and on the CPU
         # .cpu() keeps it: a copy, or the "full" state would go on changing with training
@@ -33,6 +36,20 @@ def gathered(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.detach().to("cpu", copy=True)
     return value
+
+
+@contextlib.contextmanager
+def _quiet_redistribution() -> Iterator[None]:
+    """torch warns, on every rank and for every parameter, that a tensor both FSDP and tensor
+    parallelism split on dim 0 is gathered in two all-gathers (slower, it says, not wrong):
+    a checkpoint of a 2-D layout would print it once per parameter."""
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def full_model_state(model: nn.Module, *, keep: bool = True) -> dict[str, torch.Tensor]:
