@@ -12,6 +12,12 @@ Every rank draws from the same random stream until then (see ``_seeding``), so a
 DataLoader draws the same first batch everywhere too. A loop that shards its data itself (a
 ``DistributedSampler``) gives each rank other samples and passes; one that means every rank
 to see the same batches says so with ``Runtime(same_data_on_every_rank=True)``.
+
+Under tensor parallelism it is the other way round inside a tensor-parallel group: its ranks
+split one model copy's layers and must see the same inputs (a layer split over inputs that
+differ computes nothing anyone asked for, silently). So the first batch's fingerprints must
+be equal within each group, whatever ``same_data_on_every_rank`` says, and differ between the
+data-parallel ranks unless it says they may not.
 """
 
 from __future__ import annotations
@@ -24,8 +30,8 @@ from torch.utils._pytree import tree_leaves
 from distkit.errors import ConfigurationError
 from distkit.strategies.base import Strategy
 
-#: a fingerprint's numbers: tensors, elements, sum, sum of squares
-_WIDTH = 4
+#: a fingerprint's numbers: tensors, elements, sum, sum of squares; then the data rank
+_WIDTH = 5
 
 
 class SameBatchCheck:
@@ -33,8 +39,11 @@ class SameBatchCheck:
 
     def __init__(self, strategy: Strategy, *, enabled: bool) -> None:
         self._strategy = strategy
-        #: still to compare (never in a world of one, under an elastic backend, or opted out)
-        self.pending = enabled and strategy.world_size > 1 and not strategy.elastic
+        self._enabled = enabled
+        split = strategy.data_world_size < strategy.world_size  # tensor-parallel groups
+        #: still to compare (never in a world of one, under an elastic backend, or opted out
+        #: where no tensor-parallel group must be checked)
+        self.pending = (enabled or split) and strategy.world_size > 1 and not strategy.elastic
         #: the first batch's tensors and elements, and its sums (on the device)
         self._print: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -70,17 +79,28 @@ class SameBatchCheck:
         self.pending = False
         if not outside_loader:
             return
+        strategy = self._strategy
+        share = torch.tensor([float(strategy.data_rank)], dtype=torch.float64)
         if self._print is None:  # no tensor inputs: nothing to compare, on this rank
-            mine = torch.full((_WIDTH,), float("nan"), dtype=torch.float64)
+            mine = torch.cat([torch.full((_WIDTH - 1,), float("nan"), dtype=torch.float64), share])
         else:
             sizes, sums = self._print
-            mine = torch.cat([sizes, sums.cpu()])  # (the one host sync)
+            mine = torch.cat([sizes, sums.cpu(), share])  # (the one host sync)
         self._print = None
-        everyone = self._strategy.all_gather(mine).reshape(-1, _WIDTH).cpu()
-        first = everyone[0]
-        if torch.isnan(everyone).any() or not all(torch.equal(row, first) for row in everyone):
+        everyone = strategy.all_gather(mine).reshape(-1, _WIDTH).cpu()
+        _refuse_split_groups(everyone)
+        # one row per data-parallel rank (a tensor-parallel group's first)
+        shares = {int(row[-1]): row[:-1] for row in everyone}
+        rows = list(shares.values())
+        first = rows[0]
+        if (
+            not self._enabled
+            or len(rows) == 1
+            or any(torch.isnan(row).any() for row in rows)
+            or not all(torch.equal(row, first) for row in rows)
+        ):
             return
-        world = self._strategy.world_size
+        world = len(rows)
         raise ConfigurationError(
             f"every one of the {world} ranks trained its first batch on the same inputs: a "
             f"DataLoader that is not rt.loader's gives every rank all the data, so each "
@@ -92,4 +112,24 @@ class SameBatchCheck:
             "meant to see the same batches (or the inputs are random draws: every rank draws "
             "alike until the first rt.backward), create the Runtime with "
             "same_data_on_every_rank=True"
+        )
+
+
+def _refuse_split_groups(everyone: torch.Tensor) -> None:
+    """The ranks of a tensor-parallel group (one data rank) whose first inputs differ."""
+    groups: dict[int, list[int]] = {}
+    for rank, row in enumerate(everyone):
+        groups.setdefault(int(row[-1]), []).append(rank)
+    for share, ranks in groups.items():
+        rows = [everyone[r, :-1] for r in ranks]
+        if all(torch.equal(row, rows[0]) or bool(torch.isnan(row).all()) for row in rows):
+            continue
+        raise ConfigurationError(
+            f"ranks {ranks} form one tensor-parallel group (data-parallel rank {share}) and "
+            "trained their first batch on different inputs: they split each layer of one "
+            "model copy, so each must see the same samples, or the split layers compute "
+            "nothing meaningful (nothing has been trained yet). Iterate rt.loader(dataset, "
+            "batch_size=...), which shards by data-parallel rank, or shard yourself by "
+            "rt.data_rank of rt.data_world_size (DistributedSampler(dataset, "
+            "num_replicas=rt.data_world_size, rank=rt.data_rank)), not by rt.rank"
         )

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import distkit
+from distkit.errors import ConfigurationError
 from tests.support.exactness import DTYPE, TOL  # the runs compared train in float64
 from tests.support.workloads import make_dataset, make_stack, max_abs_diff
 
@@ -28,14 +29,16 @@ def fit(
     replicate: int = 1,
     tensor: int = 1,
     clip: float | None = None,
+    checkpoint_kind: str = "full",
     **settings: Any,
 ) -> dict[str, Any]:
     torch.manual_seed(0)
     if name == "fsdp":
         plan = PLAN if tensor > 1 else None
         strategy: Any = distkit.FSDPStrategy(
-            replicate=replicate, tensor_parallel=tensor, tensor_plan=plan
-        )
+            replicate=replicate, tensor_parallel=tensor, tensor_plan=plan,
+            checkpoint=checkpoint_kind,
+        )  # fmt: skip
     else:
         strategy = name
     trainer = distkit.Trainer(strategy, batch_size=batch, grad_accum_steps=2, seed=3,
@@ -90,3 +93,207 @@ def test_tensor_parallel_equals_one_process_at_the_global_batch(
         assert ranks[0]["mesh"] == ("tensor",)
     else:  # FSDP over the data-parallel dimensions, TP inside: 2-D parameters
         assert ranks[0]["mesh"] is not None and "tensor" in ranks[0]["mesh"]
+
+
+def _resume_fit(layout: str, batch: int, **settings: Any) -> dict[str, Any]:
+    """A fit under ``layout``: "fsdp2xtp2", "fsdp", "tp2" or "one" (fsdp in a world of one)."""
+    if layout == "fsdp2xtp2" or layout == "tp2":
+        return fit("fsdp", batch, tensor=2, **settings)
+    return fit("fsdp", batch, **settings)
+
+
+@pytest.mark.parametrize("checkpoint", ["sharded", "full"])
+def test_a_checkpoint_from_fsdp2_x_tp2_resumes_exactly_at_other_layouts(
+    run_on_ranks, tmp_path, checkpoint
+):
+    """Written at fsdp2 x tp2 (4 ranks, 2 data-parallel), resumed at fsdp x2, in one process
+    (global batch 8 each time) and at tp2 alone (2 ranks, one data-parallel rank: batch 8):
+    each ends where the uninterrupted run ends."""
+    whole = run_on_ranks(fit, "ddp", 8, world_size=1)[0]
+    folder = str(tmp_path / "ckpt")
+    strategy_kw = {"checkpoint_dir": folder, "max_steps": 3}
+    run_on_ranks(partial(_resume_fit, checkpoint_kind=checkpoint, **strategy_kw), "fsdp2xtp2",
+                 4, world_size=4)  # fmt: skip
+    again = {"checkpoint_dir": folder, "resume": "auto", "checkpoint_kind": checkpoint}
+    for layout, batch, world in (("fsdp", 4, 2), ("one", 8, 1), ("tp2", 8, 2)):
+        resumed = run_on_ranks(partial(_resume_fit, **again), layout, batch, world_size=world)
+        for result in resumed:
+            assert result["steps"] == whole["steps"], layout
+            assert max_abs_diff(result["state"], whole["state"]) <= TOL, layout
+
+
+def own_loop(tensor: int, batch: int, save: str | None = None, load: str | None = None) -> Any:
+    """A user's loop on the Runtime: rt.loader, rt.backward, clipping, accumulation; with
+    ``save``, rt.save after 3 steps and stop; with ``load``, rt.load first and finish."""
+    strategy = (
+        distkit.FSDPStrategy(tensor_parallel=2, tensor_plan=PLAN)
+        if tensor > 1
+        else distkit.FSDPStrategy()
+    )
+    with distkit.Runtime(strategy=strategy, grad_accum_steps=2, seed=3) as rt:
+        torch.manual_seed(0)
+        net = make_stack(dtype=DTYPE)
+        net, opt = rt.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+        loader = rt.loader(make_dataset(N, dtype=DTYPE), batch_size=batch, shuffle=True)
+        state = {"model": net, "optimizer": opt, "loader": loader}
+        first = rt.load(load, state)["epoch"] if load is not None else 0
+        seen: list[list[float]] = []
+        steps = norms = 0
+        for epoch in range(first, 2):
+            state["epoch"] = epoch
+            for x, y in loader:
+                seen.append(x[:, 0].tolist())
+                rt.backward(nn.functional.cross_entropy(net(x), y))
+                rt.clip_gradients(net, opt, max_norm=0.05)
+                opt.step()
+                opt.zero_grad()
+                if rt.sync_gradients:
+                    steps += 1
+                    norms += opt.last_grad_norm is not None
+                if save is not None and steps == 3:
+                    rt.save(save, state)
+                    return {"stopped": True}
+        preds = rt.predict(net, make_dataset(N, dtype=DTYPE), batch_size=batch)
+        return {
+            "state": rt.full_state_dict(net),
+            "steps": steps,
+            "norms": norms,
+            "seen": seen,
+            "preds": torch.stack(list(preds)) if preds else None,
+            "rank": rt.rank,
+        }
+
+
+def test_a_users_loop_on_the_runtime_equals_one_process_and_resumes_across_layouts(
+    run_on_ranks, tmp_path
+):
+    """rt.loader gives a tensor-parallel group's ranks the same batches (and the data-parallel
+    ranks different ones); the loop, its clipping and accumulation equal one process at the
+    global batch; predict returns every sample once, in order; an rt.save at fsdp2 x tp2
+    resumes in one process and ends where the whole run ends."""
+    one = run_on_ranks(partial(own_loop, 1), 8, world_size=1)[0]
+    four = run_on_ranks(partial(own_loop, 2), 4, world_size=4)
+    for result in four:
+        assert result["steps"] == one["steps"] and result["norms"] == one["steps"]
+        assert max_abs_diff(result["state"], one["state"]) <= TOL
+        assert result["preds"].shape[0] == N
+        assert torch.allclose(result["preds"], one["preds"], atol=TOL, rtol=0)
+    assert four[0]["seen"] == four[1]["seen"] and four[2]["seen"] == four[3]["seen"]
+    assert four[0]["seen"] != four[2]["seen"]
+    path = str(tmp_path / "loop.pt")
+    run_on_ranks(partial(own_loop, 2, save=path), 4, world_size=4)
+    resumed = run_on_ranks(partial(own_loop, 1, load=path), 8, world_size=1)[0]
+    assert max_abs_diff(resumed["state"], one["state"]) <= TOL
+
+
+# ---------------------------------------------------------------- refusals and hostile cases
+def _fit_with(plan: Any, model: nn.Module, **strategy: Any) -> str:
+    try:
+        trainer = distkit.Trainer(
+            distkit.FSDPStrategy(tensor_parallel=2, tensor_plan=plan, **strategy),
+            batch_size=4, progress=False, max_steps=1,
+        )  # fmt: skip
+    except ConfigurationError as exc:
+        return f"ConfigurationError: {exc}"
+    try:
+        trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), make_dataset(16),
+                    loss_fn=nn.functional.cross_entropy)  # fmt: skip
+    except ConfigurationError as exc:
+        return f"ConfigurationError: {exc}"
+    finally:
+        trainer.close()
+    return "trained"
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(8, 6)
+        self.head = nn.Linear(6, 8, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x)
+
+
+def _refusals() -> dict[str, str]:
+    return {
+        "no match": _fit_with({"blocks.*.up": "colwise"}, make_stack()),
+        "not linear": _fit_with({"layers.0": "colwise"}, make_stack()),
+        "uneven": _fit_with({"out": "colwise"}, make_stack()),  # 3 classes over 2
+        "tied": _fit_with({"head": "colwise"}, Tied()),
+        "world": _fit_with(PLAN, make_stack(), replicate=2),
+    }
+
+
+def test_a_plan_that_cannot_split_the_model_is_refused_on_every_rank_before_training(
+    run_on_ranks,
+):
+    for found in run_on_ranks(_refusals, world_size=2):
+        assert "'blocks.*.up' matches no module of Stack" in found["no match"], found
+        assert "layers.0.inner" in found["no match"]  # what the names look like
+        assert "'colwise' on Block" in found["not linear"] and "'layers.0.*'" in found["not linear"]
+        assert "out_features=3" in found["uneven"] and "tensor_parallel=2" in found["uneven"]
+        assert "weight (3, 16)" in found["uneven"]
+        assert "tied weights" in found["tied"] and "'emb'" in found["tied"]
+        world = found["world"]
+        assert "replicate=2" in world and "tensor_parallel=2" in world and "2 ranks" in world
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"tensor_parallel": 0}, "tensor_parallel=0"),
+        ({"tensor_parallel": 1.5}, "tensor_parallel=1.5"),
+        ({"tensor_parallel": True}, "tensor_parallel=True"),
+        ({"tensor_parallel": 2}, "needs tensor_plan="),
+        ({"tensor_plan": {"a": "colwise"}}, "with tensor_parallel=1"),
+        ({"tensor_parallel": 2, "tensor_plan": {"a": "diagonal"}}, "'diagonal'"),
+        ({"tensor_parallel": 2, "tensor_plan": {}}, "non-empty dict"),
+        ({"tensor_parallel": 2, "tensor_plan": {"a": 3}}, "(int)"),
+    ],
+)
+def test_tensor_parallel_options_are_checked_when_the_strategy_is_made(kwargs, words):
+    with pytest.raises(ConfigurationError) as caught:
+        distkit.FSDPStrategy(**kwargs)
+    assert words in str(caught.value)
+
+
+def _own_sampler_loop(share_by: str) -> str:
+    """A user's DataLoader sharded with a DistributedSampler, by rt.rank or rt.data_rank."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    strategy = distkit.FSDPStrategy(tensor_parallel=2, tensor_plan=PLAN)
+    with distkit.Runtime(strategy=strategy) as rt:
+        net = make_stack()
+        net, opt = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        data = make_dataset(16)
+        ranks = (rt.world_size, rt.rank) if share_by == "rank" else (rt.data_world_size,
+                                                                     rt.data_rank)  # fmt: skip
+        sampler = DistributedSampler(data, num_replicas=ranks[0], rank=ranks[1], shuffle=False)
+        try:
+            for x, y in DataLoader(data, batch_size=4, sampler=sampler):
+                rt.backward(nn.functional.cross_entropy(net(x), y))
+                opt.step()
+                opt.zero_grad()
+        except ConfigurationError as exc:
+            return str(exc)
+    return "trained"
+
+
+def test_a_tensor_parallel_group_fed_different_batches_by_the_users_sampler_is_stopped(
+    run_on_ranks,
+):
+    """Sharding by rt.rank gives the 2 ranks of one tensor-parallel group other samples: the
+    split layers would compute garbage; the first backward stops both, naming the fix."""
+    for message in run_on_ranks(partial(_own_sampler_loop, "rank"), world_size=2):
+        assert "ranks [0, 1] form one tensor-parallel group" in message, message
+        assert "rt.data_rank" in message
+    assert run_on_ranks(partial(_own_sampler_loop, "data_rank"), world_size=2) == ["trained"] * 2
+
+
+def test_a_rank_raising_mid_step_stops_its_tensor_parallel_group_fast(tmp_path):
+    from tests.faults.test_faults import TORCHRUN, _assert_stopped_fast, _job
+
+    proc, seconds = _job(TORCHRUN, tmp_path, "tp2", "--raise-at", "3", timeout=120)
+    _assert_stopped_fast(proc, seconds)

@@ -32,8 +32,14 @@ def main() -> None:
     parser.add_argument("--fault-timeout", type=float, default=10.0)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    # "tp2": the model's two Linear layers split over the 2 ranks (one tensor-parallel group)
+    strategy = (
+        distkit.FSDPStrategy(tensor_parallel=2, tensor_plan={"0": "colwise", "3": "rowwise"})
+        if args.strategy == "tp2"
+        else args.strategy
+    )
     trainer = distkit.Trainer(
-        args.strategy, batch_size=4, max_epochs=2, seed=7, checkpoint_dir=args.out / "ckpt",
+        strategy, batch_size=4, max_epochs=2, seed=7, checkpoint_dir=args.out / "ckpt",
         checkpoint_every=2, resume="auto", fault_timeout=args.fault_timeout,
     )  # fmt: skip
     torch.manual_seed(0)
