@@ -5,7 +5,6 @@ GPT-2, which publishes no plan, is refused by name."""
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 import pytest
