@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
@@ -77,7 +78,7 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from distkit.errors import ConfigurationError, DistkitError
+from distkit.errors import ConfigurationError, DistkitError, UnsupportedFeatureError
 from distkit.faults._channel import SideChannel
 from distkit.launch import BUILTIN_CHOICES, LaunchRequest, StrategyChoices, native_alternative
 from distkit.launch.diagnosis import MachineFacts, StrategyReport
@@ -102,6 +103,10 @@ from distkit.strategies._steps import (
 )
 from distkit.strategies.capabilities import Elastic, StateIO
 from distkit.strategies.precision import Precision, normalize_precision
+
+#: the keywords of the parallel layouts a strategy may take beside data parallelism; one a
+#: strategy's constructor does not name is refused (see Strategy.__new__)
+LAYOUT_OPTIONS = frozenset({"tensor_parallel", "tensor_plan"})
 
 
 @dataclass(frozen=True)
@@ -163,6 +168,23 @@ class Strategy(Collectives, ABC):
     #: given by ``make_strategy`` (the Runtime's and the Trainer's strategies all hold them);
     #: one built and set up by hand names the built-in table's (see :mod:`distkit.launch._choices`)
     choices: StrategyChoices = BUILTIN_CHOICES
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Strategy:
+        """Refuse a parallel layout this backend does not take (``DDPStrategy(
+        tensor_parallel=2)``), naming the one that does, before a keyword catch-all passes
+        it on to the backend's wrapper, which would fail at set-up, or never."""
+        asked = sorted(LAYOUT_OPTIONS.intersection(kwargs))
+        if asked:
+            taken = inspect.signature(cls.__init__).parameters
+            refused = [name for name in asked if name not in taken]
+            if refused:
+                raise UnsupportedFeatureError(
+                    f"{cls.__name__}({refused[0]}=...): {cls.__name__} takes no tensor "
+                    "parallelism; distkit splits layers over ranks inside FSDPStrategy only "
+                    "(on one device mesh with its sharding). Use distkit.FSDPStrategy("
+                    f"{refused[0]}=...) under torchrun, or drop the option"
+                )
+        return super().__new__(cls)
 
     def __init__(self) -> None:
         self.options = TrainOptions()

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 import distkit
-from distkit.errors import ConfigurationError
+from distkit.errors import ConfigurationError, UnsupportedFeatureError
 from tests.support.exactness import DTYPE, TOL  # the runs compared train in float64
-from tests.support.workloads import make_dataset, make_stack, max_abs_diff
+from tests.support.workloads import Block, make_dataset, make_stack, max_abs_diff
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -297,3 +297,84 @@ def test_a_rank_raising_mid_step_stops_its_tensor_parallel_group_fast(tmp_path):
 
     proc, seconds = _job(TORCHRUN, tmp_path, "tp2", "--raise-at", "3", timeout=120)
     _assert_stopped_fast(proc, seconds)
+
+
+@pytest.mark.parametrize(
+    "name", ["DDPStrategy", "HorovodStrategy", "DeepSpeedStrategy", "DataParallelStrategy",
+             "ApexStrategy"],
+)  # fmt: skip
+@pytest.mark.parametrize("option", ["tensor_parallel", "tensor_plan"])
+def test_tensor_parallel_under_another_backend_is_refused_naming_fsdp(name, option):
+    with pytest.raises(UnsupportedFeatureError) as caught:
+        getattr(distkit, name)(**{option: 2})
+    assert f"{name}({option}=...)" in str(caught.value)
+    assert f"distkit.FSDPStrategy({option}=...)" in str(caught.value)
+
+
+def _meta_build(path: str) -> dict[str, Any]:
+    """fsdp2 x tp2: a stack built on meta (init_empty) is split, sharded and materialised
+    slice by slice; with no weights its values are the normal build's, with load_weights
+    the file's. Then activation checkpointing trains exactly as without."""
+    out: dict[str, Any] = {}
+    for name in ("fresh", "loaded"):
+        torch.manual_seed(0)  # where the block begins: its initial values replay from here
+        with distkit.init_empty():  # float32: a meta model cast to float64 draws in float64
+            model = make_stack()
+        if name == "loaded":
+            distkit.load_weights(model, path)
+        trainer = distkit.Trainer(distkit.FSDPStrategy(tensor_parallel=2, tensor_plan=PLAN),
+                                  batch_size=4, max_steps=1, progress=False)  # fmt: skip
+        trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.0), make_dataset(N),
+                    loss_fn=nn.functional.cross_entropy)  # fmt: skip
+        out[name] = trainer.full_state_dict()
+        trainer.close()
+    for checkpointing in (None, [Block]):
+        out[f"checkpointed={checkpointing is not None}"] = fit(
+            "fsdp", 4, tensor=2, activation_checkpointing=checkpointing
+        )["state"]
+    return out
+
+
+def test_meta_init_load_weights_and_activation_checkpointing_under_fsdp2_x_tp2(
+    run_on_ranks, tmp_path
+):
+    from safetensors.torch import save_file
+
+    stored = {k: v + 1.0 for k, v in make_stack(seed=5).state_dict().items()}
+    path = str(tmp_path / "stack.safetensors")
+    save_file(stored, path)
+    built = make_stack().state_dict()
+    for result in run_on_ranks(partial(_meta_build, path), world_size=4):
+        assert max_abs_diff(result["fresh"], built) == 0
+        assert max_abs_diff(result["loaded"], stored) == 0
+        assert max_abs_diff(result["checkpointed=True"], result["checkpointed=False"]) == 0
+
+
+def _mixed_and_compiled() -> dict[str, Any]:
+    """fsdp2 x tp2: compile=True against eager (the same arithmetic: equal), and bf16 (FSDP's
+    policy over the split layers) on a float32 stack."""
+    out = {
+        "eager": fit("fsdp", 4, tensor=2)["state"],
+        "compiled": fit("fsdp", 4, tensor=2, compile=True)["state"],
+    }
+    trainer = distkit.Trainer(distkit.FSDPStrategy(tensor_parallel=2, tensor_plan=PLAN),
+                              batch_size=4, precision="bf16", max_epochs=3, progress=False,
+                              seed=3)  # fmt: skip
+    model = make_stack()
+    seen: list[torch.dtype] = []
+    model.layers[0].inner.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    result = trainer.fit(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                         make_dataset(N), loss_fn=nn.functional.cross_entropy)  # fmt: skip
+    out["bf16 losses"] = [h["train_loss"] for h in result.history]
+    out["bf16 compute"] = seen[0]
+    out["master"] = next(model.parameters()).dtype
+    trainer.close()
+    return out
+
+
+def test_compile_and_bf16_under_fsdp2_x_tp2(run_on_ranks):
+    for result in run_on_ranks(_mixed_and_compiled, world_size=4):
+        assert max_abs_diff(result["compiled"], result["eager"]) <= TOL
+        assert result["bf16 compute"] == torch.bfloat16 and result["master"] == torch.float32
+        losses = result["bf16 losses"]
+        assert all(loss == loss for loss in losses) and losses[-1] < losses[0], losses
