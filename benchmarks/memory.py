@@ -1,4 +1,5 @@
-"""Per-rank memory of a ~50M-parameter model: ddp, fsdp, HSDP and DeepSpeed ZeRO 1/2/3, by ranks.
+"""Per-rank memory of a ~50M-parameter model: ddp, fsdp, HSDP, tensor parallel and DeepSpeed ZeRO
+1/2/3, by ranks.
 
 Each configuration trains the same residual MLP (default: 6 blocks ``x + W2 gelu(W1 x)`` of
 width 1024 and hidden width 4096, and a 10-way head: 50.4 M parameters) in fp32 with Adam for
@@ -31,7 +32,11 @@ Next to the measured state bytes per parameter stands the theory for fp32 Adam (
 parameter, 4 of gradient, 8 of Adam's two moments): ddp 16; fsdp on N ranks 16/N; HSDP with
 2 replica groups of S ranks 16/S; ZeRO-1 4 + 4 + 8/N, ZeRO-2 4 + 4/N + 8/N, ZeRO-3 16/N, each
 plus the fp32 master partition (4/N) that DeepSpeed keeps beside the module's parameters even
-when these are fp32.
+when these are fp32. ``tp2`` is ``FSDPStrategy(tensor_parallel=2)`` with each block's ``up``
+colwise and ``down`` rowwise (at 2 ranks tensor parallel alone, at 4 ranks fsdp2 x tp2): a
+parameter the plan splits keeps 16/N bytes (split 2 ways, sharded over N/2), one it does not
+(``down``'s bias, the head) 16/(N/2); the theory weighs the two by their counts. Its batch is
+per data-parallel rank (a tensor-parallel group's 2 ranks share one).
 
     python benchmarks/memory.py      # the tables in docs/large-models.md (~20 min on 2 cores)
     python benchmarks/memory.py --strategies ddp fsdp --procs 1 2 --width 64 --layers 2
@@ -74,8 +79,11 @@ import distkit
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MIB = 2**20
-CONFIGS = ("ddp", "fsdp", "hsdp", "deepspeed1", "deepspeed2", "deepspeed3")
+CONFIGS = ("ddp", "fsdp", "hsdp", "tp2", "deepspeed1", "deepspeed2", "deepspeed3")
 HSDP_REPLICAS = 2
+TENSOR_PARALLEL = 2
+#: tp2's plan: each block's two Linear layers (the blocks are the Sequential's children "0", ...)
+TP_PLAN = {"*.up": "colwise", "*.down": "rowwise"}
 CHECKPOINTING = {"off": (False,), "on": (True,), "both": (False, True)}
 STATE_PARTS = ("params", "master", "grads", "optimizer")
 RSS_FIELDS = ("rss_setup", "rss_training", "rss_peak")
@@ -123,9 +131,11 @@ def make_strategy(config: str) -> str | distkit.Strategy:
     # imported here: the launcher needs neither, and a worker one of them
     if config == "ddp":
         return "ddp"
-    if config in ("fsdp", "hsdp"):
+    if config in ("fsdp", "hsdp", "tp2"):
         from distkit.strategies.fsdp import FSDPStrategy
 
+        if config == "tp2":
+            return FSDPStrategy(tensor_parallel=TENSOR_PARALLEL, tensor_plan=TP_PLAN)
         return FSDPStrategy(replicate=HSDP_REPLICAS if config == "hsdp" else 1)
     from distkit.strategies.deepspeed import DeepSpeedStrategy
 
@@ -140,13 +150,16 @@ def skip_reason(config: str, procs: int) -> str | None:
     if config == "hsdp" and procs != 2 * HSDP_REPLICAS:
         # one rank per group would be ddp; one group would be fsdp
         return f"HSDP runs at {2 * HSDP_REPLICAS} ranks only ({HSDP_REPLICAS} groups x 2)"
+    if config == "tp2" and procs % TENSOR_PARALLEL:
+        return f"tensor parallel needs a multiple of {TENSOR_PARALLEL} ranks"
     if config.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
         return "DeepSpeed is not installed (pip install 'distkit[deepspeed]')"
     return None
 
 
-def theory(config: str, procs: int) -> dict[str, float]:
-    """Bytes per parameter a rank keeps under fp32 Adam, by part (see the module docstring)."""
+def theory(config: str, procs: int, split: float = 0.0) -> dict[str, float]:
+    """Bytes per parameter a rank keeps under fp32 Adam, by part (see the module docstring);
+    ``split``: the share of the parameters tensor parallelism splits (tp2)."""
     if config.startswith("deepspeed"):
         stage = zero_stage(config)
         parts = {
@@ -156,8 +169,13 @@ def theory(config: str, procs: int) -> dict[str, float]:
             "optimizer": 8 / procs,
         }
     else:
-        shards = {"ddp": 1, "fsdp": procs, "hsdp": procs // HSDP_REPLICAS}[config]
-        parts = {"params": 4 / shards, "master": 0.0, "grads": 4 / shards, "optimizer": 8 / shards}
+        if config == "tp2":  # split: over every rank; whole: over the data-parallel ones
+            data = procs // TENSOR_PARALLEL
+            per_byte = split / procs + (1 - split) / data
+        else:
+            per_byte = 1 / {"ddp": 1, "fsdp": procs, "hsdp": procs // HSDP_REPLICAS}[config]
+        parts = {"params": 4 * per_byte, "master": 0.0, "grads": 4 * per_byte,
+                 "optimizer": 8 * per_byte}  # fmt: skip
     total = sum(parts.values())
     return {**parts, "textbook": total - parts["master"], "total": total}
 
@@ -318,21 +336,29 @@ def worker(config: str, checkpointing: bool, args: argparse.Namespace) -> None:
         progress=False,
         activation_checkpointing=[Block] if checkpointing else None,
     )
-    data = dataset(args.steps * args.batch_size * trainer.world_size, args.width)
+    data = dataset(args.steps * args.batch_size * trainer.data_world_size, args.width)
     rss = ResidentSet()
     model = make_model(args.width, args.hidden, args.layers)
     count = sum(p.numel() for p in model.parameters())
+    split = sum(p.numel() for name, p in model.named_parameters() if tensor_split(name))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     state = StateMeter(model, optimizer, leave_out=set(storages(data.tensors)))
     saved = SavedForBackward(model)
     model.register_forward_pre_hook(rss.end_setup)
     trainer.fit(model, optimizer, data, loss_fn=nn.functional.cross_entropy)
-    mine = {**state.largest, "activations": saved.largest, **rss.report(), "parameters": count}
+    mine = {**state.largest, "activations": saved.largest, **rss.report(), "parameters": count,
+            "split": split}  # fmt: skip
     mine["state"] = sum(mine[part] for part in STATE_PARTS)
     ranks = trainer.strategy.all_gather_object(mine)
     if trainer.is_main:
         args.out.write_text(json.dumps({"ranks": ranks}))
     trainer.close()
+
+
+def tensor_split(name: str) -> bool:
+    """Whether TP_PLAN splits the parameter ``name``: a colwise layer's weight and bias, a
+    rowwise layer's weight (its bias is added whole, after the sum over the ranks)."""
+    return name.endswith((".up.weight", ".up.bias", ".down.weight"))
 
 
 def import_lazy_code(config: str) -> None:
@@ -397,7 +423,7 @@ def model_arguments(args: argparse.Namespace) -> list[str]:
 def largest_rank(ranks: list[dict[str, int]], config: str, procs: int) -> dict[str, Any]:
     entry: dict[str, Any] = {field: max(rank[field] for rank in ranks) for field in FIELDS}
     entry["bytes_per_param"] = entry["state"] / ranks[0]["parameters"]
-    entry["theory"] = theory(config, procs)
+    entry["theory"] = theory(config, procs, ranks[0]["split"] / ranks[0]["parameters"])
     entry["parameters"] = ranks[0]["parameters"]
     return entry
 

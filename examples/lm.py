@@ -4,6 +4,7 @@
     torchrun --standalone --nproc_per_node 2 examples/lm.py          # DDP, 2 processes
     torchrun --standalone --nproc_per_node 2 examples/lm.py --strategy fsdp
     horovodrun -np 2 -H localhost:2 --gloo python examples/lm.py     # Horovod, 2 processes
+    torchrun --standalone --nproc_per_node 4 examples/lm.py --model llama --tensor-parallel 2
 
 Data: the standard library's own ``.py`` files (``sysconfig.get_paths()["stdlib"]``), so there
 is nothing to download. The public top-level modules (names not starting with ``_``: the
@@ -24,8 +25,18 @@ smoothing), which knows byte frequencies and nothing else.
 
 Model (``--model``): a ``transformers`` GPT-2 built from a config (2 layers, width 64, 4 heads;
 no download), or without transformers (``auto``) or with ``--model torch`` a plain-torch causal
-transformer of the same size. The weights are saved with ``trainer.save_weights(--out)``
-(``model.safetensors``, and ``config.json`` for GPT-2, which
+transformer of the same size, or with ``--model llama`` a ``transformers`` Llama of the same
+size (2 key-value heads).
+
+Tensor parallel (``--tensor-parallel T``, under ``--strategy fsdp``, the default then): each
+layer the plan names is split over ``T`` consecutive ranks, and FSDP shards over the rest
+(world = shard x T); ``--batch-size`` is then per data-parallel rank (a tensor-parallel group's
+ranks see the same samples). The Llama is split by its own published plan
+(``tensor_plan="auto"``); the plain-torch model by a plan of this script's (its feed-forward
+``linear1`` colwise, ``linear2`` rowwise: its attention's fused ``in_proj_weight`` is no
+``nn.Linear``); GPT-2 publishes none, and its ``Conv1D`` layers are no ``nn.Linear``: distkit
+refuses it, naming the model. The weights are saved with ``trainer.save_weights(--out)``
+(``model.safetensors``, and ``config.json`` for GPT-2 and Llama, which
 ``AutoModelForCausalLM.from_pretrained(out)`` loads); rank 0 then loads them back into a fresh
 model and samples a line from each of a few prompts.
 
@@ -166,7 +177,8 @@ class TinyCausalLM(nn.Module):
 
 
 def pick_model(kind: str) -> str:
-    """``hf`` or ``torch`` for ``--model``; ``auto`` is ``hf`` where transformers imports."""
+    """``hf``, ``llama`` or ``torch`` for ``--model``; ``auto`` is ``hf`` where transformers
+    imports."""
     if kind != "auto":
         return kind
     try:
@@ -181,6 +193,16 @@ def build_model(kind: str, max_len: int, layers: int = LAYERS) -> nn.Module:
     with ``layers`` blocks (the plain torch model has its own two)."""
     if kind == "torch":
         return TinyCausalLM(VOCAB, max_len)
+    if kind == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM  # optional: imported only here
+
+        llama = LlamaConfig(
+            vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=4 * WIDTH,
+            num_hidden_layers=layers, num_attention_heads=HEADS, num_key_value_heads=HEADS // 2,
+            max_position_embeddings=max_len, bos_token_id=BOS, eos_token_id=BOS,
+            pad_token_id=PAD, tie_word_embeddings=False, initializer_range=0.05, use_cache=False,
+        )  # fmt: skip
+        return LlamaForCausalLM(llama)
     from transformers import GPT2Config, GPT2LMHeadModel  # optional: imported only here
 
     config = GPT2Config(
@@ -264,11 +286,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="auto (follows the launcher), ddp, dp, fsdp, horovod or apex (default: auto)",
     )  # fmt: skip
     parser.add_argument(
-        "--model", default="auto", choices=["auto", "hf", "torch"],
-        help="hf: transformers' GPT-2; torch: plain torch; auto: hf when transformers imports",
+        "--model", default="auto", choices=["auto", "hf", "llama", "torch"],
+        help="hf: transformers' GPT-2; llama: transformers' Llama; torch: plain torch; auto: "
+        "hf when transformers imports",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tensor-parallel", type=int, default=1,
+        help="ranks that split each layer (FSDPStrategy(tensor_parallel=...); default: 1)",
     )  # fmt: skip
     parser.add_argument("--epochs", type=int, default=3, help="(default: 3)")
-    parser.add_argument("--batch-size", type=int, default=16, help="per process (default: 16)")
+    parser.add_argument(
+        "--batch-size", type=int, default=16,
+        help="per data-parallel rank: per process, but per tensor-parallel group (default: 16)",
+    )  # fmt: skip
     parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
     parser.add_argument(
         "--lr", type=float, default=5e-3,
@@ -305,7 +335,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     # the legacy `python -m torch.distributed.launch` passes --local_rank; distkit reads it itself
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    for name in ("epochs", "batch_size", "grad_accum", "max_samples"):
+    for name in ("epochs", "batch_size", "grad_accum", "max_samples", "tensor_parallel"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -320,8 +350,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             f"--precision {args.precision} needs --dtype float32 (autocast lowers float32 "
             f"only: {args.dtype} weights would train at full precision), got --dtype {args.dtype}"
         )
-    if args.model == "hf" and pick_model("auto") != "hf":
-        parser.error("--model hf needs transformers (pip install transformers); or --model torch")
+    if args.model in ("hf", "llama") and pick_model("auto") != "hf":
+        parser.error(
+            f"--model {args.model} needs transformers (pip install transformers); or --model torch"
+        )
+    if args.tensor_parallel > 1 and args.strategy not in ("auto", "fsdp"):
+        parser.error(
+            f"--tensor-parallel {args.tensor_parallel} runs under --strategy fsdp (tensor "
+            f"parallelism inside sharded data parallelism), got --strategy {args.strategy}"
+        )
     return args
 
 
@@ -339,7 +376,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     trainer = distkit.Trainer(
         # fsdp's default units keep GPT-2's tied embedding and output layer in one unit (the
         # root) and shard each transformer block
-        strategy=args.strategy,
+        strategy=pick_strategy(args.strategy, kind, args.tensor_parallel),
         max_epochs=args.epochs,
         batch_size=args.batch_size,
         precision=args.precision,
@@ -350,6 +387,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     with trainer:  # closing tears down the process group distkit created
         return train(trainer, model, optimizer, kind, args)
+
+
+#: --model torch's plan: the feed-forward layers of each block (the attention's fused input
+#: projection is a bare parameter, no nn.Linear: it stays whole)
+TORCH_PLAN = {"blocks.layers.*.linear1": "colwise", "blocks.layers.*.linear2": "rowwise"}
+
+
+def pick_strategy(name: str, kind: str, tensor_parallel: int) -> str | distkit.Strategy:
+    """``--strategy``, or with ``--tensor-parallel`` > 1 fsdp with the model's plan: its own
+    (``"auto"``: the Llama's; GPT-2 has none, which distkit refuses) or TORCH_PLAN."""
+    if tensor_parallel == 1:
+        return name
+    plan: Any = TORCH_PLAN if kind == "torch" else "auto"
+    return distkit.FSDPStrategy(tensor_parallel=tensor_parallel, tensor_plan=plan)
 
 
 def mfu_text(record: dict[str, float]) -> str:
@@ -381,7 +432,7 @@ def train(
             where = "" if trainer.is_main else f"rank {trainer.rank}: "
             print(f"error: {where}{failure}", file=sys.stderr, flush=True)
         return 2
-    global_batch = trainer.world_size * args.batch_size
+    global_batch = trainer.data_world_size * args.batch_size
     per_epoch = math.ceil(math.ceil(len(train_set) / global_batch) / args.grad_accum)
     schedule = example_cli.cosine(args.epochs * per_epoch)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
@@ -397,8 +448,9 @@ def train(
         params = sum(p.numel() for p in model.parameters())
         print(
             f"training a {type(model).__name__} ({params:,} parameters): "
-            f"strategy={trainer.strategy.name}, world_size={trainer.world_size}, "
-            f"batch {args.batch_size} per process, {args.epochs} epoch(s) of {per_epoch} steps, "
+            f"strategy={trainer.strategy.name}, world_size={trainer.world_size}"
+            f"{split_text(trainer, args.tensor_parallel)}, batch {args.batch_size} per "
+            f"data-parallel rank, {args.epochs} epoch(s) of {per_epoch} steps, "
             f"AdamW lr {args.lr:g} with cosine decay",
             flush=True,
         )
@@ -433,9 +485,16 @@ def train(
     return 0
 
 
+def split_text(trainer: distkit.Trainer, tensor_parallel: int) -> str:
+    """ " (2 data-parallel x tensor_parallel 2)" under tensor parallelism, else ""."""
+    if tensor_parallel == 1:
+        return ""
+    return f" ({trainer.data_world_size} data-parallel x tensor_parallel {tensor_parallel})"
+
+
 def show_samples(kind: str, out: Path, args: argparse.Namespace) -> None:
     """Rank 0: the saved weights loaded back into a fresh model, and a line from each prompt."""
-    if kind == "hf":
+    if kind in ("hf", "llama"):
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(out)

@@ -297,6 +297,18 @@ class Trainer:
         return self.runtime.world_size
 
     @property
+    def data_rank(self) -> int:
+        """This process's share of the data (:attr:`rank`, but under tensor parallelism the
+        share of its tensor-parallel group): see ``Runtime.data_rank``."""
+        return self.runtime.data_rank
+
+    @property
+    def data_world_size(self) -> int:
+        """How many shares the data is cut into; ``batch_size`` is per share (the global
+        batch is ``data_world_size * batch_size``)."""
+        return self.runtime.data_world_size
+
+    @property
     def is_main(self) -> bool:
         return self.runtime.is_main
 

@@ -5,6 +5,7 @@ over the DTensor shards), through the Trainer, in float64."""
 
 from __future__ import annotations
 
+import shutil
 from functools import partial
 from typing import Any
 
@@ -15,6 +16,7 @@ from torch import nn
 import distkit
 from distkit.errors import ConfigurationError, UnsupportedFeatureError
 from tests.support.exactness import DTYPE, TOL  # the runs compared train in float64
+from tests.support.gates import needs
 from tests.support.workloads import Block, make_dataset, make_stack, max_abs_diff
 
 pytestmark = pytest.mark.timeout(400)
@@ -46,12 +48,15 @@ def fit(
                               **settings)  # fmt: skip
     model = make_stack(dtype=DTYPE)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    taken = []  # the optimizer steps this fit takes (a resumed one: the rest only)
+    optimizer.register_step_post_hook(lambda *_: taken.append(1))
     data = make_dataset(N, dtype=DTYPE)
     result = trainer.fit(model, optimizer, data, val_data=data, loss_fn=nn.functional.cross_entropy)
     inner = model.layers[0].inner.weight
     out = {
         "state": trainer.full_state_dict(),
         "steps": trainer.global_step,
+        "taken": len(taken),
         "history": result.history,
         "mesh": getattr(getattr(inner, "device_mesh", None), "mesh_dim_names", None),
         "local": tuple(inner.to_local().shape) if hasattr(inner, "to_local") else None,
@@ -114,11 +119,14 @@ def test_a_checkpoint_from_fsdp2_x_tp2_resumes_exactly_at_other_layouts(
     strategy_kw = {"checkpoint_dir": folder, "max_steps": 3}
     run_on_ranks(partial(_resume_fit, checkpoint_kind=checkpoint, **strategy_kw), "fsdp2xtp2",
                  4, world_size=4)  # fmt: skip
-    again = {"checkpoint_dir": folder, "resume": "auto", "checkpoint_kind": checkpoint}
     for layout, batch, world in (("fsdp", 4, 2), ("one", 8, 1), ("tp2", 8, 2)):
+        # a copy each: a resumed fit writes checkpoints of its own into its folder
+        mine = shutil.copytree(folder, tmp_path / layout)
+        again = {"checkpoint_dir": str(mine), "resume": "auto", "checkpoint_kind": checkpoint}
         resumed = run_on_ranks(partial(_resume_fit, **again), layout, batch, world_size=world)
         for result in resumed:
             assert result["steps"] == whole["steps"], layout
+            assert result["taken"] == whole["steps"] - 3, layout  # it did resume
             assert max_abs_diff(result["state"], whole["state"]) <= TOL, layout
 
 
@@ -183,6 +191,7 @@ def test_a_users_loop_on_the_runtime_equals_one_process_and_resumes_across_layou
     path = str(tmp_path / "loop.pt")
     run_on_ranks(partial(own_loop, 2, save=path), 4, world_size=4)
     resumed = run_on_ranks(partial(own_loop, 1, load=path), 8, world_size=1)[0]
+    assert resumed["steps"] == one["steps"] - 3  # the steps after the save, only
     assert max_abs_diff(resumed["state"], one["state"]) <= TOL
 
 
@@ -378,3 +387,20 @@ def test_compile_and_bf16_under_fsdp2_x_tp2(run_on_ranks):
         assert result["bf16 compute"] == torch.bfloat16 and result["master"] == torch.float32
         losses = result["bf16 losses"]
         assert all(loss == loss for loss in losses) and losses[-1] < losses[0], losses
+
+
+# ---------------------------------------------------------------- the GPU path (NCCL)
+def _on_gpu(tensor: int, batch: int) -> dict[str, Any]:
+    result = fit("fsdp", batch, tensor=tensor, clip=0.05)
+    result["device"] = torch.cuda.current_device() if torch.cuda.is_available() else None
+    return result
+
+
+@needs("2 gpus", because="one GPU per rank: the tensor-parallel group's NCCL collectives")
+def test_tp2_over_nccl_on_two_gpus_equals_one_gpu(run_on_ranks):
+    """Written for a machine with 2+ CUDA GPUs (none here, none in CI; docs/gpu.md lists it):
+    tp2 across two GPUs against one GPU at the same batch, float64."""
+    one = run_on_ranks(partial(_on_gpu, 1), 4, world_size=1)[0]
+    for rank, result in enumerate(run_on_ranks(partial(_on_gpu, 2), 4, world_size=2)):
+        assert result["device"] == rank
+        assert max_abs_diff(result["state"], one["state"]) <= TOL
