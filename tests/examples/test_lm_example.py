@@ -249,3 +249,27 @@ def test_lm_example_horovodrun_picks_horovod_and_trains_like_one_process(tmp_pat
                          tmp_path, timeout=120)  # fmt: skip
     assert "strategy=horovod, world_size=2" in output
     _same_as_one_process(output, _weights(tmp_path / "out"), one_process)
+
+
+def test_lm_example_tensor_parallel_needs_fsdp():
+    with pytest.raises(SystemExit):
+        lm.parse_args(["--tensor-parallel", "2", "--strategy", "ddp"])
+    with pytest.raises(SystemExit):
+        lm.parse_args(["--tensor-parallel", "0"])
+
+
+@pytest.mark.skipif(lm.pick_model("auto") != "hf", reason="needs transformers (the Llama)")
+def test_lm_example_llama_split_over_two_ranks_trains_like_one_process(tmp_path):
+    """--model llama --tensor-parallel 2 under torchrun: one tensor-parallel group of 2 ranks
+    (one data-parallel rank, so the same batch of 16 as one process), its own published plan;
+    the same epochs and, in float64, the same weights as one plain process."""
+    one = run_example([sys.executable, SCRIPT, *EXACT, "--model", "llama", "--batch-size", "16",
+                       "--out", "one"], tmp_path, timeout=120)  # fmt: skip
+    split_args = ["--model", "llama", "--tensor-parallel", "2", "--batch-size", "16"]
+    split = run_example([*TORCHRUN, SCRIPT, *EXACT, *split_args, "--out", "split"], tmp_path,
+                        timeout=180)  # fmt: skip
+    assert "world_size=2 (1 data-parallel x tensor_parallel 2)" in split
+    assert _perplexities(split) == _perplexities(one)
+    assert _epochs(split) == _epochs(one) and len(_epochs(split)) == 2
+    diff = max_abs_diff(_weights(tmp_path / "split"), _weights(tmp_path / "one"))
+    assert diff <= WEIGHT_TOLERANCE
