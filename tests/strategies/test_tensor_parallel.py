@@ -5,8 +5,10 @@ over the DTensor shards), through the Trainer, in float64."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -404,3 +406,22 @@ def test_tp2_over_nccl_on_two_gpus_equals_one_gpu(run_on_ranks):
     for rank, result in enumerate(run_on_ranks(partial(_on_gpu, 2), 4, world_size=2)):
         assert result["device"] == rank
         assert max_abs_diff(result["state"], one["state"]) <= TOL
+
+
+def _profiled(folder: str) -> list[str]:
+    settings = distkit.Profiler(dir=folder, wait=0, warmup=1, active=1)
+    fit("fsdp", 4, tensor=2, profiler=settings, max_steps=3)
+    return sorted(str(p.relative_to(folder)) for p in Path(folder).rglob("*.pt.trace.json"))
+
+
+def test_the_profiler_traces_each_rank_of_a_tensor_parallel_group(run_on_ranks, tmp_path):
+    """tp2: each rank writes its trace, with distkit's phases and the group's all-reduce in
+    the forward (the rowwise layers' sum of partial outputs)."""
+    folder = str(tmp_path / "traces")
+    traces = run_on_ranks(partial(_profiled, folder), world_size=2)[0]
+    assert [t.split("/")[0] for t in traces] == ["rank0", "rank1"], traces
+    for trace in traces:
+        events = json.loads((Path(folder) / trace).read_text())["traceEvents"]
+        names = {event.get("name", "") for event in events}
+        assert {"distkit/forward", "distkit/backward", "distkit/optimizer"} <= names
+        assert any("all_reduce" in name for name in names), sorted(names)[:40]
