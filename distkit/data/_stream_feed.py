@@ -16,6 +16,12 @@ never. Each rank fills only its own row, so the sum holds every rank's digests s
 and a stream whose ranks read other items (an unseeded shuffle) is refused on every rank alike
 at the first global micro-batch that differs, with no collective of its own.
 
+Under tensor parallelism the ranks of one tensor-parallel group share one data-parallel rank
+and must read the same batches: each rank then fills a row of its own (a stream that shards
+itself digests its own batches), and a group whose rows differ (a ShardedStream split by the
+global rank) is refused on every rank alike, before its batches train; the rest reads the
+first row of each group.
+
 The table of the next block is summed while this block trains (its batches are read a block
 ahead: at most ``2 x steps_ahead`` steps of batches are held), on a backend that can (gloo
 beside the model's group, Horovod's async allreduce): reading it then waits for nothing and
@@ -91,8 +97,14 @@ class StreamFeed:
             start=start,
             seed=self.seed,
             worker_seed=seed,
+            digest_own=self._split(),
         )
         return self._steps(local, epoch, fresh=position == 0, start=start)
+
+    def _split(self) -> bool:
+        """Whether tensor-parallel groups share data-parallel ranks (each rank then has a row
+        of its own in the table, see the module's docstring)."""
+        return self.strategy.data_world_size < self.strategy.world_size
 
     def _steps(
         self, local: Iterator[tuple[Any, int]], epoch: int, *, fresh: bool, start: int
@@ -104,9 +116,13 @@ class StreamFeed:
         read = 0  # local batches of the blocks before this one
         while True:
             # per rank: the counts, then the digests, of each step's micro-batches
-            table, digests = zip(
-                *pending.wait().reshape(world, 2, block, self.slots).tolist(), strict=True
+            rows = strategy.world_size if self._split() else world
+            counted, digested = zip(
+                *pending.wait().reshape(rows, 2, block, self.slots).tolist(), strict=True
             )
+            table, digests = list(counted), list(digested)
+            if self._split():
+                table, digests = self._per_share(table, digests, epoch, first=read)
             if not self.spec.self_sharded:
                 self._check_same_items(table, digests, epoch, first=read, start=start)
                 self._check_one_stream(table, epoch)
@@ -151,18 +167,48 @@ class StreamFeed:
         and the digests of the global micro-batches it holds a batch of (0 where none)."""
         pairs = list(islice(local, self.steps_ahead * self.slots))
         batches = [batch for batch, _ in pairs]
-        table = torch.zeros(
-            self.strategy.data_world_size, 2, self.steps_ahead * self.slots, dtype=torch.int64
-        )
-        if pairs and self.strategy.data_leader:  # a tensor-parallel group's rows: its first's
+        split = self._split()
+        rows = self.strategy.world_size if split else self.strategy.data_world_size
+        table = torch.zeros(rows, 2, self.steps_ahead * self.slots, dtype=torch.int64)
+        if pairs:
             sizes = [_size(batch, self.spec.what) for batch in batches]
             mine = torch.tensor([sizes, [digest for _, digest in pairs]], dtype=torch.int64)
-            table[self.strategy.data_rank, :, : len(pairs)] = mine
+            table[self.strategy.rank if split else self.strategy.data_rank, :, : len(pairs)] = mine
         if pairs:
             self._stand_in = batches[-1]
         self._sums += 1
         name = f"distkit.stream.{self.purpose}.{self._sums}"
         return batches, self.strategy.all_reduce_async(table.reshape(-1), name=name)
+
+    def _per_share(
+        self,
+        table: Sequence[list[list[int]]],
+        digests: Sequence[list[list[int]]],
+        epoch: int,
+        *,
+        first: int,
+    ) -> tuple[list[list[list[int]]], list[list[list[int]]]]:
+        """Every rank's rows as one per data-parallel rank (its tensor-parallel group's first),
+        after checking that the group's ranks read the same batches (counts and digests)."""
+        groups: dict[int, list[int]] = {}
+        for rank, share in enumerate(self.strategy.data_ranks):
+            groups.setdefault(share, []).append(rank)
+        for share, ranks in groups.items():
+            lead = ranks[0]
+            for other in ranks[1:]:
+                if table[other] == table[lead] and digests[other] == digests[lead]:
+                    continue
+                where = "" if self.purpose == "eval" else f" in epoch {epoch}"
+                raise ConfigurationError(
+                    f"ranks {ranks} form one tensor-parallel group (data-parallel rank {share}) "
+                    f"and read different batches from {self.spec.what}{where} (from its "
+                    f"global micro-batch {first} on): they split each layer of one model copy "
+                    "and must see the same samples. A ShardedStream must shard by the "
+                    "data-parallel rank (rt.data_rank of rt.data_world_size), not by the "
+                    "global rank; or pass the stream unwrapped and distkit shards it"
+                )
+        leads = [ranks[0] for _, ranks in sorted(groups.items())]
+        return [table[r] for r in leads], [digests[r] for r in leads]
 
     def _block_steps(self, table: Sequence[list[list[int]]]) -> tuple[list[list[list[int]]], bool]:
         """The steps of a block that train (each ``world_size x slots`` counts), and whether

@@ -100,15 +100,25 @@ class StreamSpec:
         return f"{kind} ({type(self.source).__name__}), {owner}"
 
     def local_batches(
-        self, *, world_size: int, rank: int, epoch: int, start: int, seed: int, worker_seed: int
+        self,
+        *,
+        world_size: int,
+        rank: int,
+        epoch: int,
+        start: int,
+        seed: int,
+        worker_seed: int,
+        digest_own: bool = False,
     ) -> Iterator[tuple[Any, int]]:
         """This rank's batches of ``epoch`` after ``start`` samples (of the whole stream, or of
         this rank's share for a stream that shards itself), each with the digest of its global
-        micro-batch where distkit shards the stream over several ranks (else 0)."""
+        micro-batch where distkit shards the stream over several ranks (else 0).
+        ``digest_own``: a stream that shards itself digests its own batches too (the ranks of
+        a tensor-parallel group compare theirs)."""
         set_epoch = getattr(self.source, "set_epoch", None)
         if callable(set_epoch):
             set_epoch(epoch)
-        digest = not self.self_sharded and world_size > 1
+        digest = (not self.self_sharded and world_size > 1) or (self.self_sharded and digest_own)
         rule = ShareRule(
             world_size=1 if self.self_sharded else world_size,
             rank=0 if self.self_sharded else rank,

@@ -99,12 +99,13 @@ def exchange(
 def per_data_rank(strategy: Strategy, per_rank: list[Any]) -> list[Any]:
     """Every rank's entry (in rank order) as one per data-parallel rank: under tensor
     parallelism, the first rank's of each tensor-parallel group (its others hold the same
-    data state and random streams). A collective there (one gather of a flag); elsewhere
-    ``per_rank`` as given."""
+    data state and random streams); elsewhere ``per_rank`` as given. No collective."""
     if strategy.data_world_size == strategy.world_size:
         return per_rank
-    leaders = strategy.all_gather_object(strategy.data_leader)
-    return [entry for entry, leader in zip(per_rank, leaders, strict=True) if leader]
+    first: dict[int, Any] = {}
+    for entry, share in zip(per_rank, strategy.data_ranks, strict=True):
+        first.setdefault(share, entry)
+    return [first[share] for share in range(strategy.data_world_size)]
 
 
 def _gather(strategy: Strategy, mine: Message, error: Exception | None = None) -> list[Message]:

@@ -426,6 +426,12 @@ class Strategy(Collectives, ABC):
         return self.world_size
 
     @property
+    def data_ranks(self) -> list[int]:
+        """Every rank's :attr:`data_rank`, in rank order (default: ``0 .. world_size - 1``).
+        Known from the layout on every rank: no collective."""
+        return list(range(self.world_size))
+
+    @property
     def data_leader(self) -> bool:
         """Whether this rank counts for its data share in sums over the world (default:
         True). The other ranks of a tensor-parallel group compute the same losses, counts and

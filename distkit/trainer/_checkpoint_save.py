@@ -55,7 +55,7 @@ def _payload(
         strategy, "save_checkpoint", lambda: prepare_save(strategy, run, callbacks, extra, path)
     )
     assert run is not None  # prepare_save refused a missing run on every rank
-    ranks = per_data_rank(strategy, ranks)  # a collective under tensor parallelism
+    ranks = per_data_rank(strategy, ranks)  # one per data-parallel rank
     # every rank: gathering (or writing) a sharded model's state is a collective
     states = strategy.state_io.checkpoint_state(run.model, run.optimizer, Path(path))
     if not strategy.is_main:

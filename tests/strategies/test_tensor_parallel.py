@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import IterableDataset
 
 import distkit
 from distkit.errors import ConfigurationError, UnsupportedFeatureError
@@ -425,3 +426,60 @@ def test_the_profiler_traces_each_rank_of_a_tensor_parallel_group(run_on_ranks, 
         names = {event.get("name", "") for event in events}
         assert {"distkit/forward", "distkit/backward", "distkit/optimizer"} <= names
         assert any("all_reduce" in name for name in names), sorted(names)[:40]
+
+
+# ---------------------------------------------------------------- streams
+class Samples(IterableDataset):
+    """make_dataset's samples as a stream; ``shard_by``: a ShardedStream's own split, by the
+    global rank ("rank") or by the data-parallel rank ("data")."""
+
+    def __init__(self, shard_by: str | None = None) -> None:
+        self.data = make_dataset(N, dtype=DTYPE)
+        self.shard_by = shard_by
+
+    def __iter__(self) -> Any:
+        step, start = 1, 0
+        if self.shard_by is not None:
+            import torch.distributed as dist
+
+            world, rank = dist.get_world_size(), dist.get_rank()
+            step, start = (world, rank) if self.shard_by == "rank" else (world // 2, rank // 2)
+        for i in range(start, len(self.data), step):
+            yield self.data[i]
+
+
+def _stream_fit(tensor: int, batch: int, shard_by: str | None = None) -> Any:
+    source: Any = Samples(shard_by)
+    if shard_by is not None:
+        source = distkit.ShardedStream(source)
+    strategy = distkit.FSDPStrategy(tensor_parallel=2, tensor_plan=PLAN) if tensor > 1 else "ddp"
+    trainer = distkit.Trainer(strategy, batch_size=batch, grad_accum_steps=2, seed=3,
+                              max_epochs=2, progress=False)  # fmt: skip
+    model = make_stack(dtype=DTYPE)
+    try:
+        result = trainer.fit(model, torch.optim.AdamW(model.parameters(), lr=1e-2), source,
+                             val_data=Samples(), loss_fn=nn.functional.cross_entropy)  # fmt: skip
+    except ConfigurationError as exc:
+        return str(exc)
+    finally:
+        state = trainer.full_state_dict() if trainer.global_step else None
+        trainer.close()
+    return {"state": state, "history": result.history}
+
+
+def test_a_stream_under_fsdp2_x_tp2_equals_one_process_and_a_rank_split_one_is_refused(
+    run_on_ranks,
+):
+    """A stream distkit shards gives a tensor-parallel group's ranks the same batches (the
+    training and the validation loss equal one process at the global batch); a ShardedStream
+    split by the global rank gives them other samples: refused on every rank before its
+    batches train; split by the data-parallel rank it trains."""
+    one = run_on_ranks(partial(_stream_fit, 1), 8, world_size=1)[0]
+    for result in run_on_ranks(partial(_stream_fit, 2), 4, world_size=4):
+        assert max_abs_diff(result["state"], one["state"]) <= TOL
+        _same_epochs(result["history"], one["history"])
+    for message in run_on_ranks(partial(_stream_fit, 2, shard_by="rank"), 4, world_size=4):
+        assert "ranks [0, 1] form one tensor-parallel group" in message, message
+        assert "ShardedStream must shard by the data-parallel rank" in message
+    for result in run_on_ranks(partial(_stream_fit, 2, shard_by="data"), 4, world_size=4):
+        assert isinstance(result, dict) and result["state"] is not None, result

@@ -202,6 +202,13 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
 
     @property
     @override
+    def data_ranks(self) -> list[int]:
+        if self._layout is None:
+            return list(range(self.world_size))
+        return [rank // self._layout.tensor for rank in range(self.world_size)]
+
+    @property
+    @override
     def data_leader(self) -> bool:
         return self._layout is None or self._layout.tensor_rank == 0
 
