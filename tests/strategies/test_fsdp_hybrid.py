@@ -32,12 +32,15 @@ def fit(
                               **settings)  # fmt: skip
     model = make_mlp(dtype=DTYPE)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    taken = []  # the optimizer steps this fit takes (a resumed one: the rest only)
+    optimizer.register_step_post_hook(lambda *_: taken.append(1))
     trainer.fit(model, optimizer, make_dataset(N, dtype=DTYPE), loss_fn=nn.functional.cross_entropy)
     first = next(model.parameters())
     local = first.to_local() if hasattr(first, "to_local") else first
     out = {
         "state": trainer.full_state_dict(),
         "steps": trainer.global_step,
+        "taken": len(taken),
         "mesh": getattr(getattr(first, "device_mesh", None), "shape", None),
         "local_rows": local.shape[0],
     }
@@ -67,6 +70,7 @@ def test_hsdp_checkpoint_resumes_under_plain_fsdp(run_on_ranks, tmp_path):
                            world_size=2)  # fmt: skip
     for rank in resumed:
         assert rank["steps"] == whole["steps"]
+        assert rank["taken"] == whole["steps"] - 3  # it resumed (a fresh fit ends alike)
         assert max_abs_diff(rank["state"], whole["state"]) <= TOL
 
 
