@@ -118,8 +118,11 @@ PRIVATE_IMPORTS: dict[tuple[str, str], tuple[str, set[str]]] = {
 #: (issue 45: at most 3); today none, all through ``distkit.runtime``'s door
 TRAINER_RUNTIME_PRIVATE: dict[str, str] = {}
 
-#: the bounds the figures may not exceed (issue 45's before: 36, 13; its goal for the face: 30)
-RUNTIME_PUBLIC_NAMES = 30
+#: the bounds the figures may not exceed (issue 45's before: 36, 13; its goal for the face: 30;
+#: issue 47 added data_rank and data_world_size: the data-parallel place a user's own sampler
+#: shards by under tensor parallelism, where rank and world_size would feed a group's ranks
+#: different samples)
+RUNTIME_PUBLIC_NAMES = 32
 TOP_LEVEL_FILES = 12
 
 #: functions over 80 lines, each at most as long as it is now (issue 45, item 5, shortens them)

@@ -483,3 +483,97 @@ def test_a_stream_under_fsdp2_x_tp2_equals_one_process_and_a_rank_split_one_is_r
         assert "ShardedStream must shard by the data-parallel rank" in message
     for result in run_on_ranks(partial(_stream_fit, 2, shard_by="data"), 4, world_size=4):
         assert isinstance(result, dict) and result["state"] is not None, result
+
+
+# ---------------------------------------------------------------- sequence parallel
+V, L = 12, 6  # vocabulary (2 divides it: the embedding and head split over it), sequence
+
+
+class SeqBlock(nn.Module):
+    """A pre-norm residual block over (batch, sequence, width): position by position."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.inner = nn.Linear(width, 2 * width)
+        self.outer = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.outer(torch.tanh(self.inner(self.norm(x))))
+
+
+class Tokens(nn.Module):
+    def __init__(self, pool: bool = False) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(V, 16)
+        self.layers = nn.ModuleList(SeqBlock() for _ in range(2))
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(16, V)
+        self.pool = pool  # a classifier of the sequence's mean: what cannot run on a part of it
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        for layer in self.layers:
+            x = layer(x)
+        x = self.norm(x)
+        return self.head(x.mean(dim=1) if self.pool else x)
+
+
+SEQUENCE_PLAN = {
+    "emb": "rowwise",
+    "layers.*.norm": "sequence",
+    "layers.*.inner": "colwise",
+    "layers.*.outer": "rowwise",
+    "norm": "sequence",
+    "head": "colwise_gather",
+}
+
+
+def _token_data() -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, V, (N, L), generator=g)
+    return torch.utils.data.TensorDataset(ids, ids.roll(-1, dims=1))
+
+
+def _sequence_fit(tensor: int, batch: int, pool: bool = False, clip: float | None = 0.05) -> Any:
+    torch.manual_seed(0)
+    model = Tokens(pool).to(DTYPE)
+    # pooled: the head stays whole (unplanned), on each rank's mean of its part of the sequence
+    plan = {k: v for k, v in SEQUENCE_PLAN.items() if not (pool and k == "head")}
+    strategy: Any = (
+        distkit.FSDPStrategy(tensor_parallel=2, tensor_plan=plan) if tensor > 1 else "ddp"
+    )
+    trainer = distkit.Trainer(strategy, batch_size=batch, grad_accum_steps=2, seed=3,
+                              max_epochs=2, progress=False, gradient_clip_norm=clip)  # fmt: skip
+
+    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if logits.dim() == 2:  # pooled: the sequence's first next token
+            return nn.functional.cross_entropy(logits, target[:, 0])
+        return nn.functional.cross_entropy(logits.reshape(-1, V), target.reshape(-1))
+
+    try:
+        trainer.fit(model, torch.optim.AdamW(model.parameters(), lr=1e-2), _token_data(),
+                    loss_fn=loss_fn)  # fmt: skip
+    except ConfigurationError as exc:
+        return str(exc)
+    finally:
+        state = trainer.full_state_dict() if trainer.global_step else None
+        trainer.close()
+    return state
+
+
+def test_sequence_parallel_equals_one_process_and_a_plan_that_mixes_positions_is_stopped(
+    run_on_ranks,
+):
+    """'sequence' norms between colwise/rowwise pairs: the stream between the split layers is
+    split over the sequence; tp2 and fsdp2 x tp2 equal one process, clipping included (a
+    norm's gradient is a partial sum over the group, summed before the norm is taken). A
+    classifier of the sequence's mean left unplanned (each rank then pools its half) gives
+    each rank its own loss: the first backward stops every rank, nothing trained."""
+    for world in (2, 4):
+        one = run_on_ranks(partial(_sequence_fit, 1), 4 * (world // 2), world_size=1)[0]
+        for state in run_on_ranks(partial(_sequence_fit, 2), 4, world_size=world):
+            assert not isinstance(state, str), state
+            assert max_abs_diff(state, one) <= TOL
+    for message in run_on_ranks(partial(_sequence_fit, 2, pool=True), 4, world_size=2):
+        assert "computed different losses in their first backward" in message, message

@@ -134,6 +134,8 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         self.tensor_plan = _tensor_plan.checked_plan_option(tensor_plan, tensor_parallel)
         self._mesh: Any = None  # the (replicate, shard) DeviceMesh under HSDP
         self._layout: _layout.Layout | None = None  # with tensor_parallel > 1
+        self._losses_compared = False  # a tensor-parallel group's first losses (backward)
+        self._copies: _layout.CopyCount | None = None  # which gradient slices a norm counts
         #: checkpoint state loaded into a meta model (or its optimizer) before its set-up,
         #: by id of the model or optimizer: applied (and dropped) once the set-up
         #: materialised it (a plain dict: a strategy is pickled to spawned processes)
@@ -216,6 +218,8 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
     def teardown(self) -> None:
         self._mesh = None
         self._layout = None
+        self._copies = None
+        self._losses_compared = False
         self._leave_group()
         super().teardown()
 
@@ -348,6 +352,39 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
             _fsdp_state.load_full_optimizer_state(optimizer, saved)
 
     @override
+    def backward(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
+        if self._layout is not None and not self._losses_compared:
+            self._losses_compared = True
+            self._compare_group_losses(loss)
+        super().backward(loss, optimizer)
+
+    def _compare_group_losses(self, loss: torch.Tensor) -> None:
+        """The first backward under tensor parallelism (a collective, once): the ranks of a
+        group split one model copy over the same samples, so they compute the same loss,
+        bitwise (every sum between them is an all-reduce, whose result every rank shares).
+        A plan whose layouts do not fit the model (a sequence-split stream pooled over the
+        sequence, a style that leaves an output split) or inputs that differ give each rank
+        its own loss and gradients that mean nothing: every rank raises, before any step."""
+        value = loss.detach().reshape(-1)[:1].to(torch.float64)
+        everyone = self.all_gather(value).reshape(-1).tolist()
+        groups: dict[int, list[int]] = {}
+        for rank, share in enumerate(self.data_ranks):
+            groups.setdefault(share, []).append(rank)
+        for ranks in groups.values():
+            values = [everyone[r] for r in ranks]
+            if all(v == values[0] or (v != v and values[0] != values[0]) for v in values):
+                continue
+            shown = ", ".join(f"rank {r}: {everyone[r]:.6g}" for r in ranks)
+            raise ConfigurationError(
+                f"the ranks of one tensor-parallel group computed different losses in their "
+                f"first backward ({shown}); they split one model copy over the same samples, "
+                "so their losses must be equal. The tensor_plan's layouts do not fit the model "
+                "(a module after a 'sequence'-split stream that mixes positions, e.g. a mean "
+                "over the sequence; a ParallelStyle that leaves an output split), or the "
+                "group's ranks got different inputs. Nothing has been trained yet"
+            )
+
+    @override
     def convert_sync_batchnorm(self, model: nn.Module) -> nn.Module:
         return _torch_dist.convert_sync_batchnorm(model, self.device)
 
@@ -370,11 +407,14 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         # each rank holds slices of the gradients: the norm sums the squares of every slice
         # once, however many ranks hold a copy of it (HSDP's replicas; a tensor-parallel
         # group's copies of the parameters it does not split)
+        if self._layout is not None:
+            _layout.reduce_partial_gradients(optimizer)
         grads = step_gradients(optimizer)
         if self.world_size == 1:
             return clip_(grads, clip, local_norm(grads, self.device))
-        rank = self.rank
-        counted = [_local(g) for g in grads if _layout.counted_once(g, rank)]
+        if self._copies is None or self._copies.rank != self.rank:
+            self._copies = _layout.CopyCount(self.rank)
+        counted = [_local(g) for g in grads if self._copies(g)]
         # in one dtype on every rank, whichever slices it counts (none: a zero of that dtype)
         wide = any(g.dtype == torch.float64 for g in grads)
         dtype = torch.float64 if wide else torch.float32

@@ -75,6 +75,43 @@ def layout_for(topology: Topology, replicate: int, tensor: int) -> Layout:
     return Layout(replicate, shard, tensor, topology.rank, mesh)
 
 
+def reduce_partial_gradients(optimizer: torch.optim.Optimizer) -> None:
+    """Sum, in place, the gradients left as partial sums over a mesh dimension: a parameter
+    kept whole on every rank of a group whose activations are split over the sequence (a
+    norm's, under ``"sequence"``) gets from each rank the gradient of its part of the
+    sequence. The optimizer would sum them when it reads them; a norm taken per shard (for
+    clipping) needs them summed first."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            grad = param.grad
+            placements = getattr(grad, "placements", ())
+            if any(p.is_partial() for p in placements):
+                from torch.distributed.tensor import Replicate
+
+                whole = [Replicate() if p.is_partial() else p for p in placements]
+                param.grad = grad.redistribute(grad.device_mesh, whole)
+
+
+class CopyCount:
+    """:func:`counted_once` for each gradient, remembered per (mesh, placements): the answer
+    reads the mesh's rank table, a tensor, which a step should not (no host reads per step)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        #: (id of the mesh, placements) -> (the mesh, kept so that its id is not reused, answer)
+        self._known: dict[tuple[int, tuple[Any, ...]], tuple[Any, bool]] = {}
+
+    def __call__(self, value: torch.Tensor) -> bool:
+        mesh = getattr(value, "device_mesh", None)
+        if mesh is None:
+            return self.rank == 0
+        key = (id(mesh), tuple(value.placements))  # type: ignore[attr-defined]
+        known = self._known.get(key)
+        if known is None:
+            known = self._known[key] = (mesh, counted_once(value, self.rank))
+        return known[1]
+
+
 def counted_once(value: torch.Tensor, rank: int) -> bool:
     """Whether this rank's part of ``value`` (a gradient) is the one copy a sum over the
     world counts: every rank holds some form of every parameter, and the copies of one
@@ -87,11 +124,10 @@ def counted_once(value: torch.Tensor, rank: int) -> bool:
     if mesh is None:
         return rank == 0
     placements = value.placements  # type: ignore[attr-defined]
-    if any(p.is_partial() for p in placements):
+    if any(p.is_partial() for p in placements):  # reduce_partial_gradients first
         raise ConfigurationError(
-            f"a gradient is a partial sum (placements {tuple(placements)}) when the step "
-            "reads it: its norm cannot be taken per shard. A tensor_plan whose styles leave a "
-            "parameter's gradient unreduced is not supported: use colwise/rowwise pairs"
+            f"a gradient is a partial sum (placements {tuple(placements)}) when its norm is "
+            "taken: distkit sums such gradients before clipping; this one was left partial"
         )
     if not bool((mesh.mesh == 0).any()):
         return False

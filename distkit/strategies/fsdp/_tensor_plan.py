@@ -8,10 +8,19 @@ the split module shares with another (a tied embedding: splitting it would untie
 are refused, naming the module, its shape and the degree.
 
 A plan is a mapping of ``fnmatch`` patterns over ``model.named_modules()`` names to
-``"colwise"``, ``"rowwise"``, ``"sequence"`` or a torch ``ParallelStyle``; a callable
+``"colwise"``, ``"rowwise"``, ``"colwise_gather"`` (colwise, its output gathered whole: a
+language model's head), ``"sequence"`` or a torch ``ParallelStyle``; a callable
 ``(model, tp_mesh) -> None`` that parallelises the model itself; or ``"auto"``: a transformers
 model's own published plan (its ``_tp_plan``, else ``config.base_model_tp_plan`` under the
 base model's prefix), whose styles are mapped to torch's.
+
+With ``"sequence"`` anywhere in a plan (sequence parallelism, Megatron-style), the activations
+between the split layers are split over the sequence (dim 1) instead of held whole on every
+rank: a ``"sequence"`` module (a norm) runs on its rank's part of the sequence, every
+``"colwise"`` layer gathers the sequence first, every ``"rowwise"`` layer (an embedding's too)
+reduce-scatters its output over it. What runs between them must work position by position;
+a plan whose layouts do not fit the model gives each rank of a group its own loss, which the
+first backward finds (FSDPStrategy compares them).
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ from torch import nn
 
 from distkit.errors import ConfigurationError
 
-STYLES = ("colwise", "rowwise", "sequence")
+STYLES = ("colwise", "rowwise", "colwise_gather", "sequence")
 #: transformers' style names -> distkit's spelling of the same split (transformers 5.x)
 _TRANSFORMERS_STYLES = {
     "colwise": "colwise",
@@ -116,17 +125,19 @@ def resolve(plan: Any, model: nn.Module, degree: int) -> TensorPlan:
                 )
             chosen[name] = (pattern, style)
     _refuse_shared(model, set(chosen))
+    sequence = any(style == "sequence" for _, style in chosen.values())
     styles = {}
     for name in modules:  # model order: parents before children, as torch applies them
         if name in chosen:
-            styles[name] = _torch_style(chosen[name][1], name, modules[name], degree)
+            style = chosen[name][1]
+            styles[name] = _torch_style(style, name, modules[name], degree, sequence=sequence)
     return TensorPlan(styles)
 
 
 def _style_of(style: Any, where: str) -> str | None:
     """A style string's name (checked), or None for a torch ParallelStyle."""
     if isinstance(style, str):
-        if style in STYLES or style == "colwise_gather":
+        if style in STYLES:
             return style
         raise ConfigurationError(
             f"tensor_plan[{where!r}] = {style!r}; allowed: {', '.join(map(repr, STYLES))}, or a "
@@ -142,12 +153,13 @@ def _style_of(style: Any, where: str) -> str | None:
     )
 
 
-def _torch_style(style: Any, name: str, module: nn.Module, degree: int) -> Any:
-    """torch's ParallelStyle for ``style`` on ``module``, after the split is checked."""
+def _torch_style(style: Any, name: str, module: nn.Module, degree: int, *, sequence: bool) -> Any:
+    """torch's ParallelStyle for ``style`` on ``module``, after the split is checked;
+    ``sequence``: the plan splits the activations between layers over the sequence."""
     kind = _style_of(style, name)
     if kind is None:
         return style  # the user's own ParallelStyle: torch checks it
-    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
@@ -161,17 +173,21 @@ def _torch_style(style: Any, name: str, module: nn.Module, degree: int) -> Any:
                 "parameters; sequence parallelism keeps a norm's (LayerNorm, RMSNorm) "
                 "parameters whole and splits its activations over the sequence"
             )
-        return SequenceParallel()
+        # its rank's part of the sequence in and out, as a local tensor like every style here
+        return SequenceParallel(use_local_output=True)
     colwise = kind in ("colwise", "colwise_gather")
     _check_split(module, name, colwise, degree)
+    streamed = Shard(1) if sequence else None  # the layout between the split layers
     if isinstance(module, nn.Embedding):
         # token ids come whole to every rank: never read them as split over their last dim
         if colwise:
-            return ColwiseParallel(input_layouts=Replicate())
-        return RowwiseParallel(input_layouts=Replicate())
+            return ColwiseParallel(input_layouts=Replicate(), output_layouts=streamed)
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=streamed)
     if kind == "colwise_gather":
-        return ColwiseParallel(output_layouts=Replicate())
-    return ColwiseParallel() if colwise else RowwiseParallel()
+        return ColwiseParallel(input_layouts=streamed, output_layouts=Replicate())
+    if colwise:
+        return ColwiseParallel(input_layouts=streamed)
+    return RowwiseParallel(output_layouts=streamed)
 
 
 def _check_split(module: nn.Module, name: str, colwise: bool, degree: int) -> None:
