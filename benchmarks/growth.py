@@ -33,6 +33,7 @@ T_SCRIPT = time.time()  # first: the interpreter's start counts in the rank's st
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
+import gc  # noqa: E402
 import inspect  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
@@ -170,7 +171,11 @@ def hand(notes: Notes) -> None:
     notes.write(rank)
     # as a careful hand-written loop ends: a rank that tears its sockets down while its peer
     # still reads the last ring's messages aborts that peer (SIGABRT, seen 1 in ~50 jobs of 2
-    # ranks on a loaded machine)
+    # ranks on a loaded machine); and DDP's reducer holds the group: released first, or the
+    # group outlives destroy_process_group and goes down with the interpreter's exit (the
+    # abort was seen again with the barrier alone; the cause is not proven)
+    del model, optimizer
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
 
@@ -253,11 +258,20 @@ def launch(loop: str, ranks: int, timeout: int) -> dict[str, Any]:
         ]  # fmt: skip
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
         if done.returncode != 0:
-            # whole lines: the error's own ones are among the last (torchrun's summary after)
-            tail = "\n".join((done.stderr or done.stdout).splitlines()[-40:])
+            tail = failure_lines(done.stderr or done.stdout)
             return {"status": "failed", "detail": f"exit {done.returncode}:\n{tail}"}
         notes = [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(ranks)]
     return summarise(notes)
+
+
+def failure_lines(output: str) -> str:
+    """A failed job's report in whole lines: the ranks' own last lines (their error, a
+    native "terminate called ..."), then torchrun's summary (which rank, which signal)."""
+    lines = output.splitlines()
+    agent = next((i for i, line in enumerate(lines) if "failed (exitcode" in line), len(lines))
+    own = lines[max(0, agent - 25) : agent]
+    summary = [line for line in lines[agent:] if line.strip()][-14:]
+    return "\n".join([*own, *summary])
 
 
 def summarise(notes: list[dict[str, Any]]) -> dict[str, Any]:
