@@ -180,7 +180,7 @@ def test_a_users_loop_on_the_runtime_equals_one_process_and_resumes_across_layou
 ):
     """rt.loader gives a tensor-parallel group's ranks the same batches (and the data-parallel
     ranks different ones); the loop, its clipping and accumulation equal one process at the
-    global batch; predict returns every sample once, in order; an rt.save at fsdp2 x tp2
+    global batch, at fsdp2 x tp2 and at tp2; predict returns every sample once, in order; an rt.save at fsdp2 x tp2
     resumes in one process and ends where the whole run ends."""
     one = run_on_ranks(partial(own_loop, 1), 8, world_size=1)[0]
     four = run_on_ranks(partial(own_loop, 2), 4, world_size=4)
@@ -191,6 +191,10 @@ def test_a_users_loop_on_the_runtime_equals_one_process_and_resumes_across_layou
         assert torch.allclose(result["preds"], one["preds"], atol=TOL, rtol=0)
     assert four[0]["seen"] == four[1]["seen"] and four[2]["seen"] == four[3]["seen"]
     assert four[0]["seen"] != four[2]["seen"]
+    one_share = run_on_ranks(partial(own_loop, 1), 4, world_size=1)[0]
+    for result in run_on_ranks(partial(own_loop, 2), 4, world_size=2):  # tp2: one share
+        assert max_abs_diff(result["state"], one_share["state"]) <= TOL
+        assert torch.allclose(result["preds"], one_share["preds"], atol=TOL, rtol=0)
     path = str(tmp_path / "loop.pt")
     run_on_ranks(partial(own_loop, 2, save=path), 4, world_size=4)
     resumed = run_on_ranks(partial(own_loop, 1, load=path), 8, world_size=1)[0]
