@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -180,8 +181,8 @@ def test_a_users_loop_on_the_runtime_equals_one_process_and_resumes_across_layou
 ):
     """rt.loader gives a tensor-parallel group's ranks the same batches (and the data-parallel
     ranks different ones); the loop, its clipping and accumulation equal one process at the
-    global batch, at fsdp2 x tp2 and at tp2; predict returns every sample once, in order; an rt.save at fsdp2 x tp2
-    resumes in one process and ends where the whole run ends."""
+    global batch, at fsdp2 x tp2 and at tp2; predict returns every sample once, in order; an
+    rt.save at fsdp2 x tp2 resumes in one process and ends where the whole run ends."""
     one = run_on_ranks(partial(own_loop, 1), 8, world_size=1)[0]
     four = run_on_ranks(partial(own_loop, 2), 4, world_size=4)
     for result in four:
@@ -581,3 +582,25 @@ def test_sequence_parallel_equals_one_process_and_a_plan_that_mixes_positions_is
             assert max_abs_diff(state, one) <= TOL
     for message in run_on_ranks(partial(_sequence_fit, 2, pool=True), 4, world_size=2):
         assert "computed different losses in their first backward" in message, message
+
+
+@pytest.mark.parametrize("checkpoint", ["full", "sharded"])
+def test_sigterm_to_one_rank_of_a_tensor_parallel_group_stops_both_and_resumes_exactly(
+    tmp_path, checkpoint
+):
+    """torchrun, tp2 (dropout between the split layers): SIGTERM to rank 1 at a step stops
+    both ranks after the same step with a checkpoint; the rerun resumes and ends where the
+    uninterrupted job ends (a group's random streams are one: kept once, given to both)."""
+    from tests.faults.test_preemption import TORCHRUN, _check_preempted, _run, _steps
+
+    sharded = ["--sharded"] if checkpoint == "sharded" else []
+    whole = _run(TORCHRUN, "tp2", tmp_path / "whole", *sharded)
+    assert whole.returncode == 0, (whole.stdout + whole.stderr)[-4000:]
+    out = tmp_path / "job"
+    proc = _run(TORCHRUN, "tp2", out, *_steps(3, [1]), *sharded)
+    assert proc.returncode != 0
+    _check_preempted(proc, out, 2, signal.SIGTERM)
+    again = _run(TORCHRUN, "tp2", out, *sharded)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
+    reference = torch.load(tmp_path / "whole" / "final.pt")
+    assert max_abs_diff(torch.load(out / "final.pt"), reference) <= TOL

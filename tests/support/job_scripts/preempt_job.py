@@ -93,7 +93,11 @@ def main() -> None:
     signum = getattr(signal, f"SIG{args.send}")
     points = {int(r): int(s) for r, s in (p.split(":") for p in args.signal_at)}
     strategy: Any = args.strategy
-    if args.sharded:
+    checkpoint = "sharded" if args.sharded else "full"
+    if args.strategy == "tp2":  # the two Linear layers split over the 2 ranks (one group)
+        plan = {"0": "colwise", "3": "rowwise"}
+        strategy = distkit.FSDPStrategy(tensor_parallel=2, tensor_plan=plan, checkpoint=checkpoint)
+    elif args.sharded:
         strategy = distkit.FSDPStrategy(checkpoint="sharded")
     callback = SignalAt(args.out, signum, points, args.second_signal, args.step_sleep)
     callback.group = args.group
