@@ -282,11 +282,15 @@ class StepLoop:
         if bar is None or bar.disable:
             return
         _, peak = self._flops_and_peak()
+        flops = self.flops_per_sample
+        if flops is not None:  # this rank's count of its part: a tensor-parallel group's
+            # ranks each compute an equal part of a sample (the epoch record sums them)
+            flops *= self.strategy.world_size / self.strategy.data_world_size
         rates = self.rates.close(
             position=state.position,
             global_step=state.global_step,
             items=items if self.token_exact else None,
-            flops_per_sample=self.flops_per_sample,
+            flops_per_sample=flops,
             peak_sum=peak * self.strategy.world_size,
         )
         # the whole postfix replaced: a window without figures shows none, not stale ones
