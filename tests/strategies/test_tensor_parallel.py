@@ -15,6 +15,12 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
 from torch.utils.data import IterableDataset
 
 import distkit
@@ -604,3 +610,41 @@ def test_sigterm_to_one_rank_of_a_tensor_parallel_group_stops_both_and_resumes_e
     assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
     reference = torch.load(tmp_path / "whole" / "final.pt")
     assert max_abs_diff(torch.load(out / "final.pt"), reference) <= TOL
+
+
+class OwnColwise(ParallelStyle):
+    """A user's own style (torch's colwise inside), with object's repr (its address)."""
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        return ColwiseParallel()._apply(module, device_mesh)
+
+
+def _split_by(kind: str) -> dict[str, torch.Tensor]:
+    def by_hand(model: nn.Module, tp_mesh: Any) -> None:
+        parallelize_module(model, tp_mesh, {"layers.*.inner": ColwiseParallel(),
+                                            "layers.*.outer": RowwiseParallel()})  # fmt: skip
+
+    plans: dict[str, Any] = {
+        "strings": PLAN,
+        "styles": {"layers.*.inner": OwnColwise(), "layers.*.outer": RowwiseParallel()},
+        "callable": by_hand,
+    }
+    trainer = distkit.Trainer(
+        distkit.FSDPStrategy(tensor_parallel=2, tensor_plan=plans[kind]), batch_size=4,
+        grad_accum_steps=2, seed=3, max_epochs=1, progress=False,
+    )  # fmt: skip
+    model = make_stack(dtype=DTYPE)
+    trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), make_dataset(N, dtype=DTYPE),
+                loss_fn=nn.functional.cross_entropy)  # fmt: skip
+    state = trainer.full_state_dict()
+    trainer.close()
+    return state
+
+
+def test_a_plan_of_torch_styles_or_a_callable_splits_as_the_strings_do(run_on_ranks):
+    """A style object of the user's (whose repr is its address: the ranks' agreement on the
+    options must not read that as a disagreement) and a callable plan train alike."""
+    strings = run_on_ranks(partial(_split_by, "strings"), world_size=2)[0]
+    for kind in ("styles", "callable"):
+        for state in run_on_ranks(partial(_split_by, kind), world_size=2):
+            assert max_abs_diff(state, strings) == 0, kind

@@ -558,7 +558,12 @@ def _world_mesh(device: torch.device) -> Any:
 
 def _plan_words(plan: Any) -> str:
     """A plan as every rank can compare it: a function by its qualified name."""
-    if plan is None or isinstance(plan, (str, dict)):
+    if plan is None or isinstance(plan, str):
         return repr(plan)
+    if isinstance(plan, dict):  # a style object by its repr, unless that is its address
+        return repr({k: _plan_words(v) if not isinstance(v, str) else v for k, v in plan.items()})
+    text = repr(plan)
+    if " at 0x" not in text and not callable(plan):
+        return text
     name = getattr(plan, "__qualname__", type(plan).__name__)
     return f"{getattr(plan, '__module__', '?')}.{name}"
