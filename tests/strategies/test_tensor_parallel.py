@@ -245,6 +245,7 @@ def _refusals() -> dict[str, str]:
         "not linear": _fit_with({"layers.0": "colwise"}, make_stack()),
         "uneven": _fit_with({"out": "colwise"}, make_stack()),  # 3 classes over 2
         "tied": _fit_with({"head": "colwise"}, Tied()),
+        "both tied": _fit_with({"head": "colwise", "emb": "rowwise"}, Tied()),
         "world": _fit_with(PLAN, make_stack(), replicate=2),
     }
 
@@ -259,6 +260,7 @@ def test_a_plan_that_cannot_split_the_model_is_refused_on_every_rank_before_trai
         assert "out_features=3" in found["uneven"] and "tensor_parallel=2" in found["uneven"]
         assert "weight (3, 16)" in found["uneven"]
         assert "tied weights" in found["tied"] and "'emb'" in found["tied"]
+        assert "tied weights" in found["both tied"]
         world = found["world"]
         assert "replicate=2" in world and "tensor_parallel=2" in world and "2 ranks" in world
 

@@ -233,12 +233,13 @@ def _refuse_shared(model: nn.Module, planned: set[str]) -> None:
             owners.setdefault(id(param), []).append(name)
     for names in owners.values():
         split = [n for n in names if any(n == p or n.startswith(p + ".") for p in planned)]
-        if split and len(names) > len(split):
+        if split and len(names) > 1:  # each module's parameter is replaced on its own
             raise ConfigurationError(
                 f"tensor_plan splits {split[0]!r}, which shares a parameter with "
-                f"{', '.join(repr(n) for n in names if n not in split)} (tied weights): "
-                "splitting one would untie them. Leave it out of the plan, split both alike "
-                "with a callable tensor_plan, or untie the weights (tie_word_embeddings=False)"
+                f"{', '.join(repr(n) for n in names if n != split[0])} (tied weights): "
+                "splitting it (even with the other, each gets a parameter of its own) would "
+                "untie them. Leave both out of the plan, or untie the weights "
+                "(tie_word_embeddings=False)"
             )
 
 
