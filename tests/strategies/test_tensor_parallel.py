@@ -650,3 +650,11 @@ def test_a_plan_of_torch_styles_or_a_callable_splits_as_the_strings_do(run_on_ra
     for kind in ("styles", "callable"):
         for state in run_on_ranks(partial(_split_by, kind), world_size=2):
             assert max_abs_diff(state, strings) == 0, kind
+
+
+def test_tp4_splits_each_layer_four_ways_and_equals_one_process(run_on_ranks):
+    """T=4 on 4 ranks: one group, one data-parallel rank (the batch of 4 is the global one)."""
+    one = run_on_ranks(partial(fit, clip=0.05), "ddp", 4, world_size=1)[0]
+    for result in run_on_ranks(partial(fit, tensor=4, clip=0.05), "fsdp", 4, world_size=4):
+        assert result["data"] == (0, 1) and result["local"] == (4, 16)  # 16 rows over 4
+        assert max_abs_diff(result["state"], one["state"]) <= TOL
