@@ -190,10 +190,8 @@ class StreamFeed:
     ) -> tuple[list[list[list[int]]], list[list[list[int]]]]:
         """Every rank's rows as one per data-parallel rank (its tensor-parallel group's first),
         after checking that the group's ranks read the same batches (counts and digests)."""
-        groups: dict[int, list[int]] = {}
-        for rank, share in enumerate(self.strategy.data_ranks):
-            groups.setdefault(share, []).append(rank)
-        for share, ranks in groups.items():
+        groups = self.strategy.data_groups
+        for share, ranks in enumerate(groups):
             lead = ranks[0]
             for other in ranks[1:]:
                 if table[other] == table[lead] and digests[other] == digests[lead]:
@@ -207,7 +205,7 @@ class StreamFeed:
                     "data-parallel rank (rt.data_rank of rt.data_world_size), not by the "
                     "global rank; or pass the stream unwrapped and distkit shards it"
                 )
-        leads = [ranks[0] for _, ranks in sorted(groups.items())]
+        leads = [ranks[0] for ranks in groups]
         return [table[r] for r in leads], [digests[r] for r in leads]
 
     def _block_steps(self, table: Sequence[list[list[int]]]) -> tuple[list[list[list[int]]], bool]:

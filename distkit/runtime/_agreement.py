@@ -102,10 +102,7 @@ def per_data_rank(strategy: Strategy, per_rank: list[Any]) -> list[Any]:
     data state and random streams); elsewhere ``per_rank`` as given. No collective."""
     if strategy.data_world_size == strategy.world_size:
         return per_rank
-    first: dict[int, Any] = {}
-    for entry, share in zip(per_rank, strategy.data_ranks, strict=True):
-        first.setdefault(share, entry)
-    return [first[share] for share in range(strategy.data_world_size)]
+    return [per_rank[ranks[0]] for ranks in strategy.data_groups]
 
 
 def _gather(strategy: Strategy, mine: Message, error: Exception | None = None) -> list[Message]:

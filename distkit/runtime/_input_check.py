@@ -30,8 +30,8 @@ from torch.utils._pytree import tree_leaves
 from distkit.errors import ConfigurationError
 from distkit.strategies.base import Strategy
 
-#: a fingerprint's numbers: tensors, elements, sum, sum of squares; then the data rank
-_WIDTH = 5
+#: a fingerprint's numbers: tensors, elements, sum, sum of squares
+_WIDTH = 4
 
 
 class SameBatchCheck:
@@ -80,18 +80,16 @@ class SameBatchCheck:
         if not outside_loader:
             return
         strategy = self._strategy
-        share = torch.tensor([float(strategy.data_rank)], dtype=torch.float64)
         if self._print is None:  # no tensor inputs: nothing to compare, on this rank
-            mine = torch.cat([torch.full((_WIDTH - 1,), float("nan"), dtype=torch.float64), share])
+            mine = torch.full((_WIDTH,), float("nan"), dtype=torch.float64)
         else:
             sizes, sums = self._print
-            mine = torch.cat([sizes, sums.cpu(), share])  # (the one host sync)
+            mine = torch.cat([sizes, sums.cpu()])  # (the one host sync)
         self._print = None
         everyone = strategy.all_gather(mine).reshape(-1, _WIDTH).cpu()
-        _refuse_split_groups(everyone)
-        # one row per data-parallel rank (a tensor-parallel group's first)
-        shares = {int(row[-1]): row[:-1] for row in everyone}
-        rows = list(shares.values())
+        groups = strategy.data_groups
+        _refuse_split_groups(everyone, groups)
+        rows = [everyone[ranks[0]] for ranks in groups]  # a tensor-parallel group's first
         first = rows[0]
         if (
             not self._enabled
@@ -115,13 +113,10 @@ class SameBatchCheck:
         )
 
 
-def _refuse_split_groups(everyone: torch.Tensor) -> None:
+def _refuse_split_groups(everyone: torch.Tensor, groups: list[list[int]]) -> None:
     """The ranks of a tensor-parallel group (one data rank) whose first inputs differ."""
-    groups: dict[int, list[int]] = {}
-    for rank, row in enumerate(everyone):
-        groups.setdefault(int(row[-1]), []).append(rank)
-    for share, ranks in groups.items():
-        rows = [everyone[r, :-1] for r in ranks]
+    for share, ranks in enumerate(groups):
+        rows = [everyone[r] for r in ranks]
         if all(torch.equal(row, rows[0]) or bool(torch.isnan(row).all()) for row in rows):
             continue
         raise ConfigurationError(

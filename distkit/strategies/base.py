@@ -432,6 +432,15 @@ class Strategy(Collectives, ABC):
         return list(range(self.world_size))
 
     @property
+    def data_groups(self) -> list[list[int]]:
+        """The ranks of each data-parallel rank, in order: under tensor parallelism its
+        group's (derived from :attr:`data_ranks`: no collective)."""
+        groups: list[list[int]] = [[] for _ in range(self.data_world_size)]
+        for rank, share in enumerate(self.data_ranks):
+            groups[share].append(rank)
+        return groups
+
+    @property
     def data_leader(self) -> bool:
         """Whether this rank counts for its data share in sums over the world (default:
         True). The other ranks of a tensor-parallel group compute the same losses, counts and

@@ -367,10 +367,7 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         its own loss and gradients that mean nothing: every rank raises, before any step."""
         value = loss.detach().reshape(-1)[:1].to(torch.float64)
         everyone = self.all_gather(value).reshape(-1).tolist()
-        groups: dict[int, list[int]] = {}
-        for rank, share in enumerate(self.data_ranks):
-            groups.setdefault(share, []).append(rank)
-        for ranks in groups.values():
+        for ranks in self.data_groups:
             values = [everyone[r] for r in ranks]
             if all(v == values[0] or (v != v and values[0] != values[0]) for v in values):
                 continue
