@@ -62,8 +62,6 @@ def save(
     brings every rank's digests together. Returns the checkpoint's ``model``, ``optimizer``,
     ``shards`` and ``shard_digests`` entries.
     """
-    import torch.distributed.checkpoint as dcp
-
     model_state = model.state_dict()
     optim_state = optimizer.state_dict()
     tensors = {
@@ -73,24 +71,35 @@ def save(
             for index, entries in optim_state["state"].items()
         },
     }
-    dcp.save(tensors, checkpoint_id=folder)
-    hashed: dict[str, str] = {}
-    for part in gather(_digest.file_digests(folder, _written_by(folder, rank))):
-        hashed.update(part)
-    # a file no rank claimed (a torch that names its files otherwise): hashed here
-    hashed.update(_digest.file_digests(folder, _files(folder) - hashed.keys()))
+    hashed = write(folder, tensors, gather, rank)
     return {
         DIGESTS: hashed,
-        "model": {key: _meta(value) for key, value in model_state.items()},
+        "model": {key: meta_of(value) for key, value in model_state.items()},
         "optimizer": {
             "state": {
-                index: {k: _meta(v) for k, v in entries.items()}
+                index: {k: meta_of(v) for k, v in entries.items()}
                 for index, entries in optim_state["state"].items()
             },
             "param_groups": optim_state["param_groups"],
         },
         KEY: folder.name,
     }
+
+
+def write(
+    folder: Path, tensors: dict[str, Any], gather: Callable[[Any], list[Any]], rank: int
+) -> dict[str, str]:
+    """Write ``tensors`` (``{"model": ..., "optimizer": {index: {name: tensor}}}``, this
+    rank's) as torch.distributed.checkpoint shards (a collective); every file's digest."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(tensors, checkpoint_id=folder)
+    hashed: dict[str, str] = {}
+    for part in gather(_digest.file_digests(folder, _written_by(folder, rank))):
+        hashed.update(part)
+    # a file no rank claimed (a torch that names its files otherwise): hashed here
+    hashed.update(_digest.file_digests(folder, _files(folder) - hashed.keys()))
+    return hashed
 
 
 def _files(folder: Path) -> set[str]:
@@ -106,7 +115,8 @@ def _written_by(folder: Path, rank: int) -> set[str]:
     return mine | ({".metadata"} & present if rank == 0 else set())
 
 
-def _meta(value: Any) -> Any:
+def meta_of(value: Any) -> Any:
+    """A tensor as a meta tensor of its (global) shape and dtype; other values as given."""
     if isinstance(value, torch.Tensor):
         return torch.empty(value.shape, dtype=value.dtype, device="meta")  # global shape
     return value
@@ -135,12 +145,12 @@ def load(payload: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optim
     stub = payload.get("optimizer") or {"state": {}, "param_groups": []}
     params = [p for group in optimizer.param_groups for p in group["params"]]
     optim_state = {
-        index: {k: _target(v, params[int(index)]) for k, v in entries.items()}
+        index: {k: target_like(v, params[int(index)]) for k, v in entries.items()}
         for index, entries in stub["state"].items()
     }
     saved = payload["model"]
     model_state = {key: value for key, value in model.state_dict().items() if key in saved}
-    _read_into(payload[KEY], model_state, optim_state)
+    read_into(payload[KEY], model_state, optim_state)
     model.load_state_dict(model_state, strict=False)  # state_dict tensors may be copies
     if stub["param_groups"]:
         optimizer.load_state_dict({"state": optim_state, "param_groups": stub["param_groups"]})
@@ -168,12 +178,12 @@ def read_full(payload: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] |
         if stub
         else {}
     )
-    _read_into(payload[KEY], model_state, state)
+    read_into(payload[KEY], model_state, state)
     optimizer = {"state": state, "param_groups": stub["param_groups"]} if stub else None
     return model_state, optimizer
 
 
-def _read_into(
+def read_into(
     folder: str, model_state: dict[str, Any], optim_state: dict[Any, dict[str, Any]]
 ) -> None:
     """Fill the tensors of ``model_state`` and ``optim_state`` (by parameter index) from the
@@ -194,7 +204,7 @@ def _read_into(
         dcp.load(tensors, checkpoint_id=folder, no_dist=True)
 
 
-def _target(stub: Any, param: torch.Tensor) -> Any:
+def target_like(stub: Any, param: torch.Tensor) -> Any:
     """A tensor to read ``stub``'s data into: laid out like ``param`` where shaped like it."""
     if not isinstance(stub, torch.Tensor):
         return stub

@@ -273,6 +273,43 @@ class LoopState:
             self.strategy.backward(loss if weight == 1.0 else loss * weight, optimizer)
         return returned
 
+    def propagate_pipeline(
+        self,
+        pipeline: Any,
+        inputs: Any,
+        target: Any,
+        loss_of: Callable[[Any, Any], tuple[torch.Tensor, int | torch.Tensor | None]],
+        *,
+        owners: Sequence[SetUpOptimizer] = (),
+    ) -> tuple[torch.Tensor, int | torch.Tensor | None]:
+        """:meth:`propagate` under a pipeline (see ``Strategy.pipeline_of``): the schedule
+        runs the batch's forward and backward, ``loss_of(output, target)`` giving each
+        micro-batch's loss on the last stage, weighted as :meth:`propagate` weights a batch's
+        (a mean by the batch's share of the step, a token-exact total by the step's scale).
+        Returns the batch's loss, unweighted (a token-exact one: its mean), and its items
+        (None for a mean), the same on every rank of the pipeline."""
+        micro = self.micro
+        world = self.strategy.data_world_size
+        scale = world / micro.step_samples if micro is not None and micro.step_samples else 1.0
+        placeholder = micro is not None and micro.count == 0  # a stand-in: it counts nothing
+        with self.strategy.autocast():
+            value, items = pipeline.train_step(
+                inputs,
+                target,
+                loss_of,
+                mean_weight=1.0 if micro is None else micro.weight,
+                item_weight=0.0 if placeholder else scale,
+            )
+        self.backwards += 1
+        if items is None:
+            for owner in owners:
+                owner.items.note_mean("rt.backward")
+            return value, None
+        count: int | torch.Tensor = 0 if placeholder else items
+        for owner in owners:
+            owner.items.note_items(count, scale, "rt.backward(total, count=...)")
+        return mean_of(value, count), count
+
     def _items_total(
         self,
         total: torch.Tensor,

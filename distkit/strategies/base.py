@@ -106,7 +106,16 @@ from distkit.strategies.precision import Precision, normalize_precision
 
 #: the keywords of the parallel layouts a strategy may take beside data parallelism; one a
 #: strategy's constructor does not name is refused (see Strategy.__new__)
-LAYOUT_OPTIONS = frozenset({"tensor_parallel", "tensor_plan"})
+LAYOUT_OPTIONS = frozenset(
+    {
+        "tensor_parallel",
+        "tensor_plan",
+        "pipeline_parallel",
+        "pipeline_split",
+        "microbatches",
+        "stages_per_rank",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -178,11 +187,14 @@ class Strategy(Collectives, ABC):
             taken = inspect.signature(cls.__init__).parameters
             refused = [name for name in asked if name not in taken]
             if refused:
+                kind = (
+                    "pipeline" if refused[0] not in ("tensor_parallel", "tensor_plan") else "tensor"
+                )
                 raise UnsupportedFeatureError(
-                    f"{cls.__name__}({refused[0]}=...): {cls.__name__} takes no tensor "
-                    "parallelism; distkit splits layers over ranks inside FSDPStrategy only "
-                    "(on one device mesh with its sharding). Use distkit.FSDPStrategy("
-                    f"{refused[0]}=...) under torchrun, or drop the option"
+                    f"{cls.__name__}({refused[0]}=...): {cls.__name__} takes no {kind} "
+                    "parallelism; distkit splits layers and models over ranks inside "
+                    "FSDPStrategy only (on one device mesh with its sharding). Use "
+                    f"distkit.FSDPStrategy({refused[0]}=...) under torchrun, or drop the option"
                 )
         return super().__new__(cls)
 
@@ -583,6 +595,12 @@ class Strategy(Collectives, ABC):
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module inside whatever wrapper :meth:`setup` added (default: none)."""
         return model
+
+    def pipeline_of(self, model: nn.Module) -> Any:
+        """The pipeline that trains the set-up ``model`` (its schedule runs each batch's
+        forward and backward as one: see ``FSDPStrategy(pipeline_parallel=...)``), or None
+        (default): the model's forward is called, then the loss's backward."""
+        return None
 
     def eval_model(self, model: nn.Module) -> nn.Module:
         """What to run evaluation forward passes on (see :meth:`eval_rounds` for collectives)."""

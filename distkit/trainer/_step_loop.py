@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from distkit.batch import split_batch
 from distkit.data import MicroBatch
-from distkit.errors import ConfigurationError
+from distkit.errors import ConfigurationError, UnsupportedFeatureError
 from distkit.errors import NonFiniteLossError as NonFiniteLossError  # its old home
 from distkit.faults._progress import Progress
 from distkit.runtime import (
@@ -157,6 +157,7 @@ class StepLoop:
     #: the throughput between log points, for the progress bar
     rates: RateWindow = field(default_factory=RateWindow)
     _bar: tqdm[Any] | None = None  # the current epoch's progress bar
+    pipeline: Any = field(init=False, repr=False, default=None)
     #: the micro-batch's forward and backward: counted once, then plain (see __post_init__)
     step_micro: Callable[[Any, MicroBatch, Phases], tuple[torch.Tensor, Any]] = field(
         init=False, repr=False
@@ -169,6 +170,19 @@ class StepLoop:
     def __post_init__(self) -> None:
         counted = self.count_flops and self.flops_per_sample is None
         self.step_micro = self._counted_forward_backward if counted else self._forward_backward
+        #: the schedule that runs each batch's forward and backward, where the model is a
+        #: pipeline's (see Strategy.pipeline_of)
+        self.pipeline = self.strategy.pipeline_of(self.model.wrapped)
+        if self.pipeline is not None and self.step_fn is not None:
+            raise UnsupportedFeatureError(
+                "step_fn under pipeline_parallel: a pipeline's forward is one step of its "
+                "schedule (the first stage takes the inputs, the last computes the loss), so "
+                "a step_fn, which calls the model itself, cannot run. Pass loss_fn(output, "
+                "target) instead (it may return distkit.Loss(total, count) for a token-exact "
+                "loss), with batches of (inputs, target)"
+            )
+        if self.pipeline is not None:
+            self.output_check = None  # the outputs are the last stage's alone
         if self.before_step is not None and not takes_before_step(self.strategy):
             # every rank holds the same strategy class: all raise here, before any step
             name = type(self.strategy).__qualname__
@@ -324,6 +338,8 @@ class StepLoop:
     ) -> tuple[torch.Tensor, int | torch.Tensor | None]:
         """One micro-batch's forward and backward; its loss, unweighted (a token-exact
         total: returned as its mean, its items noted)."""
+        if self.pipeline is not None:
+            return self._pipeline_forward_backward(batch, phases)
         model, strategy, last_in_step = self.model, self.strategy, micro.last_in_step
         source = "loss_fn" if self.step_fn is None else "step_fn"
         # mid-window the micro-batch's forward and backward run out of gradient sync (one
@@ -338,6 +354,22 @@ class StepLoop:
                 loss, self.optimizer.strategy_optimizer, count=items, owners=(self.optimizer,)
             )
         return loss, items
+
+    def _pipeline_forward_backward(
+        self, batch: Any, phases: Phases
+    ) -> tuple[torch.Tensor, int | torch.Tensor | None]:
+        """One micro-batch through the pipeline's schedule: its forwards and backwards
+        interleaved (timed as "forward"), the loss on the last stage, shared with every rank."""
+        loss_fn = self.loss_fn
+        assert loss_fn is not None
+        inputs, target = split_batch(batch)
+
+        def loss_of(output: Any, target: Any) -> tuple[torch.Tensor, int | torch.Tensor | None]:
+            return training_loss(loss_fn(output, target), "loss_fn")
+
+        return self.runtime.loop.propagate_pipeline(
+            self.pipeline, inputs, target, loss_of, owners=(self.optimizer,)
+        )
 
     def epoch_record(self, state: FitState) -> dict[str, float]:
         """The epoch's training summary, reduced over ranks (the same dict on every rank)."""

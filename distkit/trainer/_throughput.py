@@ -71,12 +71,33 @@ class Peak:
 
 
 def count_flops(run: Callable[[], T]) -> tuple[T, int]:
-    """``run()``'s result and the FLOPs torch counted while it ran (forward and backward)."""
+    """``run()``'s result and the FLOPs torch counted while it ran (forward and backward).
+
+    The total only: torch's counter also tracks which module each FLOP is in, with hooks on
+    every module's inputs and outputs for the backward, and those hooks fail inside
+    ``torch.autograd.grad`` on a leaf input (a pipeline stage's backward). The tracker is
+    replaced by one that puts every FLOP in the total (its "Global" entry), as the tracker
+    always does too."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    with FlopCounterMode(display=False) as counter:
+    counter = FlopCounterMode(display=False)
+    if hasattr(counter, "mod_tracker"):
+        counter.mod_tracker = _TotalOnly()  # type: ignore[assignment]
+    with counter:
         result = run()
     return result, int(counter.get_total_flops())
+
+
+class _TotalOnly:
+    """A stand-in for torch's module tracker in :func:`count_flops`: no hooks, one parent."""
+
+    parents = frozenset({"Global"})
+
+    def __enter__(self) -> _TotalOnly:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
 
 
 def matmul_kind(precision: str, parameters: torch.dtype | None) -> str:

@@ -14,14 +14,20 @@ from torch import nn
 from typing_extensions import override
 
 from distkit.checkpoint import _pending_weights, _shard_files
-from distkit.errors import ConfigurationError, MissingDependencyError, RankDisagreementError
+from distkit.errors import (
+    ConfigurationError,
+    MissingDependencyError,
+    RankDisagreementError,
+    UnsupportedFeatureError,
+)
 from distkit.launch.diagnosis import MachineFacts, StrategyReport
 from distkit.launch.families import TORCH_LAUNCHERS
 from distkit.strategies import _meta_init, _torch_dist, _torch_group
 from distkit.strategies._steps import GradientClip, clip_, local_norm, scale_, step_gradients
 from distkit.strategies.base import StepOutcome, Strategy, Topology
 from distkit.strategies.capabilities import StateIO
-from distkit.strategies.fsdp import _layout, _meta, _tensor_plan
+from distkit.strategies.fsdp import _layout, _meta, _pipeline_split, _tensor_plan
+from distkit.strategies.fsdp import _pipeline_state as _pp_state
 from distkit.strategies.fsdp import _state as _fsdp_state
 from distkit.strategies.fsdp._options import checked_policy, hybrid_mesh
 from distkit.strategies.fsdp._state_io import SHARDED
@@ -76,6 +82,19 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
             ``fn(model, tp_mesh) -> None``, which parallelises the model itself. Checked on
             every rank before any collective (a pattern matching nothing, a style on a module
             it cannot split, a dimension ``T`` does not divide, a tied weight: refused).
+        pipeline_parallel: pipeline parallelism (PP): the model cut into ``P`` stages (times
+            ``stages_per_rank``), each on its own block of ranks, micro-batches flowing through
+            them on torch.distributed.pipelining's ``schedule``; the world becomes the mesh
+            ``(pipeline, replicate, shard, tensor)``, pipeline outermost. As under tensor
+            parallelism, batch sizes are per data-parallel rank, and the ranks of one model
+            copy see the same samples. 1 (default): no pipeline.
+        pipeline_split: where each stage after the first begins: module names of the model as
+            built (``["blocks.2"]``; the model's forward must run its children in order,
+            checked on the first batch), or ``fn(model) -> list of stage modules``.
+        microbatches: micro-batches per batch (default: the number of stages); must divide the
+            batch of each data-parallel group. A shorter last batch is padded, not dropped.
+        schedule: ``"1F1B"`` (default), ``"gpipe"`` or ``"interleaved1F1B"``.
+        stages_per_rank: stages on each rank (``"interleaved1F1B"``: 2 by default).
         **fsdp_kwargs: passed to every ``fully_shard`` call (``offload_policy``,
             ``shard_placement_fn``, ...); ``mesh`` is set by distkit. ``mp_policy``: your
             ``MixedPrecisionPolicy`` instead of the one distkit derives from
@@ -112,6 +131,11 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         replicate: int = 1,
         tensor_parallel: int = 1,
         tensor_plan: Any = None,
+        pipeline_parallel: int = 1,
+        pipeline_split: Any = None,
+        microbatches: int | None = None,
+        schedule: str = "1F1B",
+        stages_per_rank: int | None = None,
         **fsdp_kwargs: Any,
     ) -> None:
         super().__init__()
@@ -132,6 +156,15 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
             )
         self.tensor_parallel = tensor_parallel
         self.tensor_plan = _tensor_plan.checked_plan_option(tensor_plan, tensor_parallel)
+        self.pipeline_parallel, self.microbatches, self.stages_per_rank = (
+            _pipeline_split.checked_options(
+                pipeline_parallel, pipeline_split, microbatches, schedule, stages_per_rank
+            )
+        )
+        self.pipeline_split = pipeline_split
+        self.schedule = schedule
+        self._pipeline: Any = None  # the set-up model's pipeline (a _pipeline.Pipeline)
+        self._pp_state: _pp_state.PipelineState | None = None
         self._mesh: Any = None  # the (replicate, shard) DeviceMesh under HSDP
         self._layout: _layout.Layout | None = None  # with tensor_parallel > 1
         self._losses_compared = False  # a tensor-parallel group's first losses (backward)
@@ -167,6 +200,10 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         return (
             f"replicate={self.replicate}, tensor_parallel={self.tensor_parallel}, "
             f"tensor_plan={_plan_words(self.tensor_plan)}, checkpoint={self.checkpoint}, "
+            f"pipeline_parallel={self.pipeline_parallel}, "
+            f"pipeline_split={_plan_words(self.pipeline_split)}, "
+            f"microbatches={self.microbatches}, schedule={self.schedule}, "
+            f"stages_per_rank={self.stages_per_rank}, "
             f"reshard_after_forward={self.reshard_after_forward}, mp_policy={self.mp_policy}"
         )
 
@@ -178,16 +215,20 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         topology = self._join_group()
         if topology.world_size > 1:  # before the mesh's groups, which every rank must build alike
             everyone: list[Any] = [None] * topology.world_size
-            torch.distributed.all_gather_object(everyone, (self.replicate, self.tensor_parallel))
+            mine = (self.replicate, self.tensor_parallel, self.pipeline_parallel)
+            torch.distributed.all_gather_object(everyone, mine)
             if len(set(everyone)) > 1:
-                replicas, degrees = ([e[i] for e in everyone] for i in (0, 1))
+                replicas, degrees, stages = ([e[i] for e in everyone] for i in (0, 1, 2))
                 raise RankDisagreementError(
                     f"the ranks disagree on FSDPStrategy(replicate=...): {replicas}, "
-                    f"(tensor_parallel=...): {degrees} (rank 0 first); every rank must build "
-                    "the same mesh. Pass the same values on every rank"
+                    f"(tensor_parallel=...): {degrees}, (pipeline_parallel=...): {stages} "
+                    "(rank 0 first); every rank must build the same mesh. Pass the same "
+                    "values on every rank"
                 )
-        if self.tensor_parallel > 1:
-            self._layout = _layout.layout_for(topology, self.replicate, self.tensor_parallel)
+        if self.tensor_parallel > 1 or self.pipeline_parallel > 1:
+            self._layout = _layout.layout_for(
+                topology, self.replicate, self.tensor_parallel, self.pipeline_parallel
+            )
         elif self.replicate > 1:
             self._mesh = hybrid_mesh(topology, self.replicate)
         return topology
@@ -207,12 +248,13 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
     def data_ranks(self) -> list[int]:
         if self._layout is None:
             return list(range(self.world_size))
-        return [rank // self._layout.tensor for rank in range(self.world_size)]
+        return [self._layout.data_rank_of(rank) for rank in range(self.world_size)]
 
     @property
     @override
     def data_leader(self) -> bool:
-        return self._layout is None or self._layout.tensor_rank == 0
+        layout = self._layout
+        return layout is None or (layout.tensor_rank == 0 and layout.pipeline_rank == 0)
 
     @override
     def teardown(self) -> None:
@@ -220,6 +262,8 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         self._layout = None
         self._copies = None
         self._losses_compared = False
+        self._pipeline = None
+        self._pp_state = None
         self._leave_group()
         super().teardown()
 
@@ -279,19 +323,123 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         *,
         meta: bool,
     ) -> tuple[nn.Module, torch.optim.Optimizer]:
-        """Tensor parallel: the plan's modules split over the tensor dimension (checked
-        first, on every rank alike), then FSDP over the data-parallel ranks, if several."""
-        plan = _tensor_plan.resolve(self.tensor_plan, model, layout.tensor)
+        """Tensor parallel: the plan's modules split over the tensor dimension, and the
+        pipeline's stages cut (both checked first, on every rank alike), then FSDP over the
+        data-parallel ranks, if several."""
+        plan = None
+        if layout.tensor > 1:
+            plan = _tensor_plan.resolve(self.tensor_plan, model, layout.tensor)
+        stages = None
+        if layout.pipeline > 1:
+            stages = self._cut(model, meta=meta)
         if not meta:
             _broadcast_module(model)  # every rank splits and shards rank 0's weights
         originals = dict(model.named_parameters())
-        plan.apply(model, layout.tp_mesh())
+        if plan is not None:
+            plan.apply(model, layout.tp_mesh())
+        if stages is not None:
+            return self._setup_pipeline(model, optimizer, stages, layout, originals)
         if self._sharded():
             self._shard_units(model, layout.dp_mesh())
         return self._after_wrapping(model, optimizer, originals, meta=meta)
 
-    def _shard_units(self, model: nn.Module, mesh: Any) -> None:
-        """``fully_shard`` on the policy's units, bottom-up, then on the root, over ``mesh``."""
+    def _cut(self, model: nn.Module, *, meta: bool) -> _pipeline_split.Stages:
+        """The model's stages, checked (every rank alike, before any collective)."""
+        if meta:
+            raise UnsupportedFeatureError(
+                "a model on the meta device (distkit.init_empty) under pipeline_parallel: "
+                "distkit materialises meta models whole-model at once, and a pipeline keeps "
+                "only its stages. Build the model on the CPU (each rank frees the other "
+                "stages' weights at the set-up), or train without pipeline_parallel"
+            )
+        if self._pipeline is not None:
+            raise UnsupportedFeatureError(
+                "a second model set up under pipeline_parallel: one pipeline schedule runs "
+                "one model. Set up one model per Runtime (a Trainer fit sets up one)"
+            )
+        if self.precision.scaler is not None:
+            raise UnsupportedFeatureError(
+                f"precision={self.options.precision!r} (a loss scaler) under pipeline_parallel: "
+                "torch's schedule runs each micro-batch's backward itself, unscaled. Use "
+                "precision='bf16', which needs no scaler"
+            )
+        stages = self.pipeline_parallel * self.stages_per_rank
+        return _pipeline_split.split_model(model, self.pipeline_split, stages)
+
+    def _setup_pipeline(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        stages: _pipeline_split.Stages,
+        layout: _layout.Layout,
+        originals: dict[str, Any],
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """This rank's stages kept (the others' state on the meta device), each sharded as
+        a root of its own over the data-parallel ranks, the optimizer over them alone, and
+        the schedule that runs them (see _pipeline)."""
+        from distkit.strategies.fsdp._pipeline import Pipeline, PipelineModule
+
+        size = layout.stage_size
+        mine = set(range(layout.pipeline_rank, len(stages.modules), layout.pipeline))
+        state = _pp_state.PipelineState(
+            stages.owner,
+            mine,
+            stage_root=layout.rank == layout.stage_root,
+            roots=[(s % layout.pipeline) * size for s in range(len(stages.modules))],
+        )
+        _pp_state.drop_other_stages(model, state)
+        names = {id(m): n for n, m in model.named_modules()}
+        units = default_units(model)
+        for index in sorted(mine):
+            module = stages.modules[index]
+            if self._sharded():
+                named = [(names[id(m)], m) for m in module.modules() if id(m) in names]
+                self._shard_units(module, layout.dp_mesh(), named=(named, units))
+        current = dict(model.named_parameters())
+        replaced = {id(p): current[name] for name, p in originals.items()}
+        local = {id(current[key]) for key in current if state.local(key)}
+        _pp_state.bind_optimizer(optimizer, replaced, local, state)
+        self._pp_state = state
+        self._pipeline = Pipeline(
+            stages.modules, layout, self.device, self.schedule, self.microbatches, stages.check
+        )
+        return PipelineModule(model, self._pipeline), optimizer
+
+    @override
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        from distkit.strategies.fsdp._pipeline import PipelineModule
+
+        return model.module if isinstance(model, PipelineModule) else model
+
+    @override
+    def eval_model(self, model: nn.Module) -> nn.Module:
+        from distkit.strategies.fsdp._pipeline import PipelineModule
+
+        return model if isinstance(model, PipelineModule) else self.unwrap(model)
+
+    @override
+    def pipeline_of(self, model: nn.Module) -> Any:
+        return getattr(model, "__dict__", {}).get("pipeline")
+
+    @override
+    def compile_model(self, model: nn.Module, compiler: Any) -> nn.Module:
+        if self.pipeline_of(model) is not None:
+            raise UnsupportedFeatureError(
+                "compile under pipeline_parallel: the schedule runs each stage's forward on "
+                "its own, outside the set-up model's forward that compile wraps. Train "
+                "without compile=, or without pipeline_parallel"
+            )
+        return super().compile_model(model, compiler)
+
+    def _shard_units(
+        self,
+        model: nn.Module,
+        mesh: Any,
+        named: tuple[list[tuple[str, nn.Module]], set[str]] | None = None,
+    ) -> None:
+        """``fully_shard`` on the policy's units, bottom-up, then on the root, over ``mesh``
+        (``named``: where the root is a pipeline stage, the modules under it by their names
+        in the user's model, and the default units of that model)."""
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         kwargs: dict[str, Any] = {"reshard_after_forward": self.reshard_after_forward}
@@ -304,10 +452,14 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
             )
         kwargs.update(self._fsdp_kwargs)
         # the default: top-level children, but none that shares a parameter (tied weights)
-        policy = policy_of(default_units(model)) if self._default_shard else self.shard
+        if named is None:
+            modules, units = list(model.named_modules())[1:], default_units(model)
+        else:
+            modules, units = named
+        policy = policy_of(units) if self._default_shard else self.shard
         # bottom-up, as fully_shard requires: a unit's children before the unit
-        for name, module in reversed(list(model.named_modules())[1:]):
-            if policy(name, module):
+        for name, module in reversed(modules):
+            if module is not model and policy(name, module):
                 fully_shard(module, **kwargs)
         fully_shard(model, **kwargs)
 
@@ -410,7 +562,8 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         if self.world_size == 1:
             return clip_(grads, clip, local_norm(grads, self.device))
         if self._copies is None or self._copies.rank != self.rank:
-            self._copies = _layout.CopyCount(self.rank)
+            root = 0 if self._layout is None else self._layout.stage_root
+            self._copies = _layout.CopyCount(self.rank, root)
         counted = [_local(g) for g in grads if self._copies(g)]
         # in one dtype on every rank, whichever slices it counts (none: a zero of that dtype)
         wide = any(g.dtype == torch.float64 for g in grads)
@@ -534,6 +687,11 @@ def _check_fully_shard_keywords(given: dict[str, Any]) -> None:
         "replicate",
         "tensor_parallel",
         "tensor_plan",
+        "pipeline_parallel",
+        "pipeline_split",
+        "microbatches",
+        "schedule",
+        "stages_per_rank",
     ]
     for name in given:
         if name not in taken and name not in ("mesh", "module"):  # those: refused below

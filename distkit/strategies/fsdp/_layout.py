@@ -1,11 +1,14 @@
-"""The parallel layout of an FSDPStrategy: one DeviceMesh ``(replicate, shard, tensor)``.
+"""The parallel layout of an FSDPStrategy: one DeviceMesh ``(pipeline, replicate, shard,
+tensor)``.
 
 Ranks are laid out row-major, the tensor-parallel dimension innermost (the ``T`` consecutive
 ranks of one node split each layer; across them, the data-parallel ranks shard and
-replicate). The ``T`` ranks of a tensor-parallel group see the same samples: the data's rank
-is the rank's place in ``(replicate, shard)``, and only the group's first rank (tensor
-coordinate 0) counts what its group computed, where sums over the world would count it ``T``
-times (see ``Strategy.data_leader``).
+replicate) and the pipeline dimension outermost (each pipeline stage a block of
+``replicate x shard x T`` consecutive ranks, the links between stages the slowest ones). The
+ranks of one model copy (its stages, and in each the ``T`` ranks of a tensor-parallel group)
+see the same samples: the data's rank is the rank's place in ``(replicate, shard)``, and only
+the copy's first rank (pipeline and tensor coordinates 0) counts what it computed, where sums
+over the world would count it once per rank of the copy (see ``Strategy.data_leader``).
 """
 
 from __future__ import annotations
@@ -18,19 +21,25 @@ import torch
 from distkit.errors import ConfigurationError
 from distkit.strategies.base import Topology
 
-DIMS = ("replicate", "shard", "tensor")
+DIMS = ("pipeline", "replicate", "shard", "tensor")
 
 
 @dataclass(frozen=True)
 class Layout:
-    """``replicate x shard x tensor`` ranks; ``mesh`` is None in a layout without tensor
-    parallelism (``tensor == 1``), where FSDP keeps the meshes it always had."""
+    """``pipeline x replicate x shard x tensor`` ranks; ``mesh`` is None in a layout
+    without tensor or pipeline parallelism, where FSDP keeps the meshes it always had."""
 
     replicate: int
     shard: int
     tensor: int
     rank: int
     mesh: Any = None
+    pipeline: int = 1
+
+    @property
+    def stage_size(self) -> int:
+        """The ranks of one pipeline stage: ``replicate x shard x tensor``."""
+        return self.replicate * self.shard * self.tensor
 
     @property
     def data_world_size(self) -> int:
@@ -38,11 +47,28 @@ class Layout:
 
     @property
     def data_rank(self) -> int:
-        return self.rank // self.tensor
+        return self.data_rank_of(self.rank)
+
+    def data_rank_of(self, rank: int) -> int:
+        return rank % self.stage_size // self.tensor
 
     @property
     def tensor_rank(self) -> int:
         return self.rank % self.tensor
+
+    @property
+    def pipeline_rank(self) -> int:
+        return self.rank // self.stage_size
+
+    @property
+    def stage_root(self) -> int:
+        """The first rank of this rank's pipeline stage (data and tensor coordinates 0)."""
+        return self.pipeline_rank * self.stage_size
+
+    def pipeline_peers(self) -> list[int]:
+        """The ranks of this rank's pipeline group (its coordinates but the pipeline one)."""
+        within = self.rank % self.stage_size
+        return [p * self.stage_size + within for p in range(self.pipeline)]
 
     def dp_mesh(self) -> Any:
         """The (sub)mesh FSDP shards over: ``shard``, or ``(replicate, shard)`` under HSDP."""
@@ -51,28 +77,41 @@ class Layout:
     def tp_mesh(self) -> Any:
         return self.mesh["tensor"]
 
+    def pp_group(self) -> Any:
+        """The process group of this rank's pipeline peers (P2P between stages)."""
+        return self.mesh["pipeline"].get_group()
+
     def words(self) -> str:
-        return f"replicate={self.replicate} x shard={self.shard} x tensor={self.tensor}"
+        words = f"replicate={self.replicate} x shard={self.shard} x tensor={self.tensor}"
+        return f"pipeline={self.pipeline} x {words}" if self.pipeline > 1 else words
 
 
-def layout_for(topology: Topology, replicate: int, tensor: int) -> Layout:
-    """The layout of ``topology``'s world, its mesh built where tensor parallelism needs it
-    (a collective: every rank builds the same mesh)."""
+def layout_for(topology: Topology, replicate: int, tensor: int, pipeline: int = 1) -> Layout:
+    """The layout of ``topology``'s world, its mesh built where tensor or pipeline
+    parallelism needs it (a collective: every rank builds the same mesh)."""
     world = topology.world_size
-    if world % (replicate * tensor):
+    fixed = replicate * tensor * pipeline
+    if world % fixed:
+        given = f"replicate={replicate}, tensor_parallel={tensor}"
+        product = "replicate x tensor_parallel"
+        if pipeline > 1:
+            given, product = (
+                f"pipeline_parallel={pipeline}, {given}",
+                f"pipeline_parallel x {product}",
+            )
         raise ConfigurationError(
-            f"FSDPStrategy(replicate={replicate}, tensor_parallel={tensor}) needs a world size "
-            f"that is a multiple of replicate x tensor_parallel = {replicate * tensor}; this job "
-            f"has {world} ranks. Choose replicate and tensor_parallel whose product divides "
-            f"{world}, or launch a multiple of {replicate * tensor} ranks"
+            f"FSDPStrategy({given}) needs a world size that is a multiple of {product} = "
+            f"{fixed}; this job has {world} ranks. Choose degrees whose product divides "
+            f"{world}, or launch a multiple of {fixed} ranks"
         )
-    shard = world // (replicate * tensor)
-    if tensor == 1:
+    shard = world // fixed
+    if tensor == 1 and pipeline == 1:
         return Layout(replicate, shard, 1, topology.rank)
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(topology.device.type, (replicate, shard, tensor), mesh_dim_names=DIMS)
-    return Layout(replicate, shard, tensor, topology.rank, mesh)
+    shape = (pipeline, replicate, shard, tensor)
+    mesh = init_device_mesh(topology.device.type, shape, mesh_dim_names=DIMS)
+    return Layout(replicate, shard, tensor, topology.rank, mesh, pipeline)
 
 
 def reduce_partial_gradients(optimizer: torch.optim.Optimizer) -> None:
@@ -94,42 +133,46 @@ def reduce_partial_gradients(optimizer: torch.optim.Optimizer) -> None:
 
 class CopyCount:
     """:func:`counted_once` for each gradient, remembered per (mesh, placements): the answer
-    reads the mesh's rank table, a tensor, which a step should not (no host reads per step)."""
+    reads the mesh's rank table, a tensor, which a step should not (no host reads per step).
+    ``root``: the first rank of this rank's pipeline stage (0 without a pipeline), whose
+    copies count: each stage holds parameters of its own."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, root: int = 0) -> None:
         self.rank = rank
+        self.root = root
         #: (id of the mesh, placements) -> (the mesh, kept so that its id is not reused, answer)
         self._known: dict[tuple[int, tuple[Any, ...]], tuple[Any, bool]] = {}
 
     def __call__(self, value: torch.Tensor) -> bool:
         mesh = getattr(value, "device_mesh", None)
         if mesh is None:
-            return self.rank == 0
+            return self.rank == self.root
         key = (id(mesh), tuple(value.placements))  # type: ignore[attr-defined]
         known = self._known.get(key)
         if known is None:
-            known = self._known[key] = (mesh, counted_once(value, self.rank))
+            known = self._known[key] = (mesh, counted_once(value, self.rank, self.root))
         return known[1]
 
 
-def counted_once(value: torch.Tensor, rank: int) -> bool:
+def counted_once(value: torch.Tensor, rank: int, root: int = 0) -> bool:
     """Whether this rank's part of ``value`` (a gradient) is the one copy a sum over the
     world counts: every rank holds some form of every parameter, and the copies of one
     part sit on the ranks that differ only in a mesh dimension that does not split it (a
     ``Replicate`` dimension of its DTensor mesh, or a dimension outside that mesh: a norm
     sharded over ``shard`` alone is copied over ``tensor``). The copy counted is the one on
     the mesh through rank 0, at coordinate 0 of every replicating dimension. A plain tensor is
-    whole on every rank: rank 0's counts."""
+    whole on every rank: rank 0's counts. Under a pipeline, ``root`` (the first rank of this
+    rank's stage) stands for rank 0: each stage's parameters are its own."""
     mesh = getattr(value, "device_mesh", None)
     if mesh is None:
-        return rank == 0
+        return rank == root
     placements = value.placements  # type: ignore[attr-defined]
     if any(p.is_partial() for p in placements):  # reduce_partial_gradients first
         raise ConfigurationError(
             f"a gradient is a partial sum (placements {tuple(placements)}) when its norm is "
             "taken: distkit sums such gradients before clipping; this one was left partial"
         )
-    if not bool((mesh.mesh == 0).any()):
+    if not bool((mesh.mesh == root).any()):
         return False
     coordinate = mesh.get_coordinate()
     # a dimension splits unless it replicates (Shard, and FSDP-over-TP's _StridedShard, which

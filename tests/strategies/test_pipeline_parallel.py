@@ -1,0 +1,152 @@
+"""Pipeline parallel inside FSDP (issue 48): ``FSDPStrategy(pipeline_parallel=P,
+pipeline_split=[...], microbatches=M, schedule=...)`` on the mesh ``(pipeline, replicate,
+shard, tensor)``. Every layout against one process at the same global batch (accumulation,
+an uneven last step, clipping over every stage's gradients), through the Trainer, in
+float64."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import distkit
+from tests.support.exactness import DTYPE, TOL  # the runs compared train in float64
+from tests.support.workloads import make_dataset, make_stack, max_abs_diff
+
+pytestmark = pytest.mark.timeout(400)
+
+N = 21  # global batches of 8 with 2 accumulated: 16 + 5 (an uneven last step)
+SPLIT = ["layers.1"]  # stage 0: inp, layers.0; stage 1: layers.1, layers.2, out
+
+
+def fit(
+    name: str,
+    batch: int,
+    pipeline: int = 1,
+    tensor: int = 1,
+    clip: float | None = None,
+    checkpoint_kind: str = "full",
+    schedule: str = "1F1B",
+    microbatches: int | None = 2,
+    split: Any = None,
+    depth: int = 3,
+    **settings: Any,
+) -> dict[str, Any]:
+    torch.manual_seed(0)
+    if name == "fsdp":
+        layout: dict[str, Any] = {}
+        if pipeline > 1:
+            layout = {"pipeline_parallel": pipeline, "pipeline_split": split or SPLIT,
+                      "microbatches": microbatches, "schedule": schedule}  # fmt: skip
+        if tensor > 1:
+            layout |= {
+                "tensor_parallel": tensor,
+                "tensor_plan": {"layers.*.inner": "colwise", "layers.*.outer": "rowwise"},
+            }
+        strategy: Any = distkit.FSDPStrategy(checkpoint=checkpoint_kind, **layout)
+    else:
+        strategy = name
+    trainer = distkit.Trainer(strategy, batch_size=batch, grad_accum_steps=2, seed=3,
+                              max_epochs=2, progress=False, gradient_clip_norm=clip,
+                              **settings)  # fmt: skip
+    model = make_stack(dtype=DTYPE, depth=depth)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    taken = []
+    optimizer.register_step_post_hook(lambda *_: taken.append(1))
+    data = make_dataset(N, dtype=DTYPE)
+    result = trainer.fit(model, optimizer, data, val_data=data, loss_fn=nn.functional.cross_entropy)
+    out = {
+        "state": trainer.full_state_dict(),
+        "steps": trainer.global_step,
+        "taken": len(taken),
+        "history": result.history,
+        "data": (trainer.runtime.data_rank, trainer.runtime.data_world_size),
+    }
+    trainer.close()
+    return out
+
+
+def _same_epochs(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> None:
+    for mine, theirs in zip(a, b, strict=True):
+        for key in ("train_loss", "val_loss"):
+            assert abs(mine[key] - theirs[key]) <= TOL, (key, mine[key], theirs[key])
+
+
+def test_pp2_equals_one_process(run_on_ranks):
+    one = run_on_ranks(partial(fit, clip=0.05), "ddp", 4, world_size=1)[0]
+    ranks = run_on_ranks(partial(fit, pipeline=2, clip=0.05), "fsdp", 4, world_size=2)
+    for result in ranks:
+        print(max_abs_diff(result["state"], one["state"]))
+        assert result["data"] == (0, 1)
+        assert result["steps"] == one["steps"]
+        assert max_abs_diff(result["state"], one["state"]) <= TOL
+        _same_epochs(result["history"], one["history"])
+
+
+@pytest.mark.parametrize(
+    ("schedule", "split", "microbatches"),
+    [("gpipe", None, 2), ("interleaved1F1B", ["layers.0", "layers.1", "layers.2"], 2)],
+    ids=["gpipe", "interleaved"],
+)
+def test_other_schedules_equal_one_process(run_on_ranks, schedule, split, microbatches):
+    one = run_on_ranks(partial(fit, clip=0.05), "ddp", 4, world_size=1)[0]
+    ranks = run_on_ranks(
+        partial(fit, pipeline=2, clip=0.05, schedule=schedule, split=split,
+                microbatches=microbatches),
+        "fsdp", 4, world_size=2,
+    )  # fmt: skip
+    for result in ranks:
+        print(schedule, max_abs_diff(result["state"], one["state"]))
+        assert max_abs_diff(result["state"], one["state"]) <= TOL
+        _same_epochs(result["history"], one["history"])
+
+
+@pytest.mark.parametrize("tensor", [1, 2], ids=["pp2xfsdp2", "pp2xtp2"])
+def test_pp2_with_fsdp2_or_tp2_on_4_ranks_equals_one_process(run_on_ranks, tensor):
+    shares = 2 if tensor == 1 else 1  # data-parallel ranks
+    one = run_on_ranks(partial(fit, clip=0.05), "ddp", 4 * shares, world_size=1)[0]
+    ranks = run_on_ranks(partial(fit, pipeline=2, tensor=tensor, clip=0.05), "fsdp", 4,
+                         world_size=4)  # fmt: skip
+    for result in ranks:
+        print(tensor, max_abs_diff(result["state"], one["state"]))
+        assert result["data"][1] == shares
+        assert max_abs_diff(result["state"], one["state"]) <= TOL
+        _same_epochs(result["history"], one["history"])
+
+
+def _layout_fit(layout: str, batch: int, **settings: Any) -> dict[str, Any]:
+    """A fit under ``layout``: "pp2", "pp2xfsdp2", "fsdp" (x2) or "one" (fsdp, a world of one)."""
+    if layout.startswith("pp2"):
+        return fit("fsdp", batch, pipeline=2, **settings)
+    return fit("fsdp", batch, **settings)
+
+
+@pytest.mark.parametrize("checkpoint", ["sharded", "full"])
+def test_a_checkpoint_from_pp2_resumes_exactly_at_other_layouts(run_on_ranks, tmp_path, checkpoint):
+    """Written at pp2 (2 ranks, one data-parallel rank: batch 4) after 3 of 6 steps, resumed
+    at fsdp x2, in one process and at pp2 x fsdp2 (global batch 4 each time); and written at
+    fsdp x2, resumed at pp2: each ends where the uninterrupted run ends."""
+    import shutil
+
+    whole = run_on_ranks(fit, "ddp", 4, world_size=1)[0]
+    kinds = {"checkpoint_kind": checkpoint}
+    for source, batch, world, targets in (
+        ("pp2", 4, 2, (("fsdp", 2, 2), ("one", 4, 1), ("pp2xfsdp2", 2, 4))),
+        ("fsdp", 2, 2, (("pp2", 4, 2),)),
+    ):
+        folder = tmp_path / source
+        written = {"checkpoint_dir": str(folder), "max_steps": 3, **kinds}
+        run_on_ranks(partial(_layout_fit, **written), source, batch, world_size=world)
+        for layout, size, ranks in targets:
+            mine = shutil.copytree(folder, tmp_path / f"{source}-to-{layout}")
+            again = {"checkpoint_dir": str(mine), "resume": "auto", **kinds}
+            resumed = run_on_ranks(partial(_layout_fit, **again), layout, size, world_size=ranks)
+            for result in resumed:
+                print(source, layout, max_abs_diff(result["state"], whole["state"]))
+                assert result["steps"] == whole["steps"], layout
+                assert result["taken"] == whole["steps"] - 3, layout  # it did resume
+                assert max_abs_diff(result["state"], whole["state"]) <= TOL, (source, layout)
