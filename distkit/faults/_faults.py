@@ -324,7 +324,11 @@ class _Failure:
 
     def _announce(self, kind: str, text: str) -> bool:
         """Leave a notice for the peers; True if it was the job's first."""
-        message = json.dumps({"kind": kind, "rank": self.strategy.rank, "text": text})
+        notice = {"kind": kind, "rank": self.strategy.rank, "text": text}
+        place = getattr(self.strategy, "place", None)  # "pipeline stage 1 of 2", or None
+        if isinstance(place, str):
+            notice["place"] = place
+        message = json.dumps(notice)
         try:
             return _channel.announce_failure(self.strategy.side_channel(), message)
         except Exception:
@@ -423,6 +427,8 @@ def _peer_failure_error(rank: int, notice: dict[str, Any]) -> PeerFailureError:
     failed = notice.get("rank")
     reason = str(notice.get("text", ""))
     who = "another rank" if failed is None else f"rank {failed}"
+    if failed is not None and notice.get("place"):
+        who += f" ({notice['place']})"
     return PeerFailureError(
         f"rank {rank} stopped because {who} failed: {reason} (its own output shows the traceback)",
         failed_rank=failed,

@@ -596,6 +596,12 @@ class Strategy(Collectives, ABC):
         """The user's module inside whatever wrapper :meth:`setup` added (default: none)."""
         return model
 
+    @property
+    def place(self) -> str | None:
+        """Where this rank sits in a parallel layout, for the messages that name it when it
+        fails (``"pipeline stage 1 of 2"``); None (default): its rank says it all."""
+        return None
+
     def pipeline_of(self, model: nn.Module) -> Any:
         """The pipeline that trains the set-up ``model`` (its schedule runs each batch's
         forward and backward as one: see ``FSDPStrategy(pipeline_parallel=...)``), or None

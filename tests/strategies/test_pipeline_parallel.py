@@ -20,7 +20,11 @@ from tests.support.workloads import make_dataset, make_stack, max_abs_diff
 pytestmark = pytest.mark.timeout(400)
 
 N = 21  # global batches of 8 with 2 accumulated: 16 + 5 (an uneven last step)
-SPLIT = ["layers.1"]  # stage 0: inp, layers.0; stage 1: layers.1, layers.2, out
+SPLIT = ["layers.1"]
+PLAN_TP = {
+    "layers.*.inner": "colwise",
+    "layers.*.outer": "rowwise",
+}  # stage 0: inp, layers.0; stage 1: layers.1, layers.2, out
 
 
 def fit(
@@ -150,3 +154,140 @@ def test_a_checkpoint_from_pp2_resumes_exactly_at_other_layouts(run_on_ranks, tm
                 assert result["steps"] == whole["steps"], layout
                 assert result["taken"] == whole["steps"] - 3, layout  # it did resume
                 assert max_abs_diff(result["state"], whole["state"]) <= TOL, (source, layout)
+
+
+def test_a_rank_raising_inside_a_stage_stops_every_rank_fast_naming_the_stage(tmp_path):
+    from tests.faults.test_faults import TORCHRUN, _assert_stopped_fast, _job
+
+    proc, seconds = _job(TORCHRUN, tmp_path, "pp2", "--raise-at", "3", timeout=120)
+    _assert_stopped_fast(proc, seconds)
+    output = proc.stdout + proc.stderr
+    assert "rank 1 (pipeline stage 1 (of stages 0-1)) failed" in output, output[-3000:]
+
+
+class _Skip(nn.Module):
+    """A forward that is no chain of its children: a residual around the last one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.b = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return self.b(h + x)
+
+
+class _Tied(nn.Module):
+    """An input layer and an output layer sharing one weight (as a language model's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Linear(6, 6, bias=False)
+        self.mid = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 6, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.mid(self.emb(x)))
+
+
+def _attempt(model: nn.Module, split: Any, *, batch: int = 4, step_fn: bool = False,
+             **strategy: Any) -> str:  # fmt: skip
+    from distkit.errors import DistkitError
+
+    try:
+        made = distkit.FSDPStrategy(pipeline_parallel=2, pipeline_split=split, **strategy)
+        trainer = distkit.Trainer(made, batch_size=batch, progress=False, max_steps=1)
+    except DistkitError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    how: dict[str, Any] = {"loss_fn": nn.functional.cross_entropy}
+    if step_fn:
+        how = {"step_fn": lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1])}
+    try:
+        trainer.fit(model, optimizer, make_dataset(16), **how)
+    except DistkitError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        trainer.close()
+    return "trained"
+
+
+def _refusals() -> dict[str, str]:
+    bn = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
+    return {
+        "skip": _attempt(_Skip(), ["b"]),
+        "unused": _attempt(make_stack(), ["out"], microbatches=2),  # layers, a ModuleList
+        "name": _attempt(make_stack(), ["layers.9"]),
+        "order": _attempt(make_stack(), ["inp"]),
+        "tied": _attempt(_Tied(), ["head"]),
+        "batchnorm": _attempt(bn, ["2"]),
+        "micro": _attempt(make_stack(), ["layers.1"], microbatches=3),
+        "step_fn": _attempt(make_stack(), ["layers.1"], step_fn=True),
+        "world": _attempt(make_stack(), ["layers.1"], tensor_parallel=2, tensor_plan=PLAN_TP),
+        "fine": _attempt(make_stack(), ["layers.1"]),
+    }
+
+
+def test_a_model_or_options_that_cannot_pipeline_are_refused_on_every_rank_before_training(
+    run_on_ranks,
+):
+    for found in run_on_ranks(_refusals, world_size=2):
+        assert "could not cut the model by names at 'b'" in found["skip"], found["skip"]
+        assert "pipeline_split=fn" in found["skip"]
+        assert "ran the units ['inp', 'out']" in found["unused"], found["unused"]
+        assert "'layers.9', which is no module" in found["name"], found["name"]
+        assert "layers.0.inner" in found["name"] or "layers.0" in found["name"]
+        assert "after the first unit" in found["order"], found["order"]
+        assert "'emb.weight' (tied with ['head.weight'])" in found["tied"], found["tied"]
+        assert "'1' is a BatchNorm1d" in found["batchnorm"], found["batchnorm"]
+        assert "microbatches=3" in found["micro"] and "4 rows" in found["micro"], found["micro"]
+        assert "step_fn under pipeline_parallel" in found["step_fn"], found["step_fn"]
+        world = found["world"]
+        assert "pipeline_parallel=2" in world and "= 4" in world and "2 ranks" in world, world
+        assert found["fine"] == "trained"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"pipeline_parallel": 0}, "pipeline_parallel=0"),
+        ({"pipeline_parallel": True}, "pipeline_parallel=True"),
+        ({"pipeline_parallel": 2}, "needs pipeline_split"),
+        ({"pipeline_parallel": 2, "pipeline_split": "layers.1"}, "pipeline_split=['layers.1']"),
+        ({"pipeline_parallel": 2, "pipeline_split": ["a", "b"]}, "2 cut(s)"),
+        ({"pipeline_parallel": 2, "pipeline_split": [3]}, "module names (str)"),
+        ({"pipeline_parallel": 2, "pipeline_split": ["a"], "schedule": "zb"}, "'gpipe'"),
+        ({"pipeline_parallel": 2, "pipeline_split": ["a"], "microbatches": 0}, "microbatches=0"),
+        ({"pipeline_parallel": 2, "pipeline_split": ["a"], "stages_per_rank": 2},
+         "schedule='interleaved1F1B'"),
+        ({"pipeline_parallel": 2, "pipeline_split": ["a"], "schedule": "interleaved1F1B",
+          "stages_per_rank": 1}, "at least 2 stages per rank"),
+        ({"pipeline_parallel": 2, "pipeline_split": ["a", "b", "c"],
+          "schedule": "interleaved1F1B", "microbatches": 3}, "a multiple of pipeline_parallel"),
+        ({"microbatches": 4}, "without pipeline_parallel"),
+        ({"pipeline_split": ["a"]}, "without pipeline_parallel"),
+    ],
+)  # fmt: skip
+def test_pipeline_options_are_checked_when_the_strategy_is_made(kwargs, words):
+    from distkit.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError) as caught:
+        distkit.FSDPStrategy(**kwargs)
+    assert words in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "name", ["DDPStrategy", "HorovodStrategy", "DeepSpeedStrategy", "DataParallelStrategy",
+             "ApexStrategy"],
+)  # fmt: skip
+@pytest.mark.parametrize("option", ["pipeline_parallel", "pipeline_split", "microbatches"])
+def test_pipeline_parallel_under_another_backend_is_refused_naming_fsdp(name, option):
+    from distkit.errors import UnsupportedFeatureError
+
+    with pytest.raises(UnsupportedFeatureError) as caught:
+        getattr(distkit, name)(**{option: 2})
+    assert f"{name}({option}=...)" in str(caught.value)
+    assert "no pipeline parallelism" in str(caught.value)
+    assert f"distkit.FSDPStrategy({option}=...)" in str(caught.value)

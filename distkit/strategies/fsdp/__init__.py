@@ -256,6 +256,16 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         layout = self._layout
         return layout is None or (layout.tensor_rank == 0 and layout.pipeline_rank == 0)
 
+    @property
+    @override
+    def place(self) -> str | None:
+        layout = self._layout
+        if layout is None or layout.pipeline == 1:
+            return None
+        count = layout.pipeline * self.stages_per_rank
+        mine = ", ".join(str(s) for s in range(layout.pipeline_rank, count, layout.pipeline))
+        return f"pipeline stage {mine} (of stages 0-{count - 1})"
+
     @override
     def teardown(self) -> None:
         self._mesh = None

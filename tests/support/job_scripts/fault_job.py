@@ -14,6 +14,7 @@ import argparse
 import os
 import signal
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -32,12 +33,15 @@ def main() -> None:
     parser.add_argument("--fault-timeout", type=float, default=10.0)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    # "tp2": the model's two Linear layers split over the 2 ranks (one tensor-parallel group)
-    strategy = (
-        distkit.FSDPStrategy(tensor_parallel=2, tensor_plan={"0": "colwise", "3": "rowwise"})
-        if args.strategy == "tp2"
-        else args.strategy
-    )
+    # "tp2": the model's two Linear layers split over the 2 ranks (one tensor-parallel group);
+    # "pp2": the model in two pipeline stages (rank 1, the last, computes the loss)
+    strategy: Any = args.strategy
+    if args.strategy == "tp2":
+        strategy = distkit.FSDPStrategy(
+            tensor_parallel=2, tensor_plan={"0": "colwise", "3": "rowwise"}
+        )
+    elif args.strategy == "pp2":
+        strategy = distkit.FSDPStrategy(pipeline_parallel=2, pipeline_split=["3"], microbatches=2)
     trainer = distkit.Trainer(
         strategy, batch_size=4, max_epochs=2, seed=7, checkpoint_dir=args.out / "ckpt",
         checkpoint_every=2, resume="auto", fault_timeout=args.fault_timeout,
@@ -61,7 +65,19 @@ def main() -> None:
         x, y = batch
         return nn.functional.cross_entropy(m(x), y)
 
-    trainer.fit(model, optimizer, make_dataset(64, dtype=DTYPE), step_fn=step_fn)
+    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """pp2's: called on the last stage per micro-batch (2 per step, and once more by
+        torch's first step)."""
+        calls["n"] += 1
+        if trainer.rank == 1 and args.raise_at is not None and calls["n"] > 2 * args.raise_at:
+            raise ValueError(f"boom at step {args.raise_at}")
+        return nn.functional.cross_entropy(out, y)
+
+    data = make_dataset(64, dtype=DTYPE)
+    if args.strategy == "pp2":
+        trainer.fit(model, optimizer, data, loss_fn=loss_fn)
+    else:
+        trainer.fit(model, optimizer, data, step_fn=step_fn)
     if trainer.is_main:
         torch.save(model.state_dict(), args.out / "final.pt")
     print(f"rank {trainer.rank} done", flush=True)
