@@ -90,9 +90,14 @@ def evaluate_shard(
                         target = follow_output(target, output)
                     loss = loss_fn(output, target) if loss_fn is not None else None
                 size = batch_size_of(target)
-                if loss is not None:
-                    loss_sum += strategy.reduce_loss(loss, size).to(device).double() * size
-                count += size
+                if isinstance(loss, Loss):  # token-exact: its total over its items
+                    total = loss.total.sum() if loss.total.ndim else loss.total
+                    loss_sum += total.detach().to(device, torch.float64)
+                    count += torch.as_tensor(loss.count).sum().to(device, torch.float64)
+                else:
+                    if loss is not None:
+                        loss_sum += strategy.reduce_loss(loss, size).to(device).double() * size
+                    count += size
                 for metric in metrics.values():
                     metric.update(output, target)
     finally:

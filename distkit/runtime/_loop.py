@@ -28,6 +28,7 @@ from distkit.runtime._input_check import SameBatchCheck
 from distkit.runtime._runtime_arguments import check_loss
 from distkit.runtime._set_up import SetUpModel, SetUpOptimizer
 from distkit.runtime._setups import SetupCache
+from distkit.runtime._step_result import training_loss
 from distkit.runtime._unused import UnusedCheck
 from distkit.strategies._graph import graph_leaves
 from distkit.strategies._placement import Placement
@@ -235,6 +236,53 @@ class LoopState:
         else:
             target = next((opt.strategy_optimizer for opt in self.owners), None)
         return self.propagate(loss, target, count=count, owners=owners)
+
+    def forward_backward(
+        self,
+        model: Any,
+        inputs: Any,
+        target: Any,
+        loss_fn: Callable[[Any, Any], Any],
+        *,
+        optimizer: Any = None,
+    ) -> torch.Tensor:
+        """``rt.forward_backward``'s work (see :meth:`distkit.Runtime.forward_backward`)."""
+        if not isinstance(model, SetUpModel) or model not in self.modules.values():
+            raise ConfigurationError(
+                f"rt.forward_backward takes the model rt.setup returned, got "
+                f"{type(model).__name__}: pass what rt.setup(model, optimizer) gave back"
+            )
+        if not callable(loss_fn):
+            raise ConfigurationError(
+                f"rt.forward_backward's loss_fn must be callable as loss_fn(output, target), "
+                f"got {type(loss_fn).__name__}"
+            )
+        source = "rt.forward_backward's loss_fn"
+        pipeline = self.strategy.pipeline_of(model.wrapped)
+        if pipeline is None:  # the forward, then the backward of its loss, as rt.backward's
+            value, items = training_loss(loss_fn(model(inputs), target), source)
+            return self.backward(value, optimizer=optimizer, count=items)
+        micro = self.micro
+        if micro is None and self.strategy.options.grad_accum_steps > 1:
+            raise ConfigurationError(
+                f"grad_accum_steps={self.strategy.options.grad_accum_steps} needs the batches of "
+                "rt.loader(...): it knows where each accumulation window ends. Iterate "
+                "rt.loader(data) (or create the Runtime with grad_accum_steps=1)"
+            )
+        if self._first_backward is not None:
+            first, self._first_backward = self._first_backward, None
+            self.same_batches.settle(outside_loader=micro is None)
+            first()
+        self.ready()
+        owners = [opt for opt, owner in self.owners.items() if owner is model]
+        if optimizer is not None:
+            owners = self._owners_of(torch.zeros(()), optimizer, items=False)
+
+        def loss_of(output: Any, target: Any) -> tuple[torch.Tensor, int | torch.Tensor | None]:
+            return training_loss(loss_fn(output, target), source)
+
+        value, _ = self.propagate_pipeline(pipeline, inputs, target, loss_of, owners=owners)
+        return value
 
     def propagate(
         self,

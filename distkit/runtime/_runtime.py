@@ -14,7 +14,7 @@ import contextlib
 import os
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -514,6 +514,30 @@ class Runtime:
         """
         self._require_open("backward")
         return self.loop.backward(loss, optimizer=optimizer, count=count)
+
+    def forward_backward(
+        self,
+        model: nn.Module,
+        inputs: Any,
+        target: Any,
+        loss_fn: Callable[[Any, Any], Any],
+        *,
+        optimizer: Any = None,
+    ) -> torch.Tensor:
+        """``loss_fn(model(inputs), target)`` and its backward in one call: what
+        :meth:`backward` does for ``rt.backward(loss_fn(model(inputs), target))``, on every
+        backend, and the one way to train a pipeline's model in your own loop
+        (``FSDPStrategy(pipeline_parallel=...)``): there the schedule runs the batch's
+        micro-batches through the stages, ``loss_fn`` on the last stage, and the loss
+        reaches every rank.
+
+        ``model``: what rt.setup returned. ``loss_fn(output, target)`` returns the batch's
+        mean loss, or ``distkit.Loss(total, count)`` for a token-exact one. ``optimizer``: as
+        in :meth:`backward`. Returns the loss as :meth:`backward` does (a token-exact one as
+        its mean per item), on the device.
+        """
+        self._require_open("forward_backward")
+        return self.loop.forward_backward(model, inputs, target, loss_fn, optimizer=optimizer)
 
     @property
     def sync_gradients(self) -> bool:

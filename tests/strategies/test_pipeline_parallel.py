@@ -291,3 +291,145 @@ def test_pipeline_parallel_under_another_backend_is_refused_naming_fsdp(name, op
     assert f"{name}({option}=...)" in str(caught.value)
     assert "no pipeline parallelism" in str(caught.value)
     assert f"distkit.FSDPStrategy({option}=...)" in str(caught.value)
+
+
+def own_loop(pipeline: int, batch: int, save: str | None = None, load: str | None = None,
+             plain: bool = False) -> Any:  # fmt: skip
+    """A user's loop on the Runtime: rt.loader, rt.forward_backward, clipping, accumulation,
+    predict; with ``save``, rt.save after 3 steps and stop; with ``load``, rt.load first;
+    ``plain``: the model called, then rt.backward (refused under a pipeline)."""
+    strategy = (
+        distkit.FSDPStrategy(pipeline_parallel=2, pipeline_split=SPLIT, microbatches=2)
+        if pipeline > 1
+        else distkit.FSDPStrategy()
+    )
+    with distkit.Runtime(strategy=strategy, grad_accum_steps=2, seed=3) as rt:
+        torch.manual_seed(0)
+        net = make_stack(dtype=DTYPE)
+        net, opt = rt.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+        loader = rt.loader(make_dataset(N, dtype=DTYPE), batch_size=batch, shuffle=True)
+        state = {"model": net, "optimizer": opt, "loader": loader}
+        first = rt.load(load, state)["epoch"] if load is not None else 0
+        steps, losses = 0, []
+        for epoch in range(first, 2):
+            state["epoch"] = epoch
+            for x, y in loader:
+                if plain:
+                    try:
+                        rt.backward(nn.functional.cross_entropy(net(x), y))
+                    except distkit.errors.UnsupportedFeatureError as exc:
+                        return {"refused": str(exc)}
+                loss = rt.forward_backward(net, x, y, nn.functional.cross_entropy)
+                losses.append(float(loss))
+                rt.clip_gradients(net, opt, max_norm=0.05)
+                opt.step()
+                opt.zero_grad()
+                steps += rt.sync_gradients
+                if save is not None and steps == 3:
+                    rt.save(save, state)
+                    return {"stopped": True}
+        preds = rt.predict(net, make_dataset(N, dtype=DTYPE), batch_size=batch)
+        return {
+            "state": rt.full_state_dict(net),
+            "steps": steps,
+            "losses": losses,
+            "preds": torch.stack(list(preds)) if preds else None,
+        }
+
+
+def test_a_users_loop_with_forward_backward_equals_one_process_and_resumes(run_on_ranks, tmp_path):
+    """rt.forward_backward runs the schedule in a user's loop: the loop, its clipping,
+    accumulation and predict equal one process's at pp2; an rt.save at pp2 resumes in one
+    process and ends where the whole run ends; the model called in training is refused,
+    naming rt.forward_backward."""
+    one = run_on_ranks(partial(own_loop, 1), 4, world_size=1)[0]
+    for result in run_on_ranks(partial(own_loop, 2), 4, world_size=2):
+        assert result["steps"] == one["steps"]
+        assert max_abs_diff(result["state"], one["state"]) <= TOL
+        assert max(abs(a - b) for a, b in zip(result["losses"], one["losses"], strict=True)) <= TOL
+        assert result["preds"].shape[0] == N
+        assert torch.allclose(result["preds"], one["preds"], atol=TOL, rtol=0)
+    path = str(tmp_path / "loop.pt")
+    run_on_ranks(partial(own_loop, 2, save=path), 4, world_size=2)
+    resumed = run_on_ranks(partial(own_loop, 1, load=path), 4, world_size=1)[0]
+    assert resumed["steps"] == one["steps"] - 3  # the steps after the save, only
+    assert max_abs_diff(resumed["state"], one["state"]) <= TOL
+    for found in run_on_ranks(partial(own_loop, 2, plain=True), 4, world_size=2):
+        assert "rt.forward_backward(model, inputs, target, loss_fn)" in found["refused"]
+
+
+V, L = 11, 5  # a token model's vocabulary and sequence length
+
+
+class Tokens(nn.Module):
+    """A token model whose forward runs its children in order (a cut by names)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(V, 16)
+        self.layers = nn.Sequential(
+            *(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3))
+        )
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(16, V)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.layers(self.emb(ids))))
+
+
+def _token_data() -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, V, (N, L), generator=g)
+    labels = ids.roll(-1, dims=1)
+    labels[torch.rand(N, L, generator=g) < 0.3] = -100  # padding: rows of unequal counts
+    return torch.utils.data.TensorDataset(ids, labels)
+
+
+def _token_loss(logits: torch.Tensor, labels: torch.Tensor) -> distkit.Loss:
+    total = nn.functional.cross_entropy(
+        logits.reshape(-1, V), labels.reshape(-1), ignore_index=-100, reduction="sum"
+    )
+    return distkit.Loss(total, (labels != -100).sum())
+
+
+def _by_hand(model: Tokens) -> list[nn.Module]:
+    """pipeline_split=fn: the stages as the user cuts them (the model's own modules)."""
+    return [nn.Sequential(model.emb, model.layers[0]),
+            nn.Sequential(model.layers[1], model.layers[2], model.norm, model.head)]  # fmt: skip
+
+
+def _token_fit(pipeline: int, batch: int, weights: str, split: Any = None) -> Any:
+    torch.manual_seed(0)
+    model = Tokens().to(DTYPE)
+    strategy: Any = "ddp"
+    if pipeline > 1:
+        strategy = distkit.FSDPStrategy(pipeline_parallel=2, microbatches=2,
+                                        pipeline_split=split or ["layers.1"])  # fmt: skip
+    trainer = distkit.Trainer(strategy, batch_size=batch, grad_accum_steps=2, seed=3,
+                              max_epochs=2, progress=False, gradient_clip_norm=0.05)  # fmt: skip
+    result = trainer.fit(model, torch.optim.AdamW(model.parameters(), lr=1e-2), _token_data(),
+                         val_data=_token_data(), loss_fn=_token_loss)  # fmt: skip
+    trainer.save_weights(weights)
+    out = {"state": trainer.full_state_dict(), "history": result.history}
+    trainer.close()
+    return out
+
+
+def test_token_exact_losses_and_save_weights_under_pp2_equal_one_process(run_on_ranks, tmp_path):
+    """distkit.Loss(total, count) from loss_fn on the last stage: the step divides by every
+    micro-batch's count; the weights saved gather both stages into the model's names; a
+    cut by a callable trains the same."""
+    from safetensors.torch import load_file
+
+    one = run_on_ranks(partial(_token_fit, 1, weights=str(tmp_path / "one.safetensors")), 4,
+                       world_size=1)[0]  # fmt: skip
+    for split, name in ((None, "names"), (_by_hand, "callable")):
+        path = tmp_path / f"{name}.safetensors"
+        ranks = run_on_ranks(partial(_token_fit, 2, weights=str(path), split=split), 4,
+                             world_size=2)  # fmt: skip
+        for result in ranks:
+            print(name, max_abs_diff(result["state"], one["state"]))
+            assert max_abs_diff(result["state"], one["state"]) <= TOL, name
+            _same_epochs(result["history"], one["history"])
+        saved, reference = load_file(path), load_file(tmp_path / "one.safetensors")
+        assert max_abs_diff(saved, reference) <= TOL, name
