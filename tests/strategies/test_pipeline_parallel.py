@@ -433,3 +433,25 @@ def test_token_exact_losses_and_save_weights_under_pp2_equal_one_process(run_on_
             _same_epochs(result["history"], one["history"])
         saved, reference = load_file(path), load_file(tmp_path / "one.safetensors")
         assert max_abs_diff(saved, reference) <= TOL, name
+
+
+@pytest.mark.parametrize("checkpoint", ["full", "sharded"])
+def test_sigterm_to_one_stage_stops_both_and_resumes_exactly(tmp_path, checkpoint):
+    """torchrun, pp2 (dropout in the first stage): SIGTERM to rank 1 (the last stage) at a
+    step stops both ranks after the same step with a checkpoint; the rerun resumes and ends
+    where the uninterrupted job ends."""
+    import signal
+
+    from tests.faults.test_preemption import TORCHRUN, _check_preempted, _run, _steps
+
+    sharded = ["--sharded"] if checkpoint == "sharded" else []
+    whole = _run(TORCHRUN, "pp2", tmp_path / "whole", *sharded)
+    assert whole.returncode == 0, (whole.stdout + whole.stderr)[-4000:]
+    out = tmp_path / "job"
+    proc = _run(TORCHRUN, "pp2", out, *_steps(3, [1]), *sharded)
+    assert proc.returncode != 0
+    _check_preempted(proc, out, 2, signal.SIGTERM)
+    again = _run(TORCHRUN, "pp2", out, *sharded)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
+    reference = torch.load(tmp_path / "whole" / "final.pt")
+    assert max_abs_diff(torch.load(out / "final.pt"), reference) <= TOL

@@ -97,6 +97,10 @@ def main() -> None:
     if args.strategy == "tp2":  # the two Linear layers split over the 2 ranks (one group)
         plan = {"0": "colwise", "3": "rowwise"}
         strategy = distkit.FSDPStrategy(tensor_parallel=2, tensor_plan=plan, checkpoint=checkpoint)
+    elif args.strategy == "pp2":  # two pipeline stages: the dropout's and the last layer's
+        strategy = distkit.FSDPStrategy(
+            pipeline_parallel=2, pipeline_split=["3"], microbatches=2, checkpoint=checkpoint
+        )
     elif args.sharded:
         strategy = distkit.FSDPStrategy(checkpoint="sharded")
     callback = SignalAt(args.out, signum, points, args.second_signal, args.step_sleep)
