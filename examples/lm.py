@@ -5,6 +5,7 @@
     torchrun --standalone --nproc_per_node 2 examples/lm.py --strategy fsdp
     horovodrun -np 2 -H localhost:2 --gloo python examples/lm.py     # Horovod, 2 processes
     torchrun --standalone --nproc_per_node 4 examples/lm.py --model llama --tensor-parallel 2
+    torchrun --standalone --nproc_per_node 2 examples/lm.py --pipeline-parallel 2
 
 Data: the standard library's own ``.py`` files (``sysconfig.get_paths()["stdlib"]``), so there
 is nothing to download. The public top-level modules (names not starting with ``_``: the
@@ -35,7 +36,18 @@ ranks see the same samples). The Llama is split by its own published plan
 (``tensor_plan="auto"``); the plain-torch model by a plan of this script's (its feed-forward
 ``linear1`` colwise, ``linear2`` rowwise: its attention's fused ``in_proj_weight`` is no
 ``nn.Linear``); GPT-2 publishes none, and its ``Conv1D`` layers are no ``nn.Linear``: distkit
-refuses it, naming the model. The weights are saved with ``trainer.save_weights(--out)``
+refuses it, naming the model.
+
+Pipeline parallel (``--pipeline-parallel P``, under ``--strategy fsdp``; the plain-torch model):
+the model in ``P`` stages on ``P`` blocks of ranks (world = P x shard x T), its transformer
+blocks split evenly, the embeddings in the first stage and the norm and output layer in the
+last; micro-batches of ``--batch-size / --microbatches`` rows flow through them (torch's 1F1B
+schedule). The cut is a function of this script's (``pipeline_split=stages_of``): the model's
+forward adds the position embeddings and builds the causal mask between its children, so
+distkit cannot cut it by names. The loss is then ``loss_fn`` (the same token-exact
+``distkit.Loss``, on the last stage), the batches ``(input_ids, labels)``.
+
+The weights are saved with ``trainer.save_weights(--out)``
 (``model.safetensors``, and ``config.json`` for GPT-2 and Llama, which
 ``AutoModelForCausalLM.from_pretrained(out)`` loads); rank 0 then loads them back into a fresh
 model and samples a line from each of a few prompts.
@@ -220,6 +232,94 @@ def build_model(kind: str, max_len: int, layers: int = LAYERS) -> nn.Module:
     return GPT2LMHeadModel(config)
 
 
+class _FirstStage(nn.Module):
+    """A pipeline's first stage of :class:`TinyCausalLM`: its embeddings and first blocks
+    (the model's own modules)."""
+
+    def __init__(self, model: TinyCausalLM, blocks: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.tokens, self.positions = model.tokens, model.positions
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        where = torch.arange(input_ids.shape[1], device=input_ids.device)
+        return _run_blocks(self.blocks, self.tokens(input_ids) + self.positions(where))
+
+
+class _LaterStage(nn.Module):
+    """A later stage: its blocks, and in the last stage the norm and the output layer."""
+
+    def __init__(self, blocks: Sequence[nn.Module], model: TinyCausalLM | None = None) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+        self.norm = None if model is None else model.norm
+        self.head = None if model is None else model.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = _run_blocks(self.blocks, x)
+        if self.norm is None or self.head is None:
+            return x
+        return self.head(self.norm(x))
+
+
+def _run_blocks(blocks: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
+    """The blocks as ``nn.TransformerEncoder`` runs them: each on the causal mask."""
+    causal = nn.Transformer.generate_square_subsequent_mask(x.shape[1], device=x.device)
+    for block in blocks:
+        x = block(x, src_mask=causal, is_causal=True)
+    return x
+
+
+def stages_of(count: int) -> Any:
+    """``pipeline_split`` for :class:`TinyCausalLM` in ``count`` stages: its blocks split
+    evenly, in order (the earlier stages take one more where they do not divide)."""
+
+    def cut(model: nn.Module) -> list[nn.Module]:
+        assert isinstance(model, TinyCausalLM)
+        blocks = list(model.blocks.layers)
+        if count > len(blocks):
+            raise ValueError(
+                f"--pipeline-parallel {count}: the model has {len(blocks)} blocks, at most one "
+                "stage each"
+            )
+        sizes = [len(blocks) // count + (i < len(blocks) % count) for i in range(count)]
+        starts = [sum(sizes[:i]) for i in range(count)]
+        parts = [blocks[a : a + n] for a, n in zip(starts, sizes, strict=True)]
+        return [
+            _FirstStage(model, parts[0]),
+            *(_LaterStage(part, model if i == count - 1 else None) for i, part in
+              enumerate(parts[1:], start=1)),
+        ]  # fmt: skip
+
+    return cut
+
+
+class Pairs(Dataset):
+    """A :class:`ByteSequences` as ``(input_ids, labels)`` pairs: a pipeline's batches (the
+    first stage takes the inputs, the loss on the last stage the target)."""
+
+    def __init__(self, sequences: ByteSequences) -> None:
+        self.sequences = sequences
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.sequences.input_ids[i], self.sequences.labels[i]
+
+
+def pair_loss(logits: torch.Tensor, labels: torch.Tensor) -> distkit.Loss:
+    """:func:`token_loss` as a ``loss_fn`` (under a pipeline): from the last stage's scores."""
+    scores = logits.flatten(0, 1)
+    total = F.cross_entropy(
+        scores.to(torch.promote_types(scores.dtype, torch.float32)),
+        labels.flatten(),
+        ignore_index=IGNORE,
+        reduction="sum",
+    )
+    return distkit.Loss(total, (labels != IGNORE).sum())
+
+
 def logits_of(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     """``(batch, length, vocab)`` scores from either model (GPT-2 returns an output object)."""
     out = model(input_ids=input_ids, attention_mask=(input_ids != PAD).long())
@@ -244,7 +344,7 @@ class TokenAccuracy(distkit.Metric):
     """The share of labelled tokens whose most likely next token is the right one."""
 
     def batch_state(self, output: torch.Tensor, target: Any) -> torch.Tensor:
-        labels = target["labels"]
+        labels = target["labels"] if isinstance(target, dict) else target  # a pipeline's: labels
         labelled = labels != IGNORE
         hits = (output.argmax(dim=-1) == labels) & labelled
         return torch.stack([hits.sum(), labelled.sum()]).double()
@@ -294,6 +394,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--tensor-parallel", type=int, default=1,
         help="ranks that split each layer (FSDPStrategy(tensor_parallel=...); default: 1)",
     )  # fmt: skip
+    parser.add_argument(
+        "--pipeline-parallel", type=int, default=1,
+        help="pipeline stages (FSDPStrategy(pipeline_parallel=...), --model torch; default: 1)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--microbatches", type=int, default=None,
+        help="a pipeline's micro-batches per batch (default: the stages)",
+    )  # fmt: skip
     parser.add_argument("--epochs", type=int, default=3, help="(default: 3)")
     parser.add_argument(
         "--batch-size", type=int, default=16,
@@ -335,7 +443,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     # the legacy `python -m torch.distributed.launch` passes --local_rank; distkit reads it itself
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    for name in ("epochs", "batch_size", "grad_accum", "max_samples", "tensor_parallel"):
+    for name in ("epochs", "batch_size", "grad_accum", "max_samples", "tensor_parallel",
+                 "pipeline_parallel", "microbatches"):  # fmt: skip
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -354,11 +463,30 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(
             f"--model {args.model} needs transformers (pip install transformers); or --model torch"
         )
-    if args.tensor_parallel > 1 and args.strategy not in ("auto", "fsdp"):
+    if args.pipeline_parallel > 1 and args.model not in ("auto", "torch"):
         parser.error(
-            f"--tensor-parallel {args.tensor_parallel} runs under --strategy fsdp (tensor "
-            f"parallelism inside sharded data parallelism), got --strategy {args.strategy}"
+            f"--pipeline-parallel {args.pipeline_parallel} cuts --model torch into stages (a "
+            "function of this script's); a transformers model computes its masks and rotary "
+            f"embeddings between its layers: write a pipeline_split function for --model "
+            f"{args.model}, or use --tensor-parallel"
         )
+    if args.pipeline_parallel > 1:
+        args.model = "torch"
+    if max(args.tensor_parallel, args.pipeline_parallel) > 1 and args.strategy not in (
+        "auto",
+        "fsdp",
+    ):
+        option = (
+            f"--tensor-parallel {args.tensor_parallel}"
+            if args.tensor_parallel > 1
+            else f"--pipeline-parallel {args.pipeline_parallel}"
+        )
+        parser.error(
+            f"{option} runs under --strategy fsdp (tensor and pipeline parallelism inside "
+            f"sharded data parallelism), got --strategy {args.strategy}"
+        )
+    if args.microbatches is not None and args.pipeline_parallel == 1:
+        parser.error("--microbatches configures a pipeline: add --pipeline-parallel P")
     return args
 
 
@@ -376,7 +504,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     trainer = distkit.Trainer(
         # fsdp's default units keep GPT-2's tied embedding and output layer in one unit (the
         # root) and shard each transformer block
-        strategy=pick_strategy(args.strategy, kind, args.tensor_parallel),
+        strategy=pick_strategy(args.strategy, kind, args.tensor_parallel, args),
         max_epochs=args.epochs,
         batch_size=args.batch_size,
         precision=args.precision,
@@ -394,13 +522,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 TORCH_PLAN = {"blocks.layers.*.linear1": "colwise", "blocks.layers.*.linear2": "rowwise"}
 
 
-def pick_strategy(name: str, kind: str, tensor_parallel: int) -> str | distkit.Strategy:
+def pick_strategy(
+    name: str, kind: str, tensor_parallel: int, args: argparse.Namespace | None = None
+) -> str | distkit.Strategy:
     """``--strategy``, or with ``--tensor-parallel`` > 1 fsdp with the model's plan: its own
-    (``"auto"``: the Llama's; GPT-2 has none, which distkit refuses) or TORCH_PLAN."""
-    if tensor_parallel == 1:
+    (``"auto"``: the Llama's; GPT-2 has none, which distkit refuses) or TORCH_PLAN; with
+    ``--pipeline-parallel`` > 1 fsdp with the stages of :func:`stages_of`."""
+    pipeline = 1 if args is None else args.pipeline_parallel
+    if tensor_parallel == 1 and pipeline == 1:
         return name
-    plan: Any = TORCH_PLAN if kind == "torch" else "auto"
-    return distkit.FSDPStrategy(tensor_parallel=tensor_parallel, tensor_plan=plan)
+    layout: dict[str, Any] = {}
+    if tensor_parallel > 1:
+        plan: Any = TORCH_PLAN if kind == "torch" else "auto"
+        layout = {"tensor_parallel": tensor_parallel, "tensor_plan": plan}
+    if pipeline > 1:
+        assert args is not None
+        layout |= {"pipeline_parallel": pipeline, "pipeline_split": stages_of(pipeline),
+                   "microbatches": args.microbatches}  # fmt: skip
+    return distkit.FSDPStrategy(**layout)
 
 
 def mfu_text(record: dict[str, float]) -> str:
@@ -449,18 +588,24 @@ def train(
         print(
             f"training a {type(model).__name__} ({params:,} parameters): "
             f"strategy={trainer.strategy.name}, world_size={trainer.world_size}"
-            f"{split_text(trainer, args.tensor_parallel)}, batch {args.batch_size} per "
+            f"{split_text(trainer, args.tensor_parallel, args.pipeline_parallel)}, batch "
+            f"{args.batch_size} per "
             f"data-parallel rank, {args.epochs} epoch(s) of {per_epoch} steps, "
             f"AdamW lr {args.lr:g} with cosine decay",
             flush=True,
         )
     start = time.perf_counter()
+    if args.pipeline_parallel > 1:  # the schedule runs the model: a loss_fn, (inputs, target)
+        how: dict[str, Any] = {"loss_fn": pair_loss}
+        train_data, val_data = Pairs(train_set), Pairs(val_set)
+    else:
+        how, train_data, val_data = {"step_fn": token_loss}, train_set, val_set
     result = trainer.fit(
         model,
         optimizer,
-        train_set,
-        step_fn=token_loss,
-        val_data=val_set,
+        train_data,
+        **how,
+        val_data=val_data,
         metrics={"token_acc": TokenAccuracy()},
         scheduler=scheduler,
     )
@@ -485,11 +630,17 @@ def train(
     return 0
 
 
-def split_text(trainer: distkit.Trainer, tensor_parallel: int) -> str:
-    """ " (2 data-parallel x tensor_parallel 2)" under tensor parallelism, else ""."""
-    if tensor_parallel == 1:
+def split_text(trainer: distkit.Trainer, tensor_parallel: int, pipeline: int = 1) -> str:
+    """ " (2 data-parallel x tensor_parallel 2)" under tensor parallelism (with
+    " x pipeline_parallel 2" under a pipeline), else ""."""
+    if tensor_parallel == 1 and pipeline == 1:
         return ""
-    return f" ({trainer.data_world_size} data-parallel x tensor_parallel {tensor_parallel})"
+    words = [f"{trainer.data_world_size} data-parallel"]
+    if tensor_parallel > 1:
+        words.append(f"tensor_parallel {tensor_parallel}")
+    if pipeline > 1:
+        words.append(f"pipeline_parallel {pipeline}")
+    return f" ({' x '.join(words)})"
 
 
 def show_samples(kind: str, out: Path, args: argparse.Namespace) -> None:

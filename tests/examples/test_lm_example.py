@@ -273,3 +273,30 @@ def test_lm_example_llama_split_over_two_ranks_trains_like_one_process(tmp_path)
     assert _epochs(split) == _epochs(one) and len(_epochs(split)) == 2
     diff = max_abs_diff(_weights(tmp_path / "split"), _weights(tmp_path / "one"))
     assert diff <= WEIGHT_TOLERANCE
+
+
+def test_lm_example_pipeline_of_two_stages_trains_like_one_process(tmp_path):
+    """--pipeline-parallel 2 under torchrun: the plain-torch model in two stages (one block
+    each, cut by the script's function), one data-parallel rank (the same batch of 16 as one
+    process), 1F1B over 2 micro-batches; the same epochs and, in float64, the same weights."""
+    common = [*EXACT, "--model", "torch", "--batch-size", "16"]
+    one = run_example([sys.executable, SCRIPT, *common, "--out", "one"], tmp_path, timeout=120)
+    split = run_example([*TORCHRUN, SCRIPT, *common, "--pipeline-parallel", "2", "--out",
+                         "stages"], tmp_path, timeout=180)  # fmt: skip
+    assert "world_size=2 (1 data-parallel x pipeline_parallel 2)" in split
+    assert _perplexities(split) == _perplexities(one)
+    assert _epochs(split) == _epochs(one) and len(_epochs(split)) == 2
+    diff = max_abs_diff(_weights(tmp_path / "stages"), _weights(tmp_path / "one"))
+    assert diff <= WEIGHT_TOLERANCE
+
+
+def test_lm_example_pipeline_options_are_checked(capsys):
+    for argv, words in (
+        (["--pipeline-parallel", "2", "--strategy", "ddp"], "--pipeline-parallel 2 runs under"),
+        (["--pipeline-parallel", "2", "--model", "llama"], "write a pipeline_split function"),
+        (["--microbatches", "2"], "add --pipeline-parallel"),
+        (["--pipeline-parallel", "0"], "--pipeline-parallel must be >= 1"),
+    ):
+        with pytest.raises(SystemExit):
+            lm.parse_args(argv)
+        assert words in capsys.readouterr().err, argv
