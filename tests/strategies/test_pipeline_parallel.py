@@ -178,6 +178,19 @@ class _Skip(nn.Module):
         return self.b(h + x)
 
 
+class _Unsaved(nn.Module):
+    """A unit with a buffer outside the state dict (persistent=False), as rotary tables are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.b = nn.Linear(6, 3)
+        self.b.register_buffer("scale", torch.full((3,), 2.0), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x)) * self.b.scale
+
+
 class _Tied(nn.Module):
     """An input layer and an output layer sharing one weight (as a language model's)."""
 
@@ -227,6 +240,7 @@ def _refusals() -> dict[str, str]:
         "step_fn": _attempt(make_stack(), ["layers.1"], step_fn=True),
         "world": _attempt(make_stack(), ["layers.1"], tensor_parallel=2, tensor_plan=PLAN_TP),
         "fine": _attempt(make_stack(), ["layers.1"]),
+        "unsaved buffer": _attempt(nn.Sequential(nn.Linear(6, 6), _Unsaved()), ["1"]),
     }
 
 
@@ -247,6 +261,7 @@ def test_a_model_or_options_that_cannot_pipeline_are_refused_on_every_rank_befor
         world = found["world"]
         assert "pipeline_parallel=2" in world and "= 4" in world and "2 ranks" in world, world
         assert found["fine"] == "trained"
+        assert found["unsaved buffer"] == "trained", found["unsaved buffer"]
 
 
 @pytest.mark.parametrize(

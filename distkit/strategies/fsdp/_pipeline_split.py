@@ -240,12 +240,17 @@ def _span(part: list[tuple[str, nn.Module]]) -> str:
 def _owners(model: nn.Module, modules: list[nn.Module], words: list[str]) -> dict[str, int]:
     """The model's state_dict keys -> the stage holding each; every key in one stage."""
     names = {id(t): k for k, t in model.state_dict(keep_vars=True).items()}
+    # a buffer outside the state dict (persistent=False: recomputed, never saved) may sit in
+    # any stage, or in several
+    unsaved = {id(b) for b in model.buffers()} - set(names)
     all_names: dict[int, list[str]] = {}
     for key, tensor in model.state_dict(keep_vars=True).items():
         all_names.setdefault(id(tensor), []).append(key)
     owner: dict[str, int] = {}
     for index, module in enumerate(modules):
         for tensor in (*module.parameters(), *module.buffers()):
+            if id(tensor) in unsaved:
+                continue
             if id(tensor) not in names:
                 raise ConfigurationError(
                     f"pipeline stage {index} ({words[index]}) holds a tensor of shape "

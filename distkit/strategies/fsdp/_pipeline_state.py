@@ -42,7 +42,8 @@ class PipelineState:
     full_groups: list[list[torch.Tensor]] = field(default_factory=list)
 
     def local(self, key: str) -> bool:
-        return self.owner[key] in self.mine
+        """Whether this rank holds ``key`` (a buffer outside the state dict: every rank)."""
+        return self.owner.get(key, next(iter(self.mine))) in self.mine
 
 
 def drop_other_stages(model: nn.Module, state: PipelineState) -> None:
