@@ -1,5 +1,5 @@
-"""Per-rank memory of a ~50M-parameter model: ddp, fsdp, HSDP, tensor parallel and DeepSpeed ZeRO
-1/2/3, by ranks.
+"""Per-rank memory of a ~50M-parameter model: ddp, fsdp, HSDP, tensor and pipeline parallel and
+DeepSpeed ZeRO 1/2/3, by ranks.
 
 Each configuration trains the same residual MLP (default: 6 blocks ``x + W2 gelu(W1 x)`` of
 width 1024 and hidden width 4096, and a 10-way head: 50.4 M parameters) in fp32 with Adam for
@@ -36,7 +36,12 @@ when these are fp32. ``tp2`` is ``FSDPStrategy(tensor_parallel=2)`` with each bl
 colwise and ``down`` rowwise (at 2 ranks tensor parallel alone, at 4 ranks fsdp2 x tp2): a
 parameter the plan splits keeps 16/N bytes (split 2 ways, sharded over N/2), one it does not
 (``down``'s bias, the head) 16/(N/2); the theory weighs the two by their counts. Its batch is
-per data-parallel rank (a tensor-parallel group's 2 ranks share one).
+per data-parallel rank (a tensor-parallel group's 2 ranks share one). ``pp2`` is
+``FSDPStrategy(pipeline_parallel=2)`` cut at the middle block (the head in the second stage;
+2 micro-batches, 1F1B; at 4 ranks pp2 x fsdp2): a rank keeps its stage's parameters,
+16 x (the stage's share) / (its data-parallel ranks) bytes per parameter of the model, the
+theory for the larger stage. Its activations are not measured (the stages run their modules
+outside the model's forward, which the measurement hooks): ``null``.
 
     python benchmarks/memory.py      # the tables in docs/large-models.md (~20 min on 2 cores)
     python benchmarks/memory.py --strategies ddp fsdp --procs 1 2 --width 64 --layers 2
@@ -79,7 +84,8 @@ import distkit
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MIB = 2**20
-CONFIGS = ("ddp", "fsdp", "hsdp", "tp2", "deepspeed1", "deepspeed2", "deepspeed3")
+CONFIGS = ("ddp", "fsdp", "hsdp", "tp2", "pp2", "deepspeed1", "deepspeed2", "deepspeed3")
+PIPELINE = 2
 HSDP_REPLICAS = 2
 TENSOR_PARALLEL = 2
 #: tp2's plan: each block's two Linear layers (the blocks are the Sequential's children "0", ...)
@@ -127,13 +133,16 @@ def make_model(width: int, hidden: int, layers: int) -> nn.Sequential:
 
 
 # ---------------------------------------------------------------------------- configurations
-def make_strategy(config: str) -> str | distkit.Strategy:
+def make_strategy(config: str, layers: int = 6) -> str | distkit.Strategy:
     # imported here: the launcher needs neither, and a worker one of them
     if config == "ddp":
         return "ddp"
-    if config in ("fsdp", "hsdp", "tp2"):
+    if config in ("fsdp", "hsdp", "tp2", "pp2"):
         from distkit.strategies.fsdp import FSDPStrategy
 
+        if config == "pp2":  # the Sequential's children "0", ...: the second stage at the middle
+            return FSDPStrategy(pipeline_parallel=PIPELINE, pipeline_split=[str(layers // 2)],
+                                microbatches=2)  # fmt: skip
         if config == "tp2":
             return FSDPStrategy(tensor_parallel=TENSOR_PARALLEL, tensor_plan=TP_PLAN)
         return FSDPStrategy(replicate=HSDP_REPLICAS if config == "hsdp" else 1)
@@ -152,6 +161,8 @@ def skip_reason(config: str, procs: int) -> str | None:
         return f"HSDP runs at {2 * HSDP_REPLICAS} ranks only ({HSDP_REPLICAS} groups x 2)"
     if config == "tp2" and procs % TENSOR_PARALLEL:
         return f"tensor parallel needs a multiple of {TENSOR_PARALLEL} ranks"
+    if config == "pp2" and procs % PIPELINE:
+        return f"pipeline parallel needs a multiple of {PIPELINE} ranks"
     if config.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
         return "DeepSpeed is not installed (pip install 'distkit[deepspeed]')"
     return None
@@ -159,7 +170,8 @@ def skip_reason(config: str, procs: int) -> str | None:
 
 def theory(config: str, procs: int, split: float = 0.0) -> dict[str, float]:
     """Bytes per parameter a rank keeps under fp32 Adam, by part (see the module docstring);
-    ``split``: the share of the parameters tensor parallelism splits (tp2)."""
+    ``split``: the share of the parameters tensor parallelism splits (tp2), or the larger
+    stage's share of them (pp2)."""
     if config.startswith("deepspeed"):
         stage = zero_stage(config)
         parts = {
@@ -172,6 +184,8 @@ def theory(config: str, procs: int, split: float = 0.0) -> dict[str, float]:
         if config == "tp2":  # split: over every rank; whole: over the data-parallel ones
             data = procs // TENSOR_PARALLEL
             per_byte = split / procs + (1 - split) / data
+        elif config == "pp2":  # the larger stage's parameters, over its data-parallel ranks
+            per_byte = split / (procs // PIPELINE)
         else:
             per_byte = 1 / {"ddp": 1, "fsdp": procs, "hsdp": procs // HSDP_REPLICAS}[config]
         parts = {"params": 4 * per_byte, "master": 0.0, "grads": 4 * per_byte,
@@ -331,7 +345,7 @@ def worker(config: str, checkpointing: bool, args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     import_lazy_code(config)
     trainer = distkit.Trainer(
-        make_strategy(config),
+        make_strategy(config, args.layers),
         batch_size=args.batch_size,
         progress=False,
         activation_checkpointing=[Block] if checkpointing else None,
@@ -341,12 +355,20 @@ def worker(config: str, checkpointing: bool, args: argparse.Namespace) -> None:
     model = make_model(args.width, args.hidden, args.layers)
     count = sum(p.numel() for p in model.parameters())
     split = sum(p.numel() for name, p in model.named_parameters() if tensor_split(name))
+    if config == "pp2":  # the larger stage's parameters: the blocks from the middle, the head
+        half = args.layers // 2
+        split = max(
+            sum(p.numel() for n, p in model.named_parameters() if int(n.split(".")[0]) < half),
+            sum(p.numel() for n, p in model.named_parameters() if int(n.split(".")[0]) >= half),
+        )
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     state = StateMeter(model, optimizer, leave_out=set(storages(data.tensors)))
     saved = SavedForBackward(model)
-    model.register_forward_pre_hook(rss.end_setup)
+    for module in (model, *model.children()):  # a pipeline runs the children, not the model
+        module.register_forward_pre_hook(rss.end_setup)
     trainer.fit(model, optimizer, data, loss_fn=nn.functional.cross_entropy)
-    mine = {**state.largest, "activations": saved.largest, **rss.report(), "parameters": count,
+    activations = None if config == "pp2" else saved.largest
+    mine = {**state.largest, "activations": activations, **rss.report(), "parameters": count,
             "split": split}  # fmt: skip
     mine["state"] = sum(mine[part] for part in STATE_PARTS)
     ranks = trainer.strategy.all_gather_object(mine)
@@ -421,7 +443,10 @@ def model_arguments(args: argparse.Namespace) -> list[str]:
 
 
 def largest_rank(ranks: list[dict[str, int]], config: str, procs: int) -> dict[str, Any]:
-    entry: dict[str, Any] = {field: max(rank[field] for rank in ranks) for field in FIELDS}
+    entry: dict[str, Any] = {
+        field: max(rank[field] for rank in ranks) if ranks[0][field] is not None else None
+        for field in FIELDS
+    }
     entry["bytes_per_param"] = entry["state"] / ranks[0]["parameters"]
     entry["theory"] = theory(config, procs, ranks[0]["split"] / ranks[0]["parameters"])
     entry["parameters"] = ranks[0]["parameters"]
@@ -429,8 +454,8 @@ def largest_rank(ranks: list[dict[str, int]], config: str, procs: int) -> dict[s
 
 
 # ---------------------------------------------------------------------------- the tables
-def mib(value: float) -> str:
-    return f"{value / MIB:.1f}"
+def mib(value: float | None) -> str:
+    return "not measured" if value is None else f"{value / MIB:.1f}"
 
 
 def state_table(results: dict[str, Any]) -> Iterator[str]:

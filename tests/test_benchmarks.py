@@ -80,6 +80,29 @@ def test_memory_fsdp_halves_the_per_rank_state_and_checkpointing_the_activations
     assert "| fsdp | 2 |" in stdout and "4 ranks only" in stdout
 
 
+def test_memory_pp2_keeps_each_stages_state_on_its_ranks(tmp_path: Path) -> None:
+    results, _ = memory_table(tmp_path, "--strategies", "pp2", "--procs", "2",
+                              "--checkpointing", "off")  # fmt: skip
+    entry = results["pp2"]["2"]["off"]
+    # two blocks and the head: the larger stage (a block and the head) over its one rank
+    assert entry["bytes_per_param"] == pytest.approx(entry["theory"]["total"], rel=0.01)
+    assert 0.5 < entry["theory"]["total"] / 16 < 0.6
+    assert entry["activations"] is None  # the stages run outside the model's forward
+
+
+def test_pipeline_times_each_schedule_beside_the_hand_written_one(tmp_path: Path) -> None:
+    tiny = ["--width", "32", "--hidden", "64", "--layers", "4", "--batch", "16", "--steps", "2",
+            "--warmup", "1", "--microbatches", "4", "--results", str(tmp_path)]  # fmt: skip
+    proc = run_script(str(BENCH / "pipeline.py"), *tiny)
+    results = json.loads((tmp_path / "pipeline.json").read_text())
+    assert results["one_ms"] > 0
+    kinds = {row["schedule"]: row for row in results["rows"]}
+    assert set(kinds) == {"gpipe", "1F1B", "interleaved1F1B"}
+    assert kinds["1F1B"]["hand_ms"] > 0 and kinds["interleaved1F1B"]["hand_ms"] is None
+    assert kinds["1F1B"]["theory"] == pytest.approx(1 / 5)
+    assert "| 1F1B | 1 | 4 |" in proc.stdout
+
+
 @needs("deepspeed")
 def test_memory_zero3_shards_the_state_and_counts_its_fp32_copy(tmp_path: Path) -> None:
     results, _ = memory_table(
