@@ -38,6 +38,7 @@ def fit(
     microbatches: int | None = 2,
     split: Any = None,
     depth: int = 3,
+    replicate: int = 1,
     **settings: Any,
 ) -> dict[str, Any]:
     torch.manual_seed(0)
@@ -51,7 +52,8 @@ def fit(
                 "tensor_parallel": tensor,
                 "tensor_plan": {"layers.*.inner": "colwise", "layers.*.outer": "rowwise"},
             }
-        strategy: Any = distkit.FSDPStrategy(checkpoint=checkpoint_kind, **layout)
+        strategy: Any = distkit.FSDPStrategy(checkpoint=checkpoint_kind, replicate=replicate,
+                                             **layout)  # fmt: skip
     else:
         strategy = name
     trainer = distkit.Trainer(strategy, batch_size=batch, grad_accum_steps=2, seed=3,
@@ -109,12 +111,14 @@ def test_other_schedules_equal_one_process(run_on_ranks, schedule, split, microb
         _same_epochs(result["history"], one["history"])
 
 
-@pytest.mark.parametrize("tensor", [1, 2], ids=["pp2xfsdp2", "pp2xtp2"])
-def test_pp2_with_fsdp2_or_tp2_on_4_ranks_equals_one_process(run_on_ranks, tensor):
+@pytest.mark.parametrize(
+    ("tensor", "replicate"), [(1, 1), (2, 1), (1, 2)], ids=["pp2xfsdp2", "pp2xtp2", "pp2xhsdp2x1"]
+)
+def test_pp2_with_fsdp2_tp2_or_hsdp_on_4_ranks_equals_one_process(run_on_ranks, tensor, replicate):
     shares = 2 if tensor == 1 else 1  # data-parallel ranks
     one = run_on_ranks(partial(fit, clip=0.05), "ddp", 4 * shares, world_size=1)[0]
-    ranks = run_on_ranks(partial(fit, pipeline=2, tensor=tensor, clip=0.05), "fsdp", 4,
-                         world_size=4)  # fmt: skip
+    ranks = run_on_ranks(partial(fit, pipeline=2, tensor=tensor, replicate=replicate,
+                                 clip=0.05), "fsdp", 4, world_size=4)  # fmt: skip
     for result in ranks:
         print(tensor, max_abs_diff(result["state"], one["state"]))
         assert result["data"][1] == shares
@@ -227,6 +231,40 @@ def _attempt(model: nn.Module, split: Any, *, batch: int = 4, step_fn: bool = Fa
     return "trained"
 
 
+def _in_own_loop(batches: list[Any]) -> str:
+    """rt.forward_backward at pp2 on ``batches`` of (inputs, target): "trained", or the error."""
+    from distkit.errors import DistkitError
+
+    strategy = distkit.FSDPStrategy(pipeline_parallel=2, pipeline_split=SPLIT, microbatches=2)
+    with distkit.Runtime(strategy=strategy) as rt:
+        model = make_stack()
+        net, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        try:
+            for x, y in batches:
+                rt.forward_backward(net, x, y, nn.functional.cross_entropy)
+        except DistkitError as exc:
+            return f"{type(exc).__name__}: {exc}"
+    return "trained"
+
+
+def _trainer_refusal(**options: Any) -> str:
+    from distkit.errors import DistkitError
+
+    strategy = distkit.FSDPStrategy(pipeline_parallel=2, pipeline_split=SPLIT)
+    model = make_stack()
+    if options.pop("meta", False):
+        with distkit.init_empty():
+            model = make_stack()
+    try:
+        with distkit.Trainer(strategy, batch_size=4, progress=False, max_steps=1,
+                             **options) as trainer:  # fmt: skip
+            trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), make_dataset(16),
+                        loss_fn=nn.functional.cross_entropy)  # fmt: skip
+    except DistkitError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "trained"
+
+
 def _refusals() -> dict[str, str]:
     bn = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
     return {
@@ -241,6 +279,16 @@ def _refusals() -> dict[str, str]:
         "world": _attempt(make_stack(), ["layers.1"], tensor_parallel=2, tensor_plan=PLAN_TP),
         "fine": _attempt(make_stack(), ["layers.1"]),
         "unsaved buffer": _attempt(nn.Sequential(nn.Linear(6, 6), _Unsaved()), ["1"]),
+        "disagree": _attempt(make_stack(), [f"layers.{1 + torch.distributed.get_rank()}"]
+                             if torch.distributed.is_initialized() else SPLIT),  # fmt: skip
+        "longer": _in_own_loop([(torch.randn(4, 6), torch.zeros(4, dtype=torch.long)),
+                                (torch.randn(6, 6), torch.zeros(6, dtype=torch.long))]),
+        "dict inputs": _in_own_loop([({"x": torch.randn(4, 6)}, torch.zeros(4, dtype=torch.long))]),
+        "shorter": _in_own_loop([(torch.randn(4, 6), torch.zeros(4, dtype=torch.long)),
+                                 (torch.randn(1, 6), torch.zeros(1, dtype=torch.long))]),
+        "compile": _trainer_refusal(compile=True),
+        "fp16": _trainer_refusal(precision="fp16"),
+        "meta": _trainer_refusal(meta=True),
     }
 
 
@@ -262,6 +310,14 @@ def test_a_model_or_options_that_cannot_pipeline_are_refused_on_every_rank_befor
         assert "pipeline_parallel=2" in world and "= 4" in world and "2 ranks" in world, world
         assert found["fine"] == "trained"
         assert found["unsaved buffer"] == "trained", found["unsaved buffer"]
+        assert "RankDisagreementError" in found["disagree"], found["disagree"]
+        assert "pipeline_split" in found["disagree"]
+        assert "shape (6, 6), the first batch's (4, 6)" in found["longer"], found["longer"]
+        assert "must be one tensor" in found["dict inputs"] and "dict" in found["dict inputs"]
+        assert found["shorter"] == "trained"  # padded to the first batch's micro-batches
+        assert "compile under pipeline_parallel" in found["compile"], found["compile"]
+        assert "precision='fp16'" in found["fp16"] and "bf16" in found["fp16"], found["fp16"]
+        assert "meta device" in found["meta"], found["meta"]
 
 
 @pytest.mark.parametrize(
