@@ -6,6 +6,7 @@ float64."""
 
 from __future__ import annotations
 
+import os
 from functools import partial
 from typing import Any
 
@@ -15,6 +16,7 @@ from torch import nn
 
 import distkit
 from tests.support.exactness import DTYPE, TOL  # the runs compared train in float64
+from tests.support.gates import needs
 from tests.support.workloads import make_dataset, make_stack, max_abs_diff
 
 pytestmark = pytest.mark.timeout(400)
@@ -238,7 +240,7 @@ def _in_own_loop(batches: list[Any]) -> str:
     strategy = distkit.FSDPStrategy(pipeline_parallel=2, pipeline_split=SPLIT, microbatches=2)
     with distkit.Runtime(strategy=strategy) as rt:
         model = make_stack()
-        net, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        net, _ = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
         try:
             for x, y in batches:
                 rt.forward_backward(net, x, y, nn.functional.cross_entropy)
@@ -279,13 +281,20 @@ def _refusals() -> dict[str, str]:
         "world": _attempt(make_stack(), ["layers.1"], tensor_parallel=2, tensor_plan=PLAN_TP),
         "fine": _attempt(make_stack(), ["layers.1"]),
         "unsaved buffer": _attempt(nn.Sequential(nn.Linear(6, 6), _Unsaved()), ["1"]),
-        "disagree": _attempt(make_stack(), [f"layers.{1 + torch.distributed.get_rank()}"]
-                             if torch.distributed.is_initialized() else SPLIT),  # fmt: skip
-        "longer": _in_own_loop([(torch.randn(4, 6), torch.zeros(4, dtype=torch.long)),
-                                (torch.randn(6, 6), torch.zeros(6, dtype=torch.long))]),
+        "disagree": _attempt(make_stack(), [f"layers.{1 + int(os.environ['RANK'])}"]),
+        "longer": _in_own_loop(
+            [
+                (torch.randn(4, 6), torch.zeros(4, dtype=torch.long)),
+                (torch.randn(6, 6), torch.zeros(6, dtype=torch.long)),
+            ]
+        ),
         "dict inputs": _in_own_loop([({"x": torch.randn(4, 6)}, torch.zeros(4, dtype=torch.long))]),
-        "shorter": _in_own_loop([(torch.randn(4, 6), torch.zeros(4, dtype=torch.long)),
-                                 (torch.randn(1, 6), torch.zeros(1, dtype=torch.long))]),
+        "shorter": _in_own_loop(
+            [
+                (torch.randn(4, 6), torch.zeros(4, dtype=torch.long)),
+                (torch.randn(1, 6), torch.zeros(1, dtype=torch.long)),
+            ]
+        ),
         "compile": _trainer_refusal(compile=True),
         "fp16": _trainer_refusal(precision="fp16"),
         "meta": _trainer_refusal(meta=True),
@@ -526,3 +535,21 @@ def test_sigterm_to_one_stage_stops_both_and_resumes_exactly(tmp_path, checkpoin
     assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
     reference = torch.load(tmp_path / "whole" / "final.pt")
     assert max_abs_diff(torch.load(out / "final.pt"), reference) <= TOL
+
+
+# ---------------------------------------------------------------- the GPU path (NCCL)
+def _on_gpu(pipeline: int, batch: int) -> dict[str, Any]:
+    result = fit("fsdp", batch, pipeline=pipeline, clip=0.05)
+    result["device"] = torch.cuda.current_device() if torch.cuda.is_available() else None
+    return result
+
+
+@needs("2 gpus", because="one GPU per rank: the stages' activations sent between GPUs (NCCL)")
+def test_pp2_over_nccl_on_two_gpus_equals_one_gpu(run_on_ranks):
+    """Written for a machine with 2+ CUDA GPUs (none here, none in CI; docs/gpu.md lists it):
+    pp2 across two GPUs (the P2P sends, the loss broadcast, the relay's object sends staged on
+    the GPU) against one GPU at the same batch, float64."""
+    one = run_on_ranks(partial(_on_gpu, 1), 4, world_size=1)[0]
+    for rank, result in enumerate(run_on_ranks(partial(_on_gpu, 2), 4, world_size=2)):
+        assert result["device"] == rank
+        assert max_abs_diff(result["state"], one["state"]) <= TOL
