@@ -515,11 +515,12 @@ def test_token_exact_losses_and_save_weights_under_pp2_equal_one_process(run_on_
         assert max_abs_diff(saved, reference) <= TOL, name
 
 
-@pytest.mark.parametrize("checkpoint", ["full", "sharded"])
+@pytest.mark.parametrize("checkpoint", ["sharded"])
 def test_sigterm_to_one_stage_stops_both_and_resumes_exactly(tmp_path, checkpoint):
     """torchrun, pp2 (dropout in the first stage): SIGTERM to rank 1 (the last stage) at a
     step stops both ranks after the same step with a checkpoint; the rerun resumes and ends
-    where the uninterrupted job ends."""
+    where the uninterrupted job ends. Sharded only (each stage's ranks write their part; the
+    full checkpoint's gather is the checkpoint test's, and this job takes 20 s)."""
     import signal
 
     from tests.faults.test_preemption import TORCHRUN, _check_preempted, _run, _steps
