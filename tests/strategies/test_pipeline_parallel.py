@@ -346,6 +346,8 @@ def test_a_model_or_options_that_cannot_pipeline_are_refused_on_every_rank_befor
           "stages_per_rank": 1}, "at least 2 stages per rank"),
         ({"pipeline_parallel": 2, "pipeline_split": ["a", "b", "c"],
           "schedule": "interleaved1F1B", "microbatches": 3}, "a multiple of pipeline_parallel"),
+        ({"pipeline_parallel": 2, "pipeline_split": ["a"], "microbatches": 1},
+         "microbatches >= 2"),
         ({"microbatches": 4}, "without pipeline_parallel"),
         ({"pipeline_split": ["a"]}, "without pipeline_parallel"),
     ],

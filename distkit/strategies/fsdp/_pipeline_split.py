@@ -129,6 +129,13 @@ def checked_options(
             f"FSDPStrategy(microbatches={microbatches!r}); allowed: an int >= 1 that divides "
             "the batch of each data-parallel group (batch_size)"
         )
+    if schedule == "1F1B" and microbatches < stages:
+        raise ConfigurationError(
+            f"FSDPStrategy(schedule='1F1B', microbatches={microbatches}, pipeline_parallel="
+            f"{pipeline}): 1F1B fills the pipeline before its first backward, so it needs at "
+            f"least one micro-batch per stage (microbatches >= {stages}); or use "
+            "schedule='gpipe'"
+        )
     if schedule == "interleaved1F1B" and microbatches % pipeline:
         raise ConfigurationError(
             f"FSDPStrategy(schedule='interleaved1F1B', microbatches={microbatches}, "
