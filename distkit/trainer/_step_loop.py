@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from distkit.batch import split_batch
 from distkit.data import MicroBatch
-from distkit.errors import ConfigurationError, UnsupportedFeatureError
+from distkit.errors import ConfigurationError
 from distkit.errors import NonFiniteLossError as NonFiniteLossError  # its old home
 from distkit.faults._progress import Progress
 from distkit.runtime import (
@@ -34,6 +34,7 @@ from distkit.trainer._fit_state import FitState as FitState  # its old home
 from distkit.trainer._losses import LossLedger
 from distkit.trainer._nonfinite import NonFiniteWatch
 from distkit.trainer._phases import Phases
+from distkit.trainer._pipeline_steps import pipeline_inputs, pipeline_loss
 from distkit.trainer._throughput import (
     Peak,
     RateWindow,
@@ -173,14 +174,6 @@ class StepLoop:
         #: the schedule that runs each batch's forward and backward, where the model is a
         #: pipeline's (see Strategy.pipeline_of)
         self.pipeline = self.strategy.pipeline_of(self.model.wrapped)
-        if self.pipeline is not None and self.step_fn is not None:
-            raise UnsupportedFeatureError(
-                "step_fn under pipeline_parallel: a pipeline's forward is one step of its "
-                "schedule (the first stage takes the inputs, the last computes the loss), so "
-                "a step_fn, which calls the model itself, cannot run. Pass loss_fn(output, "
-                "target) instead (it may return distkit.Loss(total, count) for a token-exact "
-                "loss), with batches of (inputs, target)"
-            )
         if self.pipeline is not None:
             self.output_check = None  # the outputs are the last stage's alone
         if self.before_step is not None and not takes_before_step(self.strategy):
@@ -359,13 +352,20 @@ class StepLoop:
         self, batch: Any, phases: Phases
     ) -> tuple[torch.Tensor, int | torch.Tensor | None]:
         """One micro-batch through the pipeline's schedule: its forwards and backwards
-        interleaved (timed as "forward"), the loss on the last stage, shared with every rank."""
-        loss_fn = self.loss_fn
-        assert loss_fn is not None
-        inputs, target = split_batch(batch)
+        interleaved (timed as "forward"), the loss on the last stage (``loss_fn``'s, or
+        ``step_fn``'s with the stage's output standing in for the model's: _pipeline_steps),
+        shared with every rank."""
+        loss_fn, step_fn = self.loss_fn, self.step_fn
+        if step_fn is not None:  # the model it calls stands in for the pipeline
+            module = self.model.module
+            inputs = pipeline_inputs(step_fn, module, batch)
+            target, loss_of = batch, pipeline_loss(step_fn, module)
+        else:
+            assert loss_fn is not None
+            inputs, target = split_batch(batch)
 
-        def loss_of(output: Any, target: Any) -> tuple[torch.Tensor, int | torch.Tensor | None]:
-            return training_loss(loss_fn(output, target), "loss_fn")
+            def loss_of(output: Any, target: Any) -> tuple[torch.Tensor, int | torch.Tensor | None]:
+                return training_loss(loss_fn(output, target), "loss_fn")
 
         return self.runtime.loop.propagate_pipeline(
             self.pipeline, inputs, target, loss_of, owners=(self.optimizer,)

@@ -211,7 +211,7 @@ class _Tied(nn.Module):
         return self.head(self.mid(self.emb(x)))
 
 
-def _attempt(model: nn.Module, split: Any, *, batch: int = 4, step_fn: bool = False,
+def _attempt(model: nn.Module, split: Any, *, batch: int = 4, step_fn: Any = False,
              **strategy: Any) -> str:  # fmt: skip
     from distkit.errors import DistkitError
 
@@ -222,8 +222,10 @@ def _attempt(model: nn.Module, split: Any, *, batch: int = 4, step_fn: bool = Fa
         return f"{type(exc).__name__}: {exc}"
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     how: dict[str, Any] = {"loss_fn": nn.functional.cross_entropy}
-    if step_fn:
+    if step_fn is True:
         how = {"step_fn": lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1])}
+    elif step_fn:
+        how = {"step_fn": step_fn}
     try:
         trainer.fit(model, optimizer, make_dataset(16), **how)
     except DistkitError as exc:
@@ -278,6 +280,14 @@ def _refusals() -> dict[str, str]:
         "batchnorm": _attempt(bn, ["2"]),
         "micro": _attempt(make_stack(), ["layers.1"], microbatches=3),
         "step_fn": _attempt(make_stack(), ["layers.1"], step_fn=True),
+        "step_fn keywords": _attempt(
+            make_stack(),
+            ["layers.1"],
+            step_fn=lambda m, b: nn.functional.cross_entropy(m(x=b[0]), b[1]),
+        ),
+        "step_fn without the model": _attempt(
+            make_stack(), ["layers.1"], step_fn=lambda m, b: b[0].sum() * 0
+        ),
         "world": _attempt(make_stack(), ["layers.1"], tensor_parallel=2, tensor_plan=PLAN_TP),
         "fine": _attempt(make_stack(), ["layers.1"]),
         "unsaved buffer": _attempt(nn.Sequential(nn.Linear(6, 6), _Unsaved()), ["1"]),
@@ -314,7 +324,10 @@ def test_a_model_or_options_that_cannot_pipeline_are_refused_on_every_rank_befor
         assert "'emb.weight' (tied with ['head.weight'])" in found["tied"], found["tied"]
         assert "'1' is a BatchNorm1d" in found["batchnorm"], found["batchnorm"]
         assert "microbatches=3" in found["micro"] and "4 rows" in found["micro"], found["micro"]
-        assert "step_fn under pipeline_parallel" in found["step_fn"], found["step_fn"]
+        assert found["step_fn"] == "trained", found["step_fn"]
+        keywords = found["step_fn keywords"]
+        assert "step_fn called the model with [] and keywords ['x']" in keywords, keywords
+        assert "returned without calling the model" in found["step_fn without the model"]
         world = found["world"]
         assert "pipeline_parallel=2" in world and "= 4" in world and "2 ranks" in world, world
         assert found["fine"] == "trained"
@@ -480,7 +493,25 @@ def _by_hand(model: Tokens) -> list[nn.Module]:
             nn.Sequential(model.layers[1], model.layers[2], model.norm, model.head)]  # fmt: skip
 
 
-def _token_fit(pipeline: int, batch: int, weights: str, split: Any = None) -> Any:
+class _Named(torch.utils.data.Dataset):
+    """The token data as dict batches, for a step_fn."""
+
+    def __init__(self) -> None:
+        self.ids, self.labels = _token_data().tensors
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"ids": self.ids[i], "labels": self.labels[i]}
+
+
+def _token_step(model: nn.Module, batch: dict[str, torch.Tensor]) -> distkit.Loss:
+    return _token_loss(model(batch["ids"]), batch["labels"])
+
+
+def _token_fit(pipeline: int, batch: int, weights: str, split: Any = None,
+               step: bool = False) -> Any:  # fmt: skip
     torch.manual_seed(0)
     model = Tokens().to(DTYPE)
     strategy: Any = "ddp"
@@ -489,8 +520,12 @@ def _token_fit(pipeline: int, batch: int, weights: str, split: Any = None) -> An
                                         pipeline_split=split or ["layers.1"])  # fmt: skip
     trainer = distkit.Trainer(strategy, batch_size=batch, grad_accum_steps=2, seed=3,
                               max_epochs=2, progress=False, gradient_clip_norm=0.05)  # fmt: skip
-    result = trainer.fit(model, torch.optim.AdamW(model.parameters(), lr=1e-2), _token_data(),
-                         val_data=_token_data(), loss_fn=_token_loss)  # fmt: skip
+    how: dict[str, Any] = {"loss_fn": _token_loss}
+    data: Any = _token_data()
+    if step:  # dict batches, the loss from step_fn (evaluation's too)
+        how, data = {"step_fn": _token_step}, _Named()
+    result = trainer.fit(model, torch.optim.AdamW(model.parameters(), lr=1e-2), data,
+                         val_data=data, **how)  # fmt: skip
     trainer.save_weights(weights)
     out = {"state": trainer.full_state_dict(), "history": result.history}
     trainer.close()
@@ -500,15 +535,17 @@ def _token_fit(pipeline: int, batch: int, weights: str, split: Any = None) -> An
 def test_token_exact_losses_and_save_weights_under_pp2_equal_one_process(run_on_ranks, tmp_path):
     """distkit.Loss(total, count) from loss_fn on the last stage: the step divides by every
     micro-batch's count; the weights saved gather both stages into the model's names; a
-    cut by a callable trains the same."""
+    cut by a callable trains the same, and so does a step_fn on dict batches (the model it
+    calls stands in for the pipeline)."""
     from safetensors.torch import load_file
 
     one = run_on_ranks(partial(_token_fit, 1, weights=str(tmp_path / "one.safetensors")), 4,
                        world_size=1)[0]  # fmt: skip
-    for split, name in ((None, "names"), (_by_hand, "callable")):
+    for split, name, step in ((None, "names", False), (_by_hand, "callable", False),
+                              (None, "step_fn", True)):  # fmt: skip
         path = tmp_path / f"{name}.safetensors"
-        ranks = run_on_ranks(partial(_token_fit, 2, weights=str(path), split=split), 4,
-                             world_size=2)  # fmt: skip
+        ranks = run_on_ranks(partial(_token_fit, 2, weights=str(path), split=split, step=step),
+                             4, world_size=2)  # fmt: skip
         for result in ranks:
             print(name, max_abs_diff(result["state"], one["state"]))
             assert max_abs_diff(result["state"], one["state"]) <= TOL, name
