@@ -62,11 +62,16 @@ def make_model(args: argparse.Namespace) -> nn.Sequential:
     return nn.Sequential(*(Block(args.width, args.hidden) for _ in range(args.layers)))
 
 
-def timed_steps(rt: Any, model: Any, opt: Any, args: argparse.Namespace) -> list[float]:
-    """Seconds per step (forward, backward, optimizer) after ``args.warmup`` untimed ones."""
+def batch_of(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one batch every step trains on (inputs, regression targets)."""
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(args.batch, args.width, generator=generator)
-    y = torch.randn(args.batch, args.width, generator=generator)
+    return x, torch.randn(args.batch, args.width, generator=generator)
+
+
+def timed_steps(rt: Any, model: Any, opt: Any, args: argparse.Namespace) -> list[float]:
+    """Seconds per step (forward, backward, optimizer) after ``args.warmup`` untimed ones."""
+    x, y = batch_of(args)
     times = []
     for step in range(args.warmup + args.steps):
         rt.barrier()
@@ -95,9 +100,7 @@ def hand_worker(args: argparse.Namespace) -> None:
     kind = {"hand-gpipe": pipelining.ScheduleGPipe, "hand-1F1B": pipelining.Schedule1F1B}
     schedule = kind[args.schedule](stage, args.microbatches, loss_fn=nn.functional.mse_loss)
     opt = torch.optim.SGD(stage_module.parameters(), lr=1e-3)
-    generator = torch.Generator().manual_seed(1)
-    x = torch.randn(args.batch, args.width, generator=generator)
-    y = torch.randn(args.batch, args.width, generator=generator)
+    x, y = batch_of(args)
     times = []
     for step in range(args.warmup + args.steps):
         dist.barrier()

@@ -351,3 +351,20 @@ def test_preempt_waits_for_a_rank_blocked_in_a_collective_past_the_grace(run_on_
     said = run_on_ranks(partial(fit_signalled_while_blocked, str(tmp_path)), world_size=2)
     assert [s["raised"] for s in said] == ["TrainingPreempted"] * 2, said
     assert said[0]["step"] == said[1]["step"] >= 3
+
+
+def sigterm_stops_and_resumes_exactly(strategy: str, tmp_path: Path, *, sharded: bool) -> None:
+    """torchrun x2 under ``strategy`` (a preempt_job layout: "tp2", "pp2"): SIGTERM to rank 1
+    at a step stops both ranks after the same step with a checkpoint; the rerun resumes and
+    ends where the uninterrupted job ends."""
+    flags = ["--sharded"] if sharded else []
+    whole = _run(TORCHRUN, strategy, tmp_path / "whole", *flags)
+    assert whole.returncode == 0, (whole.stdout + whole.stderr)[-4000:]
+    out = tmp_path / "job"
+    proc = _run(TORCHRUN, strategy, out, *_steps(3, [1]), *flags)
+    assert proc.returncode != 0
+    _check_preempted(proc, out, 2, signal.SIGTERM)
+    again = _run(TORCHRUN, strategy, out, *flags)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
+    reference = torch.load(tmp_path / "whole" / "final.pt")
+    assert max_abs_diff(torch.load(out / "final.pt"), reference) <= TOL

@@ -560,21 +560,10 @@ def test_sigterm_to_one_stage_stops_both_and_resumes_exactly(tmp_path, checkpoin
     step stops both ranks after the same step with a checkpoint; the rerun resumes and ends
     where the uninterrupted job ends. Sharded only (each stage's ranks write their part; the
     full checkpoint's gather is the checkpoint test's, and this job takes 20 s)."""
-    import signal
 
-    from tests.faults.test_preemption import TORCHRUN, _check_preempted, _run, _steps
+    from tests.faults.test_preemption import sigterm_stops_and_resumes_exactly
 
-    sharded = ["--sharded"] if checkpoint == "sharded" else []
-    whole = _run(TORCHRUN, "pp2", tmp_path / "whole", *sharded)
-    assert whole.returncode == 0, (whole.stdout + whole.stderr)[-4000:]
-    out = tmp_path / "job"
-    proc = _run(TORCHRUN, "pp2", out, *_steps(3, [1]), *sharded)
-    assert proc.returncode != 0
-    _check_preempted(proc, out, 2, signal.SIGTERM)
-    again = _run(TORCHRUN, "pp2", out, *sharded)
-    assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
-    reference = torch.load(tmp_path / "whole" / "final.pt")
-    assert max_abs_diff(torch.load(out / "final.pt"), reference) <= TOL
+    sigterm_stops_and_resumes_exactly("pp2", tmp_path, sharded=checkpoint == "sharded")
 
 
 # ---------------------------------------------------------------- the GPU path (NCCL)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -599,19 +598,9 @@ def test_sigterm_to_one_rank_of_a_tensor_parallel_group_stops_both_and_resumes_e
     """torchrun, tp2 (dropout between the split layers): SIGTERM to rank 1 at a step stops
     both ranks after the same step with a checkpoint; the rerun resumes and ends where the
     uninterrupted job ends (a group's random streams are one: kept once, given to both)."""
-    from tests.faults.test_preemption import TORCHRUN, _check_preempted, _run, _steps
+    from tests.faults.test_preemption import sigterm_stops_and_resumes_exactly
 
-    sharded = ["--sharded"] if checkpoint == "sharded" else []
-    whole = _run(TORCHRUN, "tp2", tmp_path / "whole", *sharded)
-    assert whole.returncode == 0, (whole.stdout + whole.stderr)[-4000:]
-    out = tmp_path / "job"
-    proc = _run(TORCHRUN, "tp2", out, *_steps(3, [1]), *sharded)
-    assert proc.returncode != 0
-    _check_preempted(proc, out, 2, signal.SIGTERM)
-    again = _run(TORCHRUN, "tp2", out, *sharded)
-    assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
-    reference = torch.load(tmp_path / "whole" / "final.pt")
-    assert max_abs_diff(torch.load(out / "final.pt"), reference) <= TOL
+    sigterm_stops_and_resumes_exactly("tp2", tmp_path, sharded=checkpoint == "sharded")
 
 
 class OwnColwise(ParallelStyle):
