@@ -26,7 +26,7 @@ from distkit.strategies import _meta_init, _torch_dist, _torch_group
 from distkit.strategies._steps import GradientClip, clip_, local_norm, scale_, step_gradients
 from distkit.strategies.base import StepOutcome, Strategy, Topology
 from distkit.strategies.capabilities import StateIO
-from distkit.strategies.fsdp import _layout, _meta, _pipeline_split, _tensor_plan
+from distkit.strategies.fsdp import _layout, _meta, _pipeline_options, _pipeline_split, _tensor_plan
 from distkit.strategies.fsdp import _pipeline_state as _pp_state
 from distkit.strategies.fsdp import _state as _fsdp_state
 from distkit.strategies.fsdp._options import checked_policy, hybrid_mesh
@@ -157,7 +157,7 @@ class FSDPStrategy(_torch_dist.TorchDistributedCollectives, Strategy):
         self.tensor_parallel = tensor_parallel
         self.tensor_plan = _tensor_plan.checked_plan_option(tensor_plan, tensor_parallel)
         self.pipeline_parallel, self.microbatches, self.stages_per_rank = (
-            _pipeline_split.checked_options(
+            _pipeline_options.checked_options(
                 pipeline_parallel, pipeline_split, microbatches, schedule, stages_per_rank
             )
         )
