@@ -38,7 +38,10 @@ the same order; a hook marked *collective* must be called on every rank, or the 
    sums every rank's slice), then :meth:`optimizer_step`; horovod's :meth:`step` is
    *collective* (it waits for its all-reduces, once, before ``before_step`` and clipping,
    or in its optimizer's step); then, at each save point of an elastic backend,
-   ``elastic.commit()`` (*collective*).
+   ``elastic.commit()`` (*collective*). A model with a pipeline (:meth:`pipeline_of` not
+   None: ``FSDPStrategy(pipeline_parallel=...)``) runs each micro-batch's forward and
+   backward as one step of its schedule in place of the forward and :meth:`backward`
+   (*collective* over the pipeline's ranks); the per-step hooks are the same.
 4. **Evaluation**: :meth:`eval_model` gives the module to run, :meth:`eval_rounds` how many
    forward passes every rank makes (a backend with collectives in its forward needs the same
    number on every rank); the sums are combined with :meth:`all_reduce` (*collective*).
