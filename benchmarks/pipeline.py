@@ -180,6 +180,10 @@ def main() -> int:
     parser.add_argument("--stages-per-rank", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8])
+    parser.add_argument(
+        "--schedules", nargs="+", default=[name for name, _ in SCHEDULES],
+        choices=[name for name, _ in SCHEDULES], help="(default: all three)",
+    )  # fmt: skip
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=8)
@@ -200,6 +204,8 @@ def main() -> int:
           "bubble | theory (idle) |")  # fmt: skip
     print("|---|--:|--:|--:|--:|--:|--:|")
     for schedule, per_rank in SCHEDULES:
+        if schedule not in args.schedules:
+            continue
         for micro in args.microbatches:
             step = launch(args, schedule, per_rank, micro)
             hand = None

@@ -44,6 +44,13 @@ EXACT = [*SMALL, "--dtype", "float64"]
 BATCH = 8  # per process, 2 processes; one process takes 16
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 WEIGHT_TOLERANCE = 1e-9  # float64: 300x the summation-order floor above
+# The Llama split by tensor parallelism sums each rowwise layer's partial products on two
+# ranks, then adds them: another order than one process's matmul in every layer, every step.
+# Its float64 floor after 100 AdamW steps depends on the CPU's kernels: 4.0e-9 measured
+# 2026-12-07 on an AMD EPYC (spread over the embedding, attention and MLP weights), where the
+# same test had passed at 1e-9 on another x86_64 (and pp2's example ends 3.8e-12 away on the
+# EPYC too: its micro-batches keep each matmul's order). 25x that floor, 1e6 below a real bug.
+TP_WEIGHT_TOLERANCE = 1e-7
 PERPLEXITY = re.compile(r"^val perplexity: (\d+\.\d+) \(unigram baseline: (\d+\.\d+)\)", re.M)
 
 
@@ -272,7 +279,7 @@ def test_lm_example_llama_split_over_two_ranks_trains_like_one_process(tmp_path)
     assert _perplexities(split) == _perplexities(one)
     assert _epochs(split) == _epochs(one) and len(_epochs(split)) == 2
     diff = max_abs_diff(_weights(tmp_path / "split"), _weights(tmp_path / "one"))
-    assert diff <= WEIGHT_TOLERANCE
+    assert diff <= TP_WEIGHT_TOLERANCE
 
 
 def test_lm_example_pipeline_of_two_stages_trains_like_one_process(tmp_path):
