@@ -187,7 +187,7 @@ def _owners(model: nn.Module, modules: list[nn.Module], words: list[str]) -> dic
 
 def _refuse_batch_statistics(model: nn.Module) -> None:
     for name, module in model.named_modules():
-        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.track_running_stats:
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):  # batch statistics in training
             raise ConfigurationError(
                 f"{name!r} is a {type(module).__name__}: under a pipeline each micro-batch "
                 "runs alone, so its batch statistics would be a micro-batch's, not the "
