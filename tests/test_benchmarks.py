@@ -91,7 +91,7 @@ def test_memory_pp2_keeps_each_stages_state_on_its_ranks(tmp_path: Path) -> None
 
 
 def test_pipeline_times_each_schedule_beside_the_hand_written_one(tmp_path: Path) -> None:
-    # 1F1B and interleaved (which has no hand-written twin): 4 launches, ~30 s
+    # 1F1B and interleaved (which has no hand-written twin): 4 launches
     tiny = ["--width", "32", "--hidden", "64", "--layers", "4", "--batch", "16", "--steps", "2",
             "--warmup", "1", "--microbatches", "4", "--schedules", "1F1B", "interleaved1F1B",
             "--results", str(tmp_path)]  # fmt: skip
