@@ -217,19 +217,7 @@ class LoopState:
                     "samples, known only for rt.loader's batches. Pass the batch-mean loss "
                     "(a scalar), or iterate rt.loader(data)"
                 )
-        if micro is None and self.strategy.options.grad_accum_steps > 1:
-            raise ConfigurationError(
-                f"grad_accum_steps={self.strategy.options.grad_accum_steps} needs the batches of "
-                "rt.loader(...): it knows where each accumulation window ends. Iterate "
-                "rt.loader(data) (or create the Runtime with grad_accum_steps=1)"
-            )
-        if self._first_backward is not None:  # the loop's first: every rank's, alike
-            first, self._first_backward = self._first_backward, None
-            for set_up in self.modules.values():  # their forwards need not call it any more
-                set_up.stop_observing()
-            self.same_batches.settle(outside_loader=micro is None)
-            first()
-        self.ready()
+        self._start_backward(micro)
         owners = self._owners_of(loss, optimizer, items=count is not None)
         if owners:
             target = owners[0].strategy_optimizer
@@ -262,18 +250,7 @@ class LoopState:
         if pipeline is None:  # the forward, then the backward of its loss, as rt.backward's
             value, items = training_loss(loss_fn(model(inputs), target), source)
             return self.backward(value, optimizer=optimizer, count=items)
-        micro = self.micro
-        if micro is None and self.strategy.options.grad_accum_steps > 1:
-            raise ConfigurationError(
-                f"grad_accum_steps={self.strategy.options.grad_accum_steps} needs the batches of "
-                "rt.loader(...): it knows where each accumulation window ends. Iterate "
-                "rt.loader(data) (or create the Runtime with grad_accum_steps=1)"
-            )
-        if self._first_backward is not None:
-            first, self._first_backward = self._first_backward, None
-            self.same_batches.settle(outside_loader=micro is None)
-            first()
-        self.ready()
+        self._start_backward(self.micro)
         owners = [opt for opt, owner in self.owners.items() if owner is model]
         if optimizer is not None:
             owners = self._owners_of(torch.zeros(()), optimizer, items=False)
@@ -320,6 +297,24 @@ class LoopState:
                 stack.enter_context(set_up.unsynced())
             self.strategy.backward(loss if weight == 1.0 else loss * weight, optimizer)
         return returned
+
+    def _start_backward(self, micro: MicroBatch | None) -> None:
+        """What every backward of a user's loop starts with (:meth:`backward`'s and
+        :meth:`forward_backward`'s): accumulation needs rt.loader's batches; the loop's first
+        backward settles the first-batch check (every rank's, alike); pending set-ups run."""
+        if micro is None and self.strategy.options.grad_accum_steps > 1:
+            raise ConfigurationError(
+                f"grad_accum_steps={self.strategy.options.grad_accum_steps} needs the batches of "
+                "rt.loader(...): it knows where each accumulation window ends. Iterate "
+                "rt.loader(data) (or create the Runtime with grad_accum_steps=1)"
+            )
+        if self._first_backward is not None:  # the loop's first: every rank's, alike
+            first, self._first_backward = self._first_backward, None
+            for set_up in self.modules.values():  # their forwards need not call it any more
+                set_up.stop_observing()
+            self.same_batches.settle(outside_loader=micro is None)
+            first()
+        self.ready()
 
     def propagate_pipeline(
         self,

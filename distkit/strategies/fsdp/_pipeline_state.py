@@ -99,13 +99,20 @@ def bind_optimizer(
 
 
 # -------------------------------------------------------------------- gathering
-def _merge(part: Any, strategy: Any, keep_everywhere: bool) -> list[Any] | None:
-    """Every rank's ``part`` on rank 0 (or, ``keep_everywhere``, on every rank)."""
+def _merge(part: dict[Any, Any], strategy: Any, keep_everywhere: bool) -> dict[Any, Any] | None:
+    """Every rank's ``part`` (a dict) merged into one, on rank 0 (or, ``keep_everywhere``,
+    on every rank); None on the ranks that keep nothing."""
     if keep_everywhere:
-        return list(strategy.all_gather_object(part))
-    parts: list[Any] | None = [None] * strategy.world_size if strategy.is_main else None
-    dist.gather_object(part, parts, dst=0)
-    return parts
+        parts: list[Any] | None = list(strategy.all_gather_object(part))
+    else:
+        parts = [None] * strategy.world_size if strategy.is_main else None
+        dist.gather_object(part, parts, dst=0)
+    if parts is None:
+        return None
+    merged: dict[Any, Any] = {}
+    for each in parts:
+        merged.update(each)
+    return merged
 
 
 def full_model_state(
@@ -119,12 +126,9 @@ def full_model_state(
             full = _fsdp_state.gathered(value)  # among this stage's ranks, in key order
             if state.stage_root:
                 mine[key] = full
-    parts = _merge(mine, strategy, keep_everywhere=not rank0_only)
-    if parts is None:
+    merged = _merge(mine, strategy, keep_everywhere=not rank0_only)
+    if merged is None:
         return {}
-    merged: dict[str, Any] = {}
-    for part in parts:
-        merged.update(part)
     return {key: merged[key] for key in entries if key in merged}
 
 
@@ -138,12 +142,9 @@ def full_optimizer_state(
         if state.stage_root
         else {}
     )
-    parts = _merge(mine, strategy, keep_everywhere=not rank0_only)
-    if parts is None:
+    merged = _merge(mine, strategy, keep_everywhere=not rank0_only)
+    if merged is None:
         return {}
-    merged: dict[int, Any] = {}
-    for part in parts:
-        merged.update(part)
     return {"state": dict(sorted(merged.items())), "param_groups": _groups(optimizer, state)}
 
 
@@ -222,9 +223,7 @@ def save_sharded(
     }
     hashed = _shard_files.write(folder, tensors, strategy.all_gather_object, strategy.rank)
     stubs = {g: {k: _shard_files.meta_of(v) for k, v in e.items()} for g, e in by_global.items()}
-    merged: dict[int, Any] = {}
-    for part in strategy.all_gather_object(stubs if state.stage_root else {}):
-        merged.update(part)
+    merged = _merge(stubs if state.stage_root else {}, strategy, keep_everywhere=True) or {}
     return {
         _shard_files.DIGESTS: hashed,
         "model": {key: _shard_files.meta_of(value) for key, value in entries.items()},
