@@ -15,7 +15,11 @@ import torch
 from torch import nn
 
 import distkit
-from tests.support.exactness import DTYPE, TOL  # the runs compared train in float64
+from tests.support.exactness import (
+    DTYPE,
+    TOL,
+    assert_same_epochs,
+)  # the runs compared train in float64
 from tests.support.gates import needs
 from tests.support.workloads import make_dataset, make_stack, max_abs_diff
 
@@ -78,12 +82,6 @@ def fit(
     return out
 
 
-def _same_epochs(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> None:
-    for mine, theirs in zip(a, b, strict=True):
-        for key in ("train_loss", "val_loss"):
-            assert abs(mine[key] - theirs[key]) <= TOL, (key, mine[key], theirs[key])
-
-
 def test_pp2_equals_one_process(run_on_ranks):
     one = run_on_ranks(partial(fit, clip=0.05), "ddp", 4, world_size=1)[0]
     ranks = run_on_ranks(partial(fit, pipeline=2, clip=0.05), "fsdp", 4, world_size=2)
@@ -92,7 +90,7 @@ def test_pp2_equals_one_process(run_on_ranks):
         assert result["data"] == (0, 1)
         assert result["steps"] == one["steps"]
         assert max_abs_diff(result["state"], one["state"]) <= TOL
-        _same_epochs(result["history"], one["history"])
+        assert_same_epochs(result["history"], one["history"])
 
 
 @pytest.mark.parametrize(
@@ -110,7 +108,7 @@ def test_other_schedules_equal_one_process(run_on_ranks, schedule, split, microb
     for result in ranks:
         print(schedule, max_abs_diff(result["state"], one["state"]))
         assert max_abs_diff(result["state"], one["state"]) <= TOL
-        _same_epochs(result["history"], one["history"])
+        assert_same_epochs(result["history"], one["history"])
 
 
 @pytest.mark.parametrize(
@@ -125,7 +123,7 @@ def test_pp2_with_fsdp2_tp2_or_hsdp_on_4_ranks_equals_one_process(run_on_ranks, 
         print(tensor, max_abs_diff(result["state"], one["state"]))
         assert result["data"][1] == shares
         assert max_abs_diff(result["state"], one["state"]) <= TOL
-        _same_epochs(result["history"], one["history"])
+        assert_same_epochs(result["history"], one["history"])
 
 
 def _layout_fit(layout: str, batch: int, **settings: Any) -> dict[str, Any]:
@@ -549,7 +547,7 @@ def test_token_exact_losses_and_save_weights_under_pp2_equal_one_process(run_on_
         for result in ranks:
             print(name, max_abs_diff(result["state"], one["state"]))
             assert max_abs_diff(result["state"], one["state"]) <= TOL, name
-            _same_epochs(result["history"], one["history"])
+            assert_same_epochs(result["history"], one["history"])
         saved, reference = load_file(path), load_file(tmp_path / "one.safetensors")
         assert max_abs_diff(saved, reference) <= TOL, name
 

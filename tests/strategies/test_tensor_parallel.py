@@ -24,7 +24,11 @@ from torch.utils.data import IterableDataset
 
 import distkit
 from distkit.errors import ConfigurationError, UnsupportedFeatureError
-from tests.support.exactness import DTYPE, TOL  # the runs compared train in float64
+from tests.support.exactness import (
+    DTYPE,
+    TOL,
+    assert_same_epochs,
+)  # the runs compared train in float64
 from tests.support.gates import needs
 from tests.support.workloads import Block, make_dataset, make_stack, max_abs_diff
 
@@ -75,12 +79,6 @@ def fit(
     return out
 
 
-def _same_epochs(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> None:
-    for mine, theirs in zip(a, b, strict=True):
-        for key in ("train_loss", "val_loss"):
-            assert abs(mine[key] - theirs[key]) <= TOL, (key, mine[key], theirs[key])
-
-
 @pytest.mark.parametrize(
     ("replicate", "world", "mesh"),
     [(1, 2, ("tensor",)), (1, 4, ("shard", "tensor")), (2, 4, ("replicate", "shard", "tensor"))],
@@ -102,7 +100,7 @@ def test_tensor_parallel_equals_one_process_at_the_global_batch(
         # the colwise layer's 16 rows: split over 2 by TP, then over the shard dimension
         assert result["local"][0] == 16 // 2 // (shares // replicate)
         assert max_abs_diff(result["state"], one["state"]) <= TOL
-        _same_epochs(result["history"], one["history"])
+        assert_same_epochs(result["history"], one["history"])
     if mesh[0] == "tensor":
         assert ranks[0]["mesh"] == ("tensor",)
     else:  # FSDP over the data-parallel dimensions, TP inside: 2-D parameters
@@ -489,7 +487,7 @@ def test_a_stream_under_fsdp2_x_tp2_equals_one_process_and_a_rank_split_one_is_r
     one = run_on_ranks(partial(_stream_fit, 1), 8, world_size=1)[0]
     for result in run_on_ranks(partial(_stream_fit, 2), 4, world_size=4):
         assert max_abs_diff(result["state"], one["state"]) <= TOL
-        _same_epochs(result["history"], one["history"])
+        assert_same_epochs(result["history"], one["history"])
     for message in run_on_ranks(partial(_stream_fit, 2, shard_by="rank"), 4, world_size=4):
         assert "ranks [0, 1] form one tensor-parallel group" in message, message
         assert "ShardedStream must shard by the data-parallel rank" in message

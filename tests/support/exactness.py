@@ -21,9 +21,18 @@ against a hand loop) are compared bitwise, in any dtype: a tolerance there only 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 #: the dtype the exactness tests train their model and data in
 DTYPE = torch.float64
 #: float64: a million times the summation-order floor, a million times below a real bug
 TOL = 1e-9
+
+
+def assert_same_epochs(mine: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> None:
+    """Two fits' histories: the same epochs, each's training and validation loss within TOL."""
+    for a, b in zip(mine, theirs, strict=True):
+        for key in ("train_loss", "val_loss"):
+            assert abs(a[key] - b[key]) <= TOL, (key, a[key], b[key])
