@@ -110,3 +110,22 @@ def _signals_put_back():
         elif was is not None:  # None: a handler installed outside Python, not restorable
             signal.signal(getattr(signal, name), was)
     assert not changed, f"test left signal dispositions changed (before, after): {changed}"
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """moto's S3 server on loopback, one per test process (tests/support/s3_server.py)."""
+    from tests.support.s3_server import moto_server
+
+    with moto_server() as endpoint:
+        yield endpoint
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint, monkeypatch):
+    """A new, empty bucket's URL (``s3://...``) on :func:`s3_endpoint`, with this process's
+    environment (and its children's) pointing at that endpoint as their S3."""
+    from tests.support.s3_server import point_environment_at
+
+    point_environment_at(s3_endpoint, monkeypatch)
+    return s3_endpoint.new_bucket()

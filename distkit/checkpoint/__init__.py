@@ -31,7 +31,7 @@ import torch
 from distkit._atomic import TempFile, mtime_ns, write_text
 from distkit._version import __version__
 from distkit.checkpoint import _checkpoint_fields as _fields
-from distkit.checkpoint import _digest, _layout, _shard_files
+from distkit.checkpoint import _digest, _layout, _shard_files, _storage
 from distkit.errors import CheckpointError
 
 FORMAT = "distkit-checkpoint"
@@ -118,13 +118,22 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------------- files
-def atomic_save(payload: Mapping[str, Any], path: Path) -> None:
+def atomic_save(
+    payload: Mapping[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+) -> None:
     """Write ``payload`` to ``path`` so that a crash leaves either the old file or the new one.
 
     Temp file in the same folder, flushed and fsynced, renamed over the target, folder fsynced.
-    The file's mode follows the umask, as with ``torch.save``.
+    The file's mode follows the umask, as with ``torch.save``. A URL (``s3://...``): the
+    file is written and checked locally, then uploaded in one piece (see ``_storage``).
     """
-    path = Path(path)
+    if _storage.is_url(path):
+        _upload(payload, os.fspath(path), storage_options)
+        return
+    path = _storage.local_path(path)
     if path.is_dir():
         raise CheckpointError(
             f"{path} is a folder; a checkpoint is a file: pass a file path such as "
@@ -154,6 +163,19 @@ def _free_space(folder: Path) -> str:
     except OSError:
         return ""
     return f"; {free / 1e9:.2f} GB free there"
+
+
+def _upload(payload: Mapping[str, Any], url: str, options: Mapping[str, Any] | None) -> None:
+    remote = _storage.Remote(url, options)
+    if remote.isdir(url):
+        raise CheckpointError(
+            f"{url} is a folder; a checkpoint is a file: pass a path such as {url}/model.pt"
+        )
+    with _storage.staged(_storage.name_of(url)) as folder:
+        local = folder / _storage.name_of(url)
+        with _writing(local):
+            _save_new(TempFile(local), local, payload)
+        remote.put(local, url)
 
 
 def _save_new(tmp: TempFile, path: Path, payload: Mapping[str, Any]) -> None:
@@ -190,6 +212,7 @@ def load(
     map_location: torch.device | str = "cpu",
     *,
     verify: bool = True,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Read a distkit checkpoint onto ``map_location``, never running pickled code.
 
@@ -202,6 +225,8 @@ def load(
         map_location: where its tensors go.
         verify: check the digests (``False`` skips them: only for tools that read a file's
             bookkeeping and not its weights).
+        storage_options: for a URL ``path`` (``s3://...``), the fsspec filesystem's options
+            (credentials, endpoint); None: its standard configuration.
 
     Returns the file's entries (``"model"``, ``"optimizer"``, ... or the names ``rt.save``
     was given) and distkit's records (``"producer"``, ``"scaler"``, ...) in one mapping; see
@@ -212,7 +237,9 @@ def load(
             file that needs arbitrary pickled objects (refused for safety); not a distkit
             checkpoint; or a field a resume reads is damaged (the error names it).
     """
-    return _layout.flat(*load_entries(path, map_location, verify=verify))
+    return _layout.flat(
+        *load_entries(path, map_location, verify=verify, storage_options=storage_options)
+    )
 
 
 def load_entries(
@@ -220,11 +247,14 @@ def load_entries(
     map_location: torch.device | str = "cpu",
     *,
     verify: bool = True,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """:func:`load`'s reading, as ``(entries, records)``: the file's named entries, and
     distkit's records (the reserved ``"distkit"`` key's). A file of the first layout is read
     into this one."""
-    path = Path(path)
+    if _storage.is_url(path):
+        return _download(os.fspath(path), map_location, verify, storage_options)
+    path = _storage.local_path(path)
     _require_torch_file(path)
     verified = _verify_digest(path) if verify else False
     content = _read(path, map_location)
@@ -255,6 +285,35 @@ def load_entries(
             _verify_shards(path, payload)
     _fields.check(path, entries, payload)
     return entries, payload
+
+
+def _download(
+    url: str,
+    map_location: torch.device | str,
+    verify: bool,
+    options: Mapping[str, Any] | None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A checkpoint object read through a local copy, every check as for a local file (the
+    messages name the URL)."""
+    remote = _storage.Remote(url, options)
+    with _storage.staged(_storage.name_of(url)) as folder:
+        local = folder / _storage.name_of(url)
+        try:
+            remote.get(url, local)
+        except FileNotFoundError:
+            what = "a folder, not a checkpoint file" if remote.isdir(url) else "not there"
+            raise CheckpointError(f"no checkpoint at {url} ({what})") from None
+        try:
+            entries, records = load_entries(local, map_location, verify=verify)
+        except CheckpointError as exc:
+            raise CheckpointError(str(exc).replace(str(local), url)) from None
+    if _shard_files.is_sharded(records):
+        raise CheckpointError(
+            f"{url} is a sharded checkpoint, and distkit reads sharded checkpoints from local "
+            "or shared file systems only (not yet from object stores): copy the file and its "
+            "shards folder to a local path and resume from there"
+        )
+    return entries, records
 
 
 def _verify_digest(path: Path) -> bool:
@@ -373,10 +432,21 @@ _STEP_FILE = re.compile(r"step-(\d+)\.pt")
 _TEMP_FILE = re.compile(r"\.(step-\d+\.pt|latest|write-check)\.\w+\.tmp")
 
 
-def step_of(path: Path) -> int | None:
+def step_of(path: Path | str) -> int | None:
     """The step number in a ``step-XXXXXXXXX.pt`` file name (None for any other name)."""
-    match = _STEP_FILE.fullmatch(path.name)
+    name = path.name if isinstance(path, Path) else _storage.name_of(path)
+    match = _STEP_FILE.fullmatch(name)
     return int(match.group(1)) if match else None
+
+
+def where(path: str | os.PathLike[str]) -> Path | str:
+    """``path`` as a local Path, or a URL as it is (``s3://...``)."""
+    return os.fspath(path) if _storage.is_url(path) else _storage.local_path(path)
+
+
+def name_for(global_step: int) -> str:
+    """The file name of a checkpoint folder's checkpoint of ``global_step``."""
+    return f"{_PREFIX}{global_step:09d}.pt"
 
 
 class CheckpointFolder:
@@ -387,20 +457,33 @@ class CheckpointFolder:
         keep_last: how many checkpoints to keep (older ones are deleted after a save).
     """
 
+    #: fsspec options for a folder on a store (None: a local folder)
+    storage_options: Mapping[str, Any] | None = None
+
     def __init__(self, folder: str | os.PathLike[str], keep_last: int = 3) -> None:
-        self.folder = Path(folder)
+        self.folder = _storage.local_path(folder)
         self.keep_last = keep_last
 
-    def path_for(self, global_step: int) -> Path:
-        return self.folder / f"{_PREFIX}{global_step:09d}.pt"
+    @property
+    def where(self) -> str:
+        """The folder, as messages name it."""
+        return str(self.folder)
 
-    def save(self, payload: Mapping[str, Any], global_step: int) -> Path:
+    def written_ns(self, path: Path | str) -> int:
+        """When ``path`` (a checkpoint of this folder) was written, in ns (0: gone)."""
+        return mtime_ns(Path(path))
+
+    def path_for(self, global_step: int) -> Path | str:
+        """Where the checkpoint of ``global_step`` goes (a URL for a folder on a store)."""
+        return self.folder / name_for(global_step)
+
+    def save(self, payload: Mapping[str, Any], global_step: int) -> Path | str:
         """Write the checkpoint of ``global_step``, point ``latest`` at it, prune the folder.
 
         Temp files that killed saves (or failed ``latest`` writes) left behind are removed
         too, so the folder holds at most ``keep_last`` checkpoints' worth of data.
         """
-        path = self.path_for(global_step)
+        path = self.folder / name_for(global_step)
         with _writing(path):
             self.folder.mkdir(parents=True, exist_ok=True)
             tmp = TempFile(path)
@@ -412,7 +495,7 @@ class CheckpointFolder:
             write_text(path.name + "\n", self.folder / LATEST)
         # by write time, not by step number: files a previous run left with higher step
         # numbers are older than the one just written, and go first
-        others = sorted((p for p in self.checkpoints() if p != path), key=mtime_ns)
+        others = sorted((p for p in self._files() if p != path), key=mtime_ns)
         for old in others[: max(0, len(others) - (self.keep_last - 1))]:
             with contextlib.suppress(FileNotFoundError):
                 old.unlink()
@@ -442,14 +525,17 @@ class CheckpointFolder:
             "rank 0 can create and write: it writes every checkpoint"
         )
 
-    def checkpoints(self) -> list[Path]:
+    def checkpoints(self) -> list[Path | str]:
         """Complete checkpoint files, in step order (the highest step last)."""
+        return list(self._files())
+
+    def _files(self) -> list[Path]:
         if not self.folder.is_dir():
             return []
         found = [(step_of(p), p) for p in self.folder.glob(f"{_PREFIX}*.pt")]
         return [p for step, p in sorted((s, p) for s, p in found if s is not None)]
 
-    def latest(self) -> Path | None:
+    def latest(self) -> Path | str | None:
         """The checkpoint ``latest`` names, else the highest step, else ``None``.
 
         ``resume="auto"`` goes by step numbers (see ``distkit.trainer._resume``); this is for people
@@ -460,8 +546,21 @@ class CheckpointFolder:
             named = self.folder / pointer.read_text().strip()
             if named.is_file():
                 return named
-        found = self.checkpoints()
+        found = self._files()
         return found[-1] if found else None
+
+
+def checkpoint_folder(
+    folder: str | os.PathLike[str],
+    keep_last: int = 3,
+    storage_options: Mapping[str, Any] | None = None,
+) -> CheckpointFolder:
+    """The checkpoint folder at ``folder``: a local one, or one on a store for a URL."""
+    if _storage.is_url(folder):
+        from distkit.checkpoint._remote_folder import RemoteCheckpointFolder
+
+        return RemoteCheckpointFolder(os.fspath(folder), keep_last, storage_options)
+    return CheckpointFolder(folder, keep_last)
 
 
 def shards_named_by(path: Path) -> str | None:

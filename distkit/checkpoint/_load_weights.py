@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from distkit.checkpoint import _pending_weights
+from distkit.checkpoint import _pending_weights, _storage
 from distkit.checkpoint import _safetensors as st
 from distkit.errors import CheckpointError, ConfigurationError
 
@@ -43,7 +43,11 @@ class LoadedWeights(NamedTuple):
 
 
 def load_weights(
-    model: nn.Module, path: str | os.PathLike[str], *, strict: bool = True
+    model: nn.Module,
+    path: str | os.PathLike[str],
+    *,
+    strict: bool = True,
+    storage_options: dict[str, Any] | None = None,
 ) -> LoadedWeights:
     """Load safetensors weights into ``model`` (a plain ``nn.Module``, before ``rt.setup`` or
     ``fit``: fine-tuning then starts from them).
@@ -59,6 +63,9 @@ def load_weights(
         strict: refuse names the files lack or the model lacks. A tied alias
             (``lm_head.weight`` tied to the embedding) absent from the files is fine when its
             partner is loaded. Shapes must match either way.
+        storage_options: for a URL ``path`` (``s3://...``): the fsspec filesystem's options
+            (None: the store's standard configuration). A URL is copied to this machine
+            first, then read as a local path.
 
     Returns:
         :class:`LoadedWeights` (``loaded``, ``missing_keys``, ``unexpected_keys``,
@@ -80,6 +87,13 @@ def load_weights(
             f"folder), got {type(path).__name__} {path!r}"
         )
     st.safetensors_torch(FEATURE)  # the missing dependency first, whatever the path
+    if _storage.is_url(path):
+        local = _storage.download(os.fspath(path), storage_options)
+        try:
+            files = weight_files(local)
+        except CheckpointError as exc:
+            raise CheckpointError(str(exc).replace(str(local), os.fspath(path))) from None
+        return _load(model, files, local, strict)
     files = weight_files(Path(path))
     return _load(model, files, Path(path), strict)
 

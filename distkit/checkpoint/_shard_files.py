@@ -40,8 +40,21 @@ DEEPSPEED = "deepspeed_shards"
 _FOLDER = re.compile(r"(?P<file>.+)\.(?P<token>[0-9a-f]{12})\.shards")
 
 
-def folder_for(path: Path, token: str) -> Path:
-    """Where the shards of the checkpoint file ``path`` go (``token``: 12 hex digits)."""
+def folder_for(path: Path | str, token: str) -> Path:
+    """Where the shards of the checkpoint file ``path`` go (``token``: 12 hex digits).
+
+    Raises:
+        CheckpointError: ``path`` is a URL: shards are written to a file system every rank
+            can write (object stores: not yet).
+    """
+    if isinstance(path, str) and "://" in path:
+        raise CheckpointError(
+            f"a sharded checkpoint to {path}: distkit writes sharded checkpoints to a local "
+            "or shared file system only (not yet to object stores). Save full checkpoints "
+            "there (checkpoint='full', the default), or pass a checkpoint_dir on a shared "
+            "file system"
+        )
+    path = Path(path)
     return path.parent / f"{path.name}.{token}.shards"
 
 

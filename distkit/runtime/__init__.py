@@ -6,7 +6,8 @@ runtime promises is what this module exports, in two parts:
 
 - **The user's**: :class:`Runtime` (``distkit.Runtime``) and its settings
   (:class:`RuntimeOptions`), what it hands back
-  (:class:`SetUpModel`, :class:`SetUpOptimizer`, :class:`RuntimeLoader`),
+  (:class:`SetUpModel`, :class:`SetUpOptimizer`, :class:`RuntimeLoader`, and
+  :class:`PendingSave` for a save that persists in the background),
   :class:`Profiler`, :func:`init_empty` and :func:`read_predictions` (``distkit.X`` each).
 - **The Trainer's port**: what the Trainer's loop needs beyond ``Runtime``, each for the
   reason given in :data:`PORT`. The Trainer imports the runtime from here and nowhere else;
@@ -29,6 +30,7 @@ from distkit.runtime._agreement import (
     named_shapes,
     per_data_rank,
 )
+from distkit.runtime._background_save import PendingSave
 from distkit.runtime._call_tags import tagged_sum
 from distkit.runtime._checkpointing import ActivationCheckpointing
 from distkit.runtime._compile import Compiler, check_compile
@@ -101,6 +103,7 @@ __all__ = [
     "Compiler",
     "LossFn",
     "Metrics",
+    "PendingSave",
     "PredictFn",
     "ProfileRun",
     "Profiler",

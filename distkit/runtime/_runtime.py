@@ -33,6 +33,7 @@ from distkit.faults._preempt import Preemption
 from distkit.faults._progress import Progress
 from distkit.registry import make_strategy
 from distkit.runtime import _agreement, _weights
+from distkit.runtime._background_save import PendingSave
 from distkit.runtime._call_tags import tagged_sum
 from distkit.runtime._checkpointing import ActivationCheckpointing
 from distkit.runtime._determinism import Determinism, apply_determinism
@@ -109,6 +110,11 @@ class Runtime:
         deterministic: True or ``"warn"``: torch's deterministic algorithms, cuDNN and
             cuBLAS settings while this Runtime is open, put back as they were at
             :meth:`close`; False (default) leaves them as they are.
+        storage_options: for checkpoint and weights paths that are fsspec URLs (``s3://``,
+            ``gs://``): the filesystem's options (credentials, endpoint: ``{"key": ...,
+            "secret": ..., "endpoint_url": ...}`` for S3), passed to fsspec as they are.
+            None: the filesystem's standard configuration (for S3: the AWS environment and
+            config files, ``AWS_ENDPOINT_URL``). See ``docs/checkpoints.md``.
 
     The arguments mean what :class:`~distkit.Trainer`'s arguments of the same names mean;
     ``rt.options`` holds them as one frozen :class:`~distkit.RuntimeOptions`
@@ -132,12 +138,15 @@ class Runtime:
         requeue: bool = False,
         deterministic: bool | str = False,
         same_data_on_every_rank: bool = False,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         #: every setting above as one frozen, validated value
         self.options = RuntimeOptions(
             **{k: v for k, v in locals().items() if k not in ("self", "strategy")}
         )
         self._preemption: LoopPreemption | None = None
+        #: rt.save(..., blocking=False)'s save in flight (None: none)
+        self._pending_save: PendingSave | None = None
         before = apply_determinism(self.options.deterministic)  # before any CUDA work
         try:
             self.strategy = make_strategy(strategy)
@@ -202,6 +211,8 @@ class Runtime:
         guard, self._block_guard = self._block_guard, None
         self._preemption = None
         try:
+            if exc_type is None and not self.closed:
+                self.wait_for_save()  # every rank learns how a background save went
             if guard is not None:
                 guard.__exit__(exc_type, exc, tb)  # raises what replaces ``exc``, if anything
         finally:
@@ -319,6 +330,9 @@ class Runtime:
         Runtime of the process (or the process's end): the collector runs at another point
         on each rank, and a group destroyed on one rank only would split the job (see
         ``strategies/_group_lease``)."""
+        pending, self._pending_save = self._pending_save, None
+        if pending is not None:
+            pending.finish_here()  # a background save completes before the teardown
         with _group_lease.explicit_close():
             self._finalizer()
 
@@ -585,13 +599,23 @@ class Runtime:
         with self.strategy.no_sync(model.wrapped):
             yield
 
-    def save(self, path: str | os.PathLike[str], state: dict[str, Any]) -> None:
+    def save(
+        self, path: str | os.PathLike[str], state: dict[str, Any], *, blocking: bool = True
+    ) -> PendingSave | None:
         """Save what the loop holds to ``path``: ``{"model": model, "optimizer": optimizer,
         "loader": loader, "epoch": epoch}`` (set-up models and optimizers, loaders, plain
         values). A collective: call it on every rank (rank 0 writes, atomically; a sharded
         model is gathered). Called on some ranks only, it fails there instead of hanging.
         Save after ``optimizer.step()``: gradients mid-accumulation are not saved (a save
-        where ``rt.sync_gradients`` is False warns so)."""
+        where ``rt.sync_gradients`` is False warns so).
+
+        ``path`` may be an fsspec URL (``"s3://bucket/run/step-100.pt"``; see
+        ``storage_options``). ``blocking=False``: the state is staged (copied off the
+        training tensors) and rank 0 writes it in the background while the loop goes on;
+        returns a :class:`~distkit.runtime.PendingSave` (on every rank) whose ``wait()``
+        (a collective) blocks until the file is complete and raises where the write failed.
+        The next ``save``, ``load`` and the Runtime's close wait for it; the file appears
+        only once complete. Returns None when blocking."""
         self._require_open("save")
         if not self.loop.sync_gradients and self.is_main:
             warnings.warn(
@@ -604,12 +628,21 @@ class Runtime:
             )
         self.loop.ready()
         self.loop.check_items()
-        save_state(self, path, state)
+        pending = save_state(self, path, state, blocking=blocking)  # waits for the one before
+        self._pending_save = pending
+        return pending
+
+    def wait_for_save(self) -> float:
+        """Wait for the save :meth:`save` left persisting (``blocking=False``), if any: a
+        collective (every rank raises where it failed). Returns the seconds waited."""
+        pending, self._pending_save = self._pending_save, None
+        return 0.0 if pending is None else pending.wait()
 
     def load(self, path: str | os.PathLike[str], state: dict[str, Any]) -> dict[str, Any]:
         """Restore the objects of ``state`` in place from what :meth:`save` wrote (at any
         world size, on any backend); returns the file's plain values by name (``{"epoch":
-        2}``). Call it after :meth:`setup`, on every rank."""
+        2}``). Call it after :meth:`setup`, on every rank (a save still persisting is waited
+        for first)."""
         self._require_open("load")
         self.loop.ready()
         return load_state(self, path, state)
@@ -716,7 +749,7 @@ class Runtime:
         path: str | os.PathLike[str],
         *,
         max_shard_size: int | str = _weights.DEFAULT_MAX_SHARD_SIZE,
-    ) -> list[Path]:
+    ) -> list[Path | str]:
         """Save ``model``'s full weights as safetensors, keyed as the user's module keys its
         ``state_dict()``, from any strategy (see ``docs/weights.md``).
 
@@ -725,11 +758,18 @@ class Runtime:
         ``"2GB"``, ``"1GiB"``) with Hugging Face's ``model.safetensors.index.json``, and a
         ``transformers`` model's config files. Tied weights are saved once. A collective:
         call it on every rank; rank 0 writes (fsdp: one gathered shard at a time) and every
-        rank returns once the files are complete. Returns the paths written."""
+        rank returns once the files are complete. Returns the paths written. ``path`` may be
+        an fsspec URL (``"s3://bucket/model"``): written locally, then uploaded (the URLs
+        are returned)."""
         self._require_open("save_weights")
         self.loop.ready()
         written = _weights.save_weights(
-            self.strategy, model, path, max_shard_size=max_shard_size, what="rt.save_weights"
+            self.strategy,
+            model,
+            path,
+            max_shard_size=max_shard_size,
+            what="rt.save_weights",
+            options=self.options.storage_options,
         )
         return written.paths
 

@@ -59,6 +59,7 @@ class RuntimeOptions:
     requeue: bool = False
     deterministic: bool | str = False
     same_data_on_every_rank: bool = False
+    storage_options: dict[str, Any] | None = None
 
     # derived from the fields above, once, in __post_init__ (validated there)
     #: the policy ``activation_checkpointing`` asks for (None: off)
@@ -78,6 +79,7 @@ class RuntimeOptions:
             requeue=self.requeue,
             same_data_on_every_rank=self.same_data_on_every_rank,
         )
+        check_storage_options(self.storage_options)
         derive("checkpointing", checkpoint_policy(self.activation_checkpointing))
         check_deterministic(self.deterministic)
         derive("signals", _preempt.preempt_signals(self.preempt_signals or (), "runtime"))
@@ -117,3 +119,15 @@ class RuntimeOptions:
             if getattr(given, name) != getattr(defaults, name)
             and getattr(given, name) != getattr(self, name)
         ]
+
+
+def check_storage_options(value: object) -> None:
+    """``storage_options`` is None or a dict of fsspec options by name."""
+    if value is not None and not (
+        isinstance(value, dict) and all(isinstance(key, str) for key in value)
+    ):
+        raise ConfigurationError(
+            "storage_options must be a dict of the fsspec filesystem's options by name (for "
+            "S3: {'key': ..., 'secret': ..., 'endpoint_url': ...}) or None, got "
+            f"{type(value).__name__} {value!r}"
+        )

@@ -23,11 +23,13 @@ import torch
 from torch import nn
 
 from distkit import checkpoint as ckpt
-from distkit._validate import check_path
+from distkit._validate import check_flags, check_path
 from distkit.checkpoint import _layout, _shard_files
 from distkit.checkpoint._fits import model_misfits
+from distkit.checkpoint._storage import is_url
 from distkit.errors import CheckpointError, ConfigurationError
 from distkit.runtime import _agreement
+from distkit.runtime._background_save import PendingSave
 from distkit.runtime._loader import RuntimeLoader
 from distkit.runtime._rank_zero_write import write_on_rank_zero
 from distkit.runtime._set_up import SetUpModel, SetUpOptimizer
@@ -71,23 +73,32 @@ def _checked_state(state: object, call: str) -> Mapping[str, Any]:
     return state
 
 
-def save_state(runtime: Runtime, path: str | os.PathLike[str], state: object) -> None:
-    """Write ``state`` to ``path`` (atomically, by rank 0). A collective."""
+def save_state(
+    runtime: Runtime, path: str | os.PathLike[str], state: object, *, blocking: bool = True
+) -> PendingSave | None:
+    """Write ``state`` to ``path`` (atomically, by rank 0). A collective. ``blocking=False``:
+    staged, then persisted in the background; returns its handle."""
     state = _checked_state(state, "rt.save")
     strategy = runtime.strategy
+    options = runtime.options.storage_options
 
     def prepare() -> _agreement.Proposal[dict[str, str]]:
         check_path("path", path, "a file path (str or os.PathLike)")
-        if strategy.is_main and Path(path).is_dir():
+        check_flags(blocking=blocking)
+        if strategy.is_main and not is_url(path) and Path(path).is_dir():
             raise CheckpointError(
                 f"{path} is a folder; a checkpoint is a file: pass a path such as "
                 f"{Path(path) / 'model.pt'}"
             )
         kinds = {key: kind_of(value) for key, value in state.items()}
-        agreed = {"entries": ", ".join(f"{k}: {v}" for k, v in kinds.items())}
+        agreed = {
+            "entries": ", ".join(f"{k}: {v}" for k, v in kinds.items()),
+            "blocking": str(blocking),
+        }
         return _agreement.Proposal(agreed, kinds, shared={"rng": ckpt.rng_state()})
 
     kinds, ranks = _agreement.exchange(strategy, "rt.save", prepare)
+    runtime.wait_for_save()  # never two in flight (every rank is here: agreed)
     ranks = _agreement.per_data_rank(strategy, ranks)
     entries: dict[str, Any] = {}
     for key, value in state.items():  # every rank, in the same order: gathers are collectives
@@ -113,7 +124,11 @@ def save_state(runtime: Runtime, path: str | os.PathLike[str], state: object) ->
             "ranks": ranks,
         }
         payload = {**entries, ckpt.RECORDS: records}
-    write_on_rank_zero(strategy, payload, lambda ready: ckpt.atomic_save(ready, Path(path)))
+    write = lambda ready: ckpt.atomic_save(ready, path, storage_options=options)  # noqa: E731
+    if not blocking:
+        return PendingSave.start(strategy, payload, write, f"the checkpoint {path}")
+    write_on_rank_zero(strategy, payload, write)
+    return None
 
 
 def load_state(runtime: Runtime, path: str | os.PathLike[str], state: object) -> dict[str, Any]:
@@ -121,7 +136,12 @@ def load_state(runtime: Runtime, path: str | os.PathLike[str], state: object) ->
     (the plain ones, by name). Every rank reads the file; no collective."""
     state = _checked_state(state, "rt.load")
     strategy = runtime.strategy
-    entries, records = ckpt.load_entries(path, map_location=strategy.device)
+    if runtime._pending_save is not None:  # every rank holds it: no read of a file in flight
+        _agreement.exchange(strategy, "rt.load", lambda: _agreement.Proposal({}, None))
+        runtime.wait_for_save()
+    entries, records = ckpt.load_entries(
+        path, map_location=strategy.device, storage_options=runtime.options.storage_options
+    )
     if _layout.written_by_trainer(records):  # its model and optimizer, its plain entries
         if records.get(_shard_files.KEY) is not None:
             raise CheckpointError(

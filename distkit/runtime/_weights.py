@@ -16,11 +16,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from torch import nn
 
-from distkit.checkpoint import _pretrained
+from distkit.checkpoint import _pretrained, _storage
 from distkit.checkpoint import _safetensors as st
+from distkit.checkpoint._storage import is_url
 from distkit.errors import ConfigurationError
 from distkit.runtime import _agreement
 from distkit.runtime._rank_zero_write import share_outcome
@@ -35,15 +37,15 @@ DEFAULT_MAX_SHARD_SIZE = "5GB"
 class Written:
     """What a save wrote (the same on every rank, but ``peak_held``)."""
 
-    files: list[Path]  # the weight files, in shard order
-    index: Path | None  # a sharded folder's index
-    configs: list[Path]  # a transformers model's config files
+    files: list[Path | str]  # the weight files, in shard order (URLs on a store)
+    index: Path | str | None  # a sharded folder's index
+    configs: list[Path | str]  # a transformers model's config files
     total_size: int  # bytes of tensor data
     #: rank 0: the most tensor bytes it held at once (0 on the other ranks)
     peak_held: int
 
     @property
-    def paths(self) -> list[Path]:
+    def paths(self) -> list[Path | str]:
         """Every file written, the weights first."""
         return [*self.files, *([self.index] if self.index else []), *self.configs]
 
@@ -62,6 +64,7 @@ def save_weights(
     *,
     max_shard_size: object = DEFAULT_MAX_SHARD_SIZE,
     what: str = "rt.save_weights",
+    options: dict[str, Any] | None = None,
 ) -> Written:
     """``model``'s full weights into ``path`` (see the module docstring). A collective."""
 
@@ -91,8 +94,41 @@ def save_weights(
         details = {"model": lambda: _agreement.named_shapes(module)}
         return _agreement.Proposal(agreed, _Plan(module, target, max_bytes), details=details)
 
+    if isinstance(path, (str, os.PathLike)) and is_url(path):
+        url = str(os.fspath(path))
+        return _save_to_store(strategy, model, url, max_shard_size, what, options)
     plan, _ = _agreement.exchange(strategy, CALL, prepare)
     return _write(strategy, plan, what)
+
+
+def _save_to_store(
+    strategy: Strategy,
+    model: object,
+    url: str,
+    max_shard_size: object,
+    what: str,
+    options: dict[str, Any] | None,
+) -> Written:
+    """Weights to a URL: written to a local folder as to a local path (rank 0's), then
+    uploaded, the weights first; every rank learns how the upload went."""
+    with _storage.staged("weights") as folder:
+        local = folder / _storage.name_of(url)
+        written = save_weights(strategy, model, local, max_shard_size=max_shard_size, what=what)
+        failure = None
+        if strategy.is_main:
+            try:
+                _storage.upload_tree(local, url, options)
+            except Exception as exc:
+                failure = exc
+        share_outcome(strategy, failure, f"the weights to {url}")
+    moved = lambda path: _storage.join(url, path.name) if path != local else url  # noqa: E731
+    return Written(
+        files=[moved(p) for p in written.files],
+        index=None if written.index is None else moved(written.index),
+        configs=[moved(p) for p in written.configs],
+        total_size=written.total_size,
+        peak_held=written.peak_held,
+    )
 
 
 def _write(strategy: Strategy, plan: _Plan, what: str) -> Written:
@@ -125,9 +161,9 @@ def _write(strategy: Strategy, plan: _Plan, what: str) -> Written:
     share_outcome(strategy, failure, f"the weights to {plan.path}")
     folder = target.folder
     return Written(
-        files=target.files,
+        files=list(target.files),
         index=target.index_file,
-        configs=[] if folder is None else _pretrained.config_files(plan.module, folder),
+        configs=[] if folder is None else list(_pretrained.config_files(plan.module, folder)),
         total_size=sum(spec.nbytes for spec in specs),
         peak_held=peak_held,
     )

@@ -139,7 +139,7 @@ class LegacyStateIO(StateIO):
 
     @override
     def checkpoint_state(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, path: Path
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, path: Path | str
     ) -> dict[str, Any]:
         own = _own(self.strategy, "checkpoint_state")
         if own is None:

@@ -151,7 +151,7 @@ class StateIO:
         return entry.detach().cpu() if keep else None
 
     def checkpoint_state(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, path: Path
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, path: Path | str
     ) -> dict[str, Any]:
         """The ``model`` and ``optimizer`` entries of the checkpoint about to go to ``path``.
 

@@ -97,8 +97,15 @@ class Trainer:
             stop on an epoch's last step still ends that epoch (its validation, history
             record, ``on_epoch_end`` and checkpoint); with data left in the epoch it does
             not (a stream's end is not known in advance: a stream's epoch is left open).
-        checkpoint_dir: save checkpoints here (a folder every rank can read).
+        checkpoint_dir: save checkpoints here (a folder every rank can read), or on an object
+            store: an fsspec URL such as ``"s3://bucket/run1"`` (``pip install
+            'distkit[s3]'``, ``'distkit[gcs]'`` for ``gs://``; see ``docs/checkpoints.md``).
         checkpoint_every: ``"epoch"``, or a number of optimizer steps.
+        checkpoint_async: True: a checkpoint is staged (copied off the training tensors)
+            and training goes on while rank 0 persists it in the background; the next save,
+            and the fit's end, wait for it (the time waited is logged as
+            ``checkpoint_wait_s``). A checkpoint counts (``resume="auto"``, ``keep_last``)
+            only once it is complete. False (default): every rank waits for the write.
         keep_last: checkpoints to keep in ``checkpoint_dir``.
         resume: ``"auto"`` (latest checkpoint in ``checkpoint_dir`` if any), a path, or None.
         nonfinite: a NaN/inf loss ``"raise"``s (naming step and rank) or, with ``"skip"``, the
@@ -176,6 +183,9 @@ class Trainer:
             Each chosen rank writes a Chrome trace per cycle,
             ``<dir>/rank<r>/rank<r>.<step>.pt.trace.json`` (TensorBoard's profiler plugin reads
             them too). None (default): off, at no cost.
+        storage_options: for a ``checkpoint_dir``, ``resume`` or weights path that is an
+            fsspec URL: the filesystem's options (credentials, endpoint), as
+            :class:`~distkit.Runtime` takes them (None: the store's standard configuration).
 
     ``trainer.config`` holds every setting but the strategy, the callbacks and the loggers as
     one frozen, validated value (the Runtime's settings among them as one
@@ -227,6 +237,7 @@ class Trainer:
         max_steps: int | None = None,
         checkpoint_dir: str | os.PathLike[str] | None = None,
         checkpoint_every: int | str = "epoch",
+        checkpoint_async: bool = False,
         keep_last: int = 3,
         resume: str | os.PathLike[str] | None = None,
         nonfinite: str = "raise",
@@ -248,6 +259,7 @@ class Trainer:
         preempt_signals: Any = None,
         requeue: bool = False,
         profiler: bool | str | Profiler | None = None,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         #: every setting above but strategy, callbacks and loggers: one frozen, validated
         #: value (assigning ``trainer.max_epochs`` etc. replaces it, validated again)
@@ -259,7 +271,9 @@ class Trainer:
         self._stop = StopRequest()
         self._sink: LogSink | None = None  # the current fit's (None outside fit)
         self.checkpoints = (
-            None if checkpoint_dir is None else ckpt.CheckpointFolder(checkpoint_dir, keep_last)
+            None
+            if checkpoint_dir is None
+            else ckpt.checkpoint_folder(checkpoint_dir, keep_last, storage_options)
         )
         #: the strategy, started, and what lives as long as it does (models set up once, ...)
         self.runtime: Runtime
@@ -540,7 +554,10 @@ class Trainer:
         weights-only).
         """
         self._require_open("save_checkpoint")
-        _checkpoint_save.save_to(self.strategy, self._run, self.callbacks, path, extra)
+        options = self.config.runtime_options.storage_options
+        _checkpoint_save.save_to(
+            self.strategy, self._run, self.callbacks, path, extra, storage_options=options
+        )
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, Any]:
         """Load a checkpoint onto this rank's device; the next ``fit`` continues from it.
@@ -549,9 +566,9 @@ class Trainer:
         any. Returns ``{"producer", "progress", "extra"}`` from the file.
         """
         self._require_open("load_checkpoint")
-        found = _resume.LoadedCheckpoint.of(
-            path, ckpt.load(path, map_location=self.strategy.device)
-        )
+        options = self.config.runtime_options.storage_options
+        loaded = ckpt.load(path, map_location=self.strategy.device, storage_options=options)
+        found = _resume.LoadedCheckpoint.of(path, loaded)
         if self._run is not None:
             run = self._run
             _resume.check_fits(found, run.model, run.optimizer, io=self.strategy.state_io)
@@ -577,7 +594,7 @@ class Trainer:
         path: str | os.PathLike[str],
         *,
         max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-    ) -> list[Path]:
+    ) -> list[Path | str]:
         """Save the latest ``fit``'s model weights as safetensors (a ``.safetensors`` file, or
         a folder sharded at ``max_shard_size`` with a ``transformers`` model's configs), as
         :meth:`distkit.Runtime.save_weights` does. A collective: call it on every rank; rank
@@ -594,6 +611,7 @@ class Trainer:
             path,
             max_shard_size=max_shard_size,
             what="trainer.save_weights",
+            options=self.config.runtime_options.storage_options,
         )
         return written.paths
 

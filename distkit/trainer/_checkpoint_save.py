@@ -8,13 +8,16 @@ it went, so no rank goes on while rank 0 is still writing or after its write fai
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from distkit import checkpoint as ckpt
 from distkit._validate import check_path
+from distkit.checkpoint._storage import is_url
 from distkit.errors import ConfigurationError
-from distkit.runtime import Proposal, exchange, per_data_rank, write_on_rank_zero
+from distkit.runtime import PendingSave, Proposal, exchange, per_data_rank, write_on_rank_zero
 from distkit.strategies.base import Strategy
 from distkit.trainer import _resume
 from distkit.trainer._fit_state import Stateful
@@ -27,20 +30,60 @@ def save_to(
     callbacks: Stateful,
     path: str | os.PathLike[str],
     extra: dict[str, Any] | None,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> None:
     """``trainer.save_checkpoint(path, extra)``: the latest fit's ``run``, written atomically."""
     payload = _payload(strategy, run, callbacks, extra, path)
-    write = lambda ready: ckpt.atomic_save(ready, Path(path))  # noqa: E731
+    write = lambda ready: ckpt.atomic_save(  # noqa: E731
+        ready, path, storage_options=storage_options
+    )
     write_on_rank_zero(strategy, payload, write)
 
 
-def save_to_folder(
-    strategy: Strategy, run: LatestFit, callbacks: Stateful, folder: ckpt.CheckpointFolder
-) -> None:
-    """``run`` into ``checkpoint_dir`` as ``step-<global step>.pt`` (keeping the last K)."""
-    step = run.state.global_step
-    payload = _payload(strategy, run, callbacks, None, folder.path_for(step))
-    write_on_rank_zero(strategy, payload, lambda ready: folder.save(ready, step))
+class FolderSaves:
+    """A fit's saves into ``checkpoint_dir`` as ``step-<global step>.pt`` (keeping the last
+    K): written before training goes on, or (``background``) staged and persisted by a
+    thread on rank 0 while it does, each save waiting for the one before it."""
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        run: LatestFit,
+        callbacks: Stateful,
+        folder: ckpt.CheckpointFolder,
+        *,
+        background: bool = False,
+    ) -> None:
+        self.strategy, self.run, self.callbacks, self.folder = strategy, run, callbacks, folder
+        self.background = background
+        self.pending: PendingSave | None = None
+
+    def save(self) -> float:
+        """Save the run now (a collective); returns the seconds training was held up."""
+        started = time.perf_counter()
+        self.wait()  # never two in flight; a failed one raises here, on every rank
+        strategy, folder = self.strategy, self.folder
+        step = self.run.state.global_step
+        payload = _payload(strategy, self.run, self.callbacks, None, folder.path_for(step))
+        write = lambda ready: folder.save(ready, step)  # noqa: E731
+        if self.background:
+            what = f"the checkpoint of step {step} to {folder.path_for(step)}"
+            self.pending = PendingSave.start(strategy, payload, write, what)
+        else:
+            write_on_rank_zero(strategy, payload, write)
+        return time.perf_counter() - started
+
+    def wait(self) -> float:
+        """Wait for the save in flight, if any (a collective); the seconds waited."""
+        pending, self.pending = self.pending, None
+        return 0.0 if pending is None else pending.wait()
+
+    def finish_here(self) -> None:
+        """A failing fit: let rank 0's write end (no collective: see PendingSave)."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.finish_here()
 
 
 def _payload(
@@ -57,7 +100,7 @@ def _payload(
     assert run is not None  # prepare_save refused a missing run on every rank
     ranks = per_data_rank(strategy, ranks)  # one per data-parallel rank
     # every rank: gathering (or writing) a sharded model's state is a collective
-    states = strategy.state_io.checkpoint_state(run.model, run.optimizer, Path(path))
+    states = strategy.state_io.checkpoint_state(run.model, run.optimizer, ckpt.where(path))
     if not strategy.is_main:
         return None
     payload = _resume.build_payload(strategy, run, extra, ranks, states)
@@ -85,7 +128,7 @@ def prepare_save(
     states = callbacks.state_dict()  # checked on every rank, before the agreement
     if path is not None:
         check_path("path", path, "a file path (str or os.PathLike)")
-        if strategy.is_main and Path(path).is_dir():  # rank 0 writes
+        if strategy.is_main and not is_url(path) and Path(path).is_dir():  # rank 0 writes
             raise ckpt.CheckpointError(
                 f"{path} is a folder; a checkpoint is a file: pass a path such as "
                 f"{Path(path) / 'model.pt'}"

@@ -54,6 +54,7 @@ class TrainerConfig:
     max_steps: int | None = None
     checkpoint_dir: str | os.PathLike[str] | None = None
     checkpoint_every: int | str = "epoch"
+    checkpoint_async: bool = False
     keep_last: int = 3
     resume: str | os.PathLike[str] | None = None
     nonfinite: str = "raise"

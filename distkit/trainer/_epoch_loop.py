@@ -61,8 +61,9 @@ class EpochLoop:
     window: LogWindow
     #: evaluates the validation data: ``{"loss": ..., <metric>: ...}`` (None: no val_data)
     validate: Callable[[], dict[str, float]] | None
-    #: writes the run into ``checkpoint_dir`` (None: no ``checkpoint_dir``)
-    save: Callable[[], None] | None
+    #: writes the run into ``checkpoint_dir``, returning the seconds training was held up
+    #: (None: no ``checkpoint_dir``)
+    save: Callable[[], float] | None
     #: the fit's preempting signals and the ranks' agreement on where to stop (None: off)
     preempt: Preemption | None = None
     #: where a preemption stopped the run, once it did (None: it was not preempted)
@@ -235,8 +236,9 @@ class EpochLoop:
         self._check_losses()  # never a checkpoint of parameters trained on a NaN
         if self.save is not None:
             self.runtime.progress.phase = "checkpoint"
-            self.save()
+            blocked = self.save()
             self._saved_at = self.state.global_step
+            self.sink.log({"checkpoint_blocked_s": blocked}, self.state.global_step)
 
     def _report(self, record: dict[str, float]) -> None:
         """The epoch's line (and timing table) on rank 0, when ``progress`` is on."""

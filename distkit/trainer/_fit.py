@@ -80,7 +80,11 @@ def train(
     latest = LatestFit(model, optimizer, scheduler, state, samples_of(prepared.spec))
     keep(latest)
     sink.hyperparams(hyperparams(config, runtime, model, optimizer, samples_of(prepared.spec)))
-    save = _saver(strategy, latest, callbacks, checkpoints)
+    saves = None
+    if checkpoints is not None:
+        saves = _checkpoint_save.FolderSaves(
+            strategy, latest, callbacks, checkpoints, background=config.checkpoint_async
+        )
     before_step = _before_step(callbacks, owner, optimizer)
     profile = open_profile(config.profiling, strategy.rank, strategy.device, strategy.world_size)
     runs: list[EpochLoop] = []
@@ -100,14 +104,32 @@ def train(
             sink=sink,
             window=LogWindow(strategy, config.log_every_n_steps),
             validate=_validation(config, runtime, call),
-            save=save,
+            save=None if saves is None else saves.save,
             preempt=preempt,
         )
         runs.append(run)
         run.run()
 
-    _run(body, runtime, profile, lambda: RunSnapshot(model, optimizer, scheduler, state, callbacks))
+    snapshot = lambda: RunSnapshot(model, optimizer, scheduler, state, callbacks)  # noqa: E731
+    try:
+        _run(body, runtime, profile, snapshot)
+    except BaseException:
+        if saves is not None:
+            saves.finish_here()  # a checkpoint in flight completes, or leaves the one before
+        raise
+    if saves is not None:
+        _wait_for_last_save(saves, sink, state.global_step)
     return runs[-1]
+
+
+def _wait_for_last_save(saves: _checkpoint_save.FolderSaves, sink: LogSink, step: int) -> None:
+    """The fit's end: a checkpoint persisting in the background is complete before ``fit``
+    returns (every rank learns how it went); the time this waited is logged."""
+    if saves.pending is None:
+        return
+    waited = saves.wait()
+    sink.log({"checkpoint_wait_s": waited}, step)
+    sink.flush()
 
 
 def _run(
@@ -128,18 +150,6 @@ def _run(
                 elastic.run(body, snapshot())
     finally:
         runtime.loop.end_fit()
-
-
-def _saver(
-    strategy: Strategy,
-    latest: LatestFit,
-    callbacks: CallbackList,
-    folder: ckpt.CheckpointFolder | None,
-) -> Callable[[], None] | None:
-    """The fit's checkpoint save into ``folder`` (None: the fit saves none)."""
-    if folder is None:
-        return None
-    return lambda: _checkpoint_save.save_to_folder(strategy, latest, callbacks, folder)
 
 
 def _first_state(

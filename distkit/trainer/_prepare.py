@@ -144,7 +144,11 @@ def prepare_fit(
     if checkpoints is not None and strategy.is_main:
         checkpoints.check_writable()  # now, not after the first epoch trained
     found = pending or _resume.find_resume(
-        config.resume, checkpoints, strategy.device, announce=strategy.is_main
+        config.resume,
+        checkpoints,
+        strategy.device,
+        announce=strategy.is_main,
+        storage_options=config.runtime_options.storage_options,
     )
     if found is not None:
         epoch_samples = None if plan is None else plan.samples_per_epoch

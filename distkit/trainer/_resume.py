@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,8 +16,7 @@ from torch import nn
 
 from distkit import checkpoint as ckpt
 from distkit import registry
-from distkit._atomic import mtime_ns
-from distkit.checkpoint import _shard_files
+from distkit.checkpoint import _shard_files, _storage
 from distkit.checkpoint._fits import model_misfits
 from distkit.errors import ConfigurationError
 from distkit.strategies.base import Strategy
@@ -46,7 +46,9 @@ class LoadedCheckpoint:
     @classmethod
     def of(cls, path: str | os.PathLike[str], payload: dict[str, Any]) -> LoadedCheckpoint:
         step = payload.get("progress", {}).get("global_step")
-        return cls(f"{Path(path).name} (step {step})", payload)
+        where = os.fspath(path)
+        name = _storage.name_of(where) if _storage.is_url(where) else Path(where).name
+        return cls(f"{name} (step {step})", payload)
 
 
 def _version(package: str) -> str | None:
@@ -144,6 +146,7 @@ def find_resume(
     device: torch.device,
     *,
     announce: bool = True,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> LoadedCheckpoint | None:
     """The checkpoint to resume from: a path, the newest one in ``folder`` that loads and
     verifies ("auto"), or none.
@@ -156,21 +159,25 @@ def find_resume(
     """
     if resume is None:
         return None
+    options = storage_options
     if str(resume) != "auto":
-        return LoadedCheckpoint.of(resume, ckpt.load(resume, map_location=device))
+        loaded = ckpt.load(resume, map_location=device, storage_options=options)
+        return LoadedCheckpoint.of(resume, loaded)
     if folder is None:
         return None
     skipped: list[str] = []
+    options = folder.storage_options or options
     for path in reversed(folder.checkpoints()):
         try:
-            found = LoadedCheckpoint.of(path, ckpt.load(path, map_location=device))
+            loaded = ckpt.load(path, map_location=device, storage_options=options)
+            found = LoadedCheckpoint.of(path, loaded)
         except ckpt.CheckpointError as exc:  # fall back to the previous complete one
             skipped.append(str(exc))
             continue
         if announce and skipped:
             warnings.warn(
                 f"resume='auto': resuming from {found.label}, the newest checkpoint in "
-                f"{folder.folder} that loads and verifies; skipped {len(skipped)} newer "
+                f"{folder.where} that loads and verifies; skipped {len(skipped)} newer "
                 f"one(s): {'; '.join(skipped)}",
                 stacklevel=2,
             )
@@ -179,24 +186,29 @@ def find_resume(
         return found
     if skipped:
         raise ckpt.CheckpointError(
-            f"resume='auto' found {len(skipped)} checkpoint(s) in {folder.folder} and none "
+            f"resume='auto' found {len(skipped)} checkpoint(s) in {folder.where} and none "
             f"loads: {'; '.join(skipped)}. Move the folder aside to start afresh, or pass "
             "resume=<a file that loads>"
         )
     return None
 
 
-def _compare_with_pointer(folder: ckpt.CheckpointFolder, chosen: Path) -> None:
+def _compare_with_pointer(folder: ckpt.CheckpointFolder, chosen: Path | str) -> None:
     pointed = folder.latest()
-    if pointed is None or pointed == chosen:
+    if pointed is None or str(pointed) == str(chosen):
         return
-    if mtime_ns(pointed) > mtime_ns(chosen):  # written after the chosen one: another run's
+    # written after the chosen one: another run's
+    if folder.written_ns(pointed) > folder.written_ns(chosen):
         warnings.warn(
-            f"resuming from {chosen.name}, the highest step in {folder.folder}, although "
-            f"'latest' names {pointed.name}, written after it: the folder holds files of two "
+            f"resuming from {_name(chosen)}, the highest step in {folder.where}, although "
+            f"'latest' names {_name(pointed)}, written after it: the folder holds files of two "
             "runs. Give each run its own checkpoint_dir",
             stacklevel=3,
         )
+
+
+def _name(path: Path | str) -> str:
+    return path.name if isinstance(path, Path) else _storage.name_of(path)
 
 
 def check_fits(

@@ -129,6 +129,7 @@ def check_trainer_arguments(args: dict[str, Any]) -> None:
         "progress",
         "drop_last",
         "cudnn_benchmark",
+        "checkpoint_async",
     )
     check_flags(**{name: args[name] for name in flags})
     check_path("resume", args["resume"], "'auto', a checkpoint path, or None")
@@ -137,3 +138,9 @@ def check_trainer_arguments(args: dict[str, Any]) -> None:
     )
     if str(args["resume"]) == "auto" and args["checkpoint_dir"] is None:
         raise ConfigurationError("resume='auto' needs checkpoint_dir=... to look in")
+    if args["checkpoint_async"] and args["checkpoint_dir"] is None:
+        raise ConfigurationError(
+            "checkpoint_async=True persists the fit's checkpoints in the background, and this "
+            "trainer saves none: pass checkpoint_dir=... too (save_checkpoint(path) always "
+            "writes before it returns)"
+        )

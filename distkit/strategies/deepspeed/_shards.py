@@ -35,13 +35,13 @@ _OPTIMIZER_FILE = re.compile(r".*zero_pp_rank_(?P<rank>\d+)_.*")
 
 
 def save(
-    strategy: Any, engine: Any, model: nn.Module, path: Path, groups: list[dict[str, Any]]
+    strategy: Any, engine: Any, model: nn.Module, path: Path | str, groups: list[dict[str, Any]]
 ) -> dict[str, Any]:
     """Write this rank's partitions (a collective); returns the checkpoint's model, optimizer
     (its ``groups`` only, for the resume's checks), shards, digests and :data:`MARK` entries
     on rank 0, ``{}`` elsewhere."""
     where, token = strategy.broadcast((str(path), secrets.token_hex(6)), src=0)
-    folder = _shard_files.folder_for(Path(where), token)
+    folder = _shard_files.folder_for(ckpt.where(where), token)
     if strategy.is_main:
         _shard_files.sweep(folder.parent, keep=folder.name, named_by=ckpt.shards_named_by)
     engine.save_checkpoint(str(folder), tag=TAG, client_state={}, save_latest=False)

@@ -189,7 +189,7 @@ class DeepSpeedStateIO(StateIO):
 
     @override
     def checkpoint_state(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, path: Path
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, path: Path | str
     ) -> dict[str, Any]:
         record = self.strategy.engine_of_model(model)
         if self.strategy.checkpoint == "full" or record is None:

@@ -124,7 +124,7 @@ class FSDPStateIO(StateIO):
 
     @override
     def checkpoint_state(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, path: Path
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, path: Path | str
     ) -> dict[str, Any]:
         strategy = self.strategy
         if strategy.checkpoint == "full":
@@ -132,7 +132,7 @@ class FSDPStateIO(StateIO):
         # rank 0's path and a fresh name for this save, so that a checkpoint file being
         # replaced keeps its own shards until the new file is in place
         where, token = strategy.broadcast((str(path), secrets.token_hex(6)), src=0)
-        folder = _shard_files.folder_for(Path(where), token)
+        folder = _shard_files.folder_for(ckpt.where(where), token)
         if strategy.is_main:
             _shard_files.sweep(folder.parent, keep=folder.name, named_by=ckpt.shards_named_by)
         pipeline = self._pipeline()

@@ -1,0 +1,126 @@
+"""Saves that do not stop training: staged now, persisted by a thread on rank 0.
+
+A save is a collective as before (every rank's state is gathered into rank 0's payload);
+then, instead of writing, rank 0 *stages* the payload (every tensor copied off the training
+tensors: to pinned host memory from a GPU, so the copy is the only time training waits) and
+hands it to a writer thread, and every rank goes on. The write is the same atomic one as a
+blocking save's, so the checkpoint becomes visible (a rename locally, an upload's end on a
+store) only once it is complete and verified.
+
+Each rank holds a :class:`PendingSave` for the save in flight. :meth:`PendingSave.wait` is a
+collective: rank 0 waits for its writer, and every rank learns how the write went (a failed
+write raises on every rank, as a blocking save's does). The next save waits for the one
+before it, and so do a fit's end and a Runtime's close: never two saves in flight, and no
+read of a checkpoint that is still being written.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from distkit.runtime._rank_zero_write import share_outcome
+from distkit.strategies.base import Strategy
+
+
+def stage(value: Any) -> Any:
+    """``value`` with every tensor copied to host memory of its own (containers rebuilt):
+    what training does to its tensors next cannot reach the copy. Meta tensors (a sharded
+    checkpoint's names and shapes) are kept as they are."""
+    if isinstance(value, torch.Tensor):
+        if value.device.type == "meta":
+            return value
+        tensor = value.detach()
+        if tensor.device.type == "cuda":
+            staged = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            return staged.copy_(tensor, non_blocking=True)
+        return tensor.clone()
+    if isinstance(value, dict):
+        return {key: stage(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [stage(item) for item in value]
+    if isinstance(value, tuple):
+        return tuple(stage(item) for item in value)
+    return value
+
+
+class PendingSave:
+    """A save whose write may still be running (on rank 0; the other ranks hold a handle
+    for the same save). Returned by ``rt.save(..., blocking=False)``.
+
+    Call :meth:`wait` on every rank (it is a collective: every rank learns whether rank 0's
+    write succeeded); :meth:`done` says, on this rank, whether it has finished.
+    """
+
+    def __init__(self, strategy: Strategy, what: str, thread: threading.Thread | None) -> None:
+        self._strategy = strategy
+        self._what = what
+        self._thread = thread
+        self._failure: BaseException | None = None
+        self._settled = False
+        #: seconds the last :meth:`wait` blocked this rank (0.0 before one)
+        self.waited_s = 0.0
+
+    @classmethod
+    def start(
+        cls,
+        strategy: Strategy,
+        payload: dict[str, Any] | None,
+        write: Callable[[dict[str, Any]], object],
+        what: str,
+    ) -> PendingSave:
+        """Stage ``payload`` (rank 0's; None elsewhere) and write it on a thread."""
+        if payload is None:
+            return cls(strategy, what, None)
+        staged = stage(payload)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # the pinned copies are complete before training goes on
+        pending = cls(strategy, what, None)
+
+        def persist() -> None:
+            try:
+                write(staged)
+            except BaseException as exc:
+                pending._failure = exc
+
+        thread = threading.Thread(target=persist, name=f"distkit-save: {what}", daemon=True)
+        pending._thread = thread
+        thread.start()
+        return pending
+
+    def done(self) -> bool:
+        """Whether this rank's part is over (rank 0: its write finished, well or not)."""
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self) -> float:
+        """Block until the save is persisted; every rank raises where rank 0's write failed.
+        A collective: call it on every rank. Returns the seconds it blocked (0 when the write
+        had finished); a second call returns at once."""
+        if self._settled:
+            return 0.0
+        started = time.perf_counter()
+        if self._thread is not None:
+            self._thread.join()
+        self._settled = True
+        failure = self._failure
+        if failure is not None and not isinstance(failure, Exception):
+            raise failure  # KeyboardInterrupt and the like: as they were
+        share_outcome(self._strategy, failure, self._what)
+        self.waited_s = time.perf_counter() - started
+        return self.waited_s
+
+    def finish_here(self) -> None:
+        """Let rank 0's write finish, without telling the other ranks (no collective): for a
+        run that is failing or being torn down, where a collective could hang. A write that
+        completes leaves a committed checkpoint; one that fails leaves the previous one."""
+        if self._thread is not None:
+            self._thread.join()
+        self._settled = True
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "persisting"
+        return f"PendingSave({self._what!r}, {state})"
