@@ -106,6 +106,18 @@ def test_pipeline_times_each_schedule_beside_the_hand_written_one(tmp_path: Path
     assert "| 1F1B | 1 | 4 |" in proc.stdout
 
 
+def test_checkpoints_times_blocking_and_background_saves_locally_and_on_s3(tmp_path: Path) -> None:
+    pytest.importorskip("moto.server", reason="moto[server] is in the test extra")
+    proc = run_script(str(BENCH / "checkpoints.py"), "--sizes", "25", "--ranks", "1",
+                      "--saves", "1", "--results", str(tmp_path))  # fmt: skip
+    rows = json.loads((tmp_path / "checkpoints.json").read_text())["rows"]
+    assert [(row["store"], row["size_mb"]) for row in rows] == [("local", 25), ("s3", 25)]
+    for row in rows:
+        assert 0 < row["async_blocked_s"] <= row["async_persist_s"]
+        assert row["ratio"] == pytest.approx(row["async_blocked_s"] / row["sync_blocked_s"])
+    assert "| 25 MB | 1 | s3 |" in proc.stdout
+
+
 @needs("deepspeed")
 def test_memory_zero3_shards_the_state_and_counts_its_fp32_copy(tmp_path: Path) -> None:
     results, _ = memory_table(

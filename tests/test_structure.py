@@ -47,8 +47,9 @@ PRIVATE_IMPORTS: dict[tuple[str, str], tuple[str, set[str]]] = {
         {"_env"},
     ),
     ("distkit.runtime", "distkit.checkpoint"): (
-        "the Runtime writes and reads the checkpoint format's files, shards and weights",
-        {"_fits", "_layout", "_pretrained", "_safetensors", "_shard_files"},
+        "the Runtime writes and reads the checkpoint format's files, shards and weights, "
+        "locally and on object stores (weights to a URL are staged, then uploaded)",
+        {"_fits", "_layout", "_pretrained", "_safetensors", "_shard_files", "_storage"},
     ),
     ("distkit.runtime", "distkit.data"): (
         "rt.loader builds the sharded sampler, the batch plan and the stream feeds",

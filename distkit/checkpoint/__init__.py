@@ -14,24 +14,28 @@ tensors in a folder beside the file, and only their names, shapes and dtypes in 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pickle
 import random
-import re
-import shutil
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import IO, Any, BinaryIO, cast
+from typing import Any
 
 import numpy as np
 import torch
 
-from distkit._atomic import TempFile, mtime_ns, write_text
 from distkit._version import __version__
 from distkit.checkpoint import _checkpoint_fields as _fields
 from distkit.checkpoint import _digest, _layout, _shard_files, _storage
+from distkit.checkpoint._folder import LATEST as LATEST
+from distkit.checkpoint._folder import CheckpointFolder as CheckpointFolder
+from distkit.checkpoint._folder import name_for as name_for
+from distkit.checkpoint._folder import step_of as step_of
+from distkit.checkpoint._remote_folder import RemoteCheckpointFolder
+from distkit.checkpoint._storage import is_url as is_url
+from distkit.checkpoint._writes import atomic_save as atomic_save
+from distkit.checkpoint._writes import require_weights_only as require_weights_only
 from distkit.errors import CheckpointError
 
 FORMAT = "distkit-checkpoint"
@@ -40,10 +44,8 @@ FORMAT = "distkit-checkpoint"
 VERSION = 2
 #: the reserved top-level key of a checkpoint's records
 RECORDS = _layout.RECORDS
-LATEST = "latest"
 #: the record saying the file carries a digest (so one that lost it is refused)
 INTEGRITY = _layout.INTEGRITY
-_PREFIX = "step-"
 
 
 def producer(strategy: str, precision: str, world_size: int, **more: str | None) -> dict[str, Any]:
@@ -118,95 +120,6 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------------- files
-def atomic_save(
-    payload: Mapping[str, Any],
-    path: str | os.PathLike[str],
-    *,
-    storage_options: Mapping[str, Any] | None = None,
-) -> None:
-    """Write ``payload`` to ``path`` so that a crash leaves either the old file or the new one.
-
-    Temp file in the same folder, flushed and fsynced, renamed over the target, folder fsynced.
-    The file's mode follows the umask, as with ``torch.save``. A URL (``s3://...``): the
-    file is written and checked locally, then uploaded in one piece (see ``_storage``).
-    """
-    if _storage.is_url(path):
-        _upload(payload, os.fspath(path), storage_options)
-        return
-    path = _storage.local_path(path)
-    if path.is_dir():
-        raise CheckpointError(
-            f"{path} is a folder; a checkpoint is a file: pass a file path such as "
-            f"{path / 'model.pt'}"
-        )
-    with _writing(path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _save_new(TempFile(path), path, payload)
-
-
-@contextlib.contextmanager
-def _writing(path: Path) -> Iterator[None]:
-    """OS errors of a write as a CheckpointError that names the file (nothing was replaced)."""
-    try:
-        yield
-    except OSError as exc:
-        raise CheckpointError(
-            f"cannot write the checkpoint {path} ({type(exc).__name__}: {exc.strerror or exc}"
-            f"{_free_space(path.parent)}); the previous file, if any, is unchanged. Check that "
-            "the folder is writable and the disk has room"
-        ) from exc
-
-
-def _free_space(folder: Path) -> str:
-    try:
-        free = shutil.disk_usage(folder).free
-    except OSError:
-        return ""
-    return f"; {free / 1e9:.2f} GB free there"
-
-
-def _upload(payload: Mapping[str, Any], url: str, options: Mapping[str, Any] | None) -> None:
-    remote = _storage.Remote(url, options)
-    if remote.isdir(url):
-        raise CheckpointError(
-            f"{url} is a folder; a checkpoint is a file: pass a path such as {url}/model.pt"
-        )
-    with _storage.staged(_storage.name_of(url)) as folder:
-        local = folder / _storage.name_of(url)
-        with _writing(local):
-            _save_new(TempFile(local), local, payload)
-        remote.put(local, url)
-
-
-def _save_new(tmp: TempFile, path: Path, payload: Mapping[str, Any]) -> None:
-    def write(handle: BinaryIO) -> None:
-        writer = _digest.HashingWriter(handle)
-        try:
-            # a raw binary stream: torch.save writes to it as to a file (typeshed: no IO[bytes])
-            content = _layout.stored(payload)
-            content[RECORDS] = {**content[RECORDS], INTEGRITY: _digest.ALGORITHM}
-            torch.save(content, cast(IO[bytes], writer))
-        except RuntimeError:
-            if writer.failure is not None:  # a full disk: torch says "unexpected pos"
-                raise writer.failure from None
-            raise
-        writer.seal()
-
-    tmp.publish(path, write, _require_weights_only)
-
-
-def _require_weights_only(path: Path) -> None:
-    """Refuse to publish a file that ``load`` would refuse (checked before the rename)."""
-    try:
-        torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        raise CheckpointError(
-            "the checkpoint holds an object that cannot be loaded weights-only (only tensors, "
-            "numbers, strings, lists and dicts can): store plain values in extra=... (e.g. "
-            f"obj.state_dict()). Nothing was written. torch: {str(exc).splitlines()[0]}"
-        ) from None
-
-
 def load(
     path: str | os.PathLike[str],
     map_location: torch.device | str = "cpu",
@@ -427,127 +340,9 @@ def _require_torch_file(path: Path) -> None:
         )
 
 
-_STEP_FILE = re.compile(r"step-(\d+)\.pt")
-# temp files of distkit._atomic.TempFile (and of tempfile.mkstemp, which earlier versions used)
-_TEMP_FILE = re.compile(r"\.(step-\d+\.pt|latest|write-check)\.\w+\.tmp")
-
-
-def step_of(path: Path | str) -> int | None:
-    """The step number in a ``step-XXXXXXXXX.pt`` file name (None for any other name)."""
-    name = path.name if isinstance(path, Path) else _storage.name_of(path)
-    match = _STEP_FILE.fullmatch(name)
-    return int(match.group(1)) if match else None
-
-
 def where(path: str | os.PathLike[str]) -> Path | str:
     """``path`` as a local Path, or a URL as it is (``s3://...``)."""
     return os.fspath(path) if _storage.is_url(path) else _storage.local_path(path)
-
-
-def name_for(global_step: int) -> str:
-    """The file name of a checkpoint folder's checkpoint of ``global_step``."""
-    return f"{_PREFIX}{global_step:09d}.pt"
-
-
-class CheckpointFolder:
-    """A folder of ``step-XXXXXXXXX.pt`` files with a ``latest`` pointer; keeps the last K.
-
-    Args:
-        folder: where checkpoints go (every rank must see it when resuming).
-        keep_last: how many checkpoints to keep (older ones are deleted after a save).
-    """
-
-    #: fsspec options for a folder on a store (None: a local folder)
-    storage_options: Mapping[str, Any] | None = None
-
-    def __init__(self, folder: str | os.PathLike[str], keep_last: int = 3) -> None:
-        self.folder = _storage.local_path(folder)
-        self.keep_last = keep_last
-
-    @property
-    def where(self) -> str:
-        """The folder, as messages name it."""
-        return str(self.folder)
-
-    def written_ns(self, path: Path | str) -> int:
-        """When ``path`` (a checkpoint of this folder) was written, in ns (0: gone)."""
-        return mtime_ns(Path(path))
-
-    def path_for(self, global_step: int) -> Path | str:
-        """Where the checkpoint of ``global_step`` goes (a URL for a folder on a store)."""
-        return self.folder / name_for(global_step)
-
-    def save(self, payload: Mapping[str, Any], global_step: int) -> Path | str:
-        """Write the checkpoint of ``global_step``, point ``latest`` at it, prune the folder.
-
-        Temp files that killed saves (or failed ``latest`` writes) left behind are removed
-        too, so the folder holds at most ``keep_last`` checkpoints' worth of data.
-        """
-        path = self.folder / name_for(global_step)
-        with _writing(path):
-            self.folder.mkdir(parents=True, exist_ok=True)
-            tmp = TempFile(path)
-            # only rank 0 writes here, one save at a time: a temp file older than this one is
-            # left by a writer that is gone (removed first, in case the disk is full)
-            self._remove_temp_files(older_than_ns=tmp.started_ns)
-            _save_new(tmp, path, payload)
-        with _writing(self.folder / LATEST):
-            write_text(path.name + "\n", self.folder / LATEST)
-        # by write time, not by step number: files a previous run left with higher step
-        # numbers are older than the one just written, and go first
-        others = sorted((p for p in self._files() if p != path), key=mtime_ns)
-        for old in others[: max(0, len(others) - (self.keep_last - 1))]:
-            with contextlib.suppress(FileNotFoundError):
-                old.unlink()
-        return path
-
-    def _remove_temp_files(self, older_than_ns: int) -> None:
-        for entry in self.folder.iterdir():
-            if _TEMP_FILE.fullmatch(entry.name) and mtime_ns(entry) < older_than_ns:
-                with contextlib.suppress(FileNotFoundError, IsADirectoryError):
-                    entry.unlink()
-
-    def check_writable(self) -> None:
-        """Raise :class:`CheckpointError` now if this process cannot write checkpoints here."""
-        if self.folder.exists() and not self.folder.is_dir():
-            reason = "it is a file, not a folder"
-        else:
-            try:
-                self.folder.mkdir(parents=True, exist_ok=True)
-                probe = TempFile(self.folder / ".write-check")
-                os.close(probe.fd)
-                os.unlink(probe.path)
-                return
-            except OSError as exc:
-                reason = f"{type(exc).__name__}: {exc.strerror or exc}"
-        raise CheckpointError(
-            f"cannot write checkpoints to {self.folder} ({reason}). Pass a checkpoint_dir that "
-            "rank 0 can create and write: it writes every checkpoint"
-        )
-
-    def checkpoints(self) -> list[Path | str]:
-        """Complete checkpoint files, in step order (the highest step last)."""
-        return list(self._files())
-
-    def _files(self) -> list[Path]:
-        if not self.folder.is_dir():
-            return []
-        found = [(step_of(p), p) for p in self.folder.glob(f"{_PREFIX}*.pt")]
-        return [p for step, p in sorted((s, p) for s, p in found if s is not None)]
-
-    def latest(self) -> Path | str | None:
-        """The checkpoint ``latest`` names, else the highest step, else ``None``.
-
-        ``resume="auto"`` goes by step numbers (see ``distkit.trainer._resume``); this is for people
-        and tools that follow the pointer.
-        """
-        pointer = self.folder / LATEST
-        if pointer.is_file():
-            named = self.folder / pointer.read_text().strip()
-            if named.is_file():
-                return named
-        found = self._files()
-        return found[-1] if found else None
 
 
 def checkpoint_folder(
@@ -557,8 +352,6 @@ def checkpoint_folder(
 ) -> CheckpointFolder:
     """The checkpoint folder at ``folder``: a local one, or one on a store for a URL."""
     if _storage.is_url(folder):
-        from distkit.checkpoint._remote_folder import RemoteCheckpointFolder
-
         return RemoteCheckpointFolder(os.fspath(folder), keep_last, storage_options)
     return CheckpointFolder(folder, keep_last)
 

@@ -17,12 +17,12 @@ from typing import Any
 
 from typing_extensions import override
 
-from distkit import checkpoint as ckpt
-from distkit.checkpoint import _storage
+from distkit.checkpoint import _storage, _writes
+from distkit.checkpoint._folder import LATEST, CheckpointFolder, name_for, step_of
 from distkit.errors import CheckpointError
 
 
-class RemoteCheckpointFolder(ckpt.CheckpointFolder):
+class RemoteCheckpointFolder(CheckpointFolder):
     """A checkpoint folder at the URL ``url``; ``storage_options`` go to fsspec."""
 
     def __init__(
@@ -47,16 +47,16 @@ class RemoteCheckpointFolder(ckpt.CheckpointFolder):
 
     @override
     def path_for(self, global_step: int) -> str:
-        return _storage.join(self.url, ckpt.name_for(global_step))
+        return _storage.join(self.url, name_for(global_step))
 
     @override
     def save(self, payload: Mapping[str, Any], global_step: int) -> str:
         url = self.path_for(global_step)
-        ckpt.atomic_save(payload, url, storage_options=self.storage_options)
-        self.remote.write_text(_storage.join(self.url, ckpt.LATEST), _storage.name_of(url) + "\n")
+        _writes.atomic_save(payload, url, storage_options=self.storage_options)
+        self.remote.write_text(_storage.join(self.url, LATEST), _storage.name_of(url) + "\n")
         others = sorted(
             (entry for entry in self._entries() if entry.name != _storage.name_of(url)),
-            key=lambda entry: (entry.modified_ns, ckpt.step_of(entry.name) or 0),
+            key=lambda entry: (entry.modified_ns, step_of(entry.name) or 0),
         )
         for old in others[: max(0, len(others) - (self.keep_last - 1))]:
             self.remote.remove(_storage.join(self.url, old.name))
@@ -77,12 +77,12 @@ class RemoteCheckpointFolder(ckpt.CheckpointFolder):
 
     @override
     def checkpoints(self) -> list[Path | str]:
-        found = sorted((ckpt.step_of(entry.name), entry.name) for entry in self._entries())
+        found = sorted((step_of(entry.name), entry.name) for entry in self._entries())
         return [_storage.join(self.url, name) for _, name in found]
 
     @override
     def latest(self) -> str | None:
-        named = self.remote.read_text(_storage.join(self.url, ckpt.LATEST))
+        named = self.remote.read_text(_storage.join(self.url, LATEST))
         listed = {entry.name for entry in self._entries()}
         if named is not None and named.strip() in listed:
             return _storage.join(self.url, named.strip())
@@ -98,5 +98,5 @@ class RemoteCheckpointFolder(ckpt.CheckpointFolder):
         return [
             entry
             for entry in self.remote.listing(self.url)
-            if not entry.is_dir and ckpt.step_of(entry.name) is not None
+            if not entry.is_dir and step_of(entry.name) is not None
         ]

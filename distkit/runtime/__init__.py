@@ -81,6 +81,7 @@ PORT: dict[str, str] = {
     "open_profile": "fit opens the profiler over its steps",
     "profiler_settings": "Trainer(profiler=...) is checked at construction",
     "write_on_rank_zero": "the Trainer's checkpoints are written as rt.save writes",
+    "PendingSave": "checkpoint_async's saves persist as rt.save(blocking=False)'s do",
     "seed_generators": "a fit that starts afresh seeds every generator",
     "SetUpModel": "fit trains the model rt.setup would return",
     "SetUpOptimizer": "fit steps the optimizer rt.setup would return",

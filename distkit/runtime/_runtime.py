@@ -212,7 +212,7 @@ class Runtime:
         self._preemption = None
         try:
             if exc_type is None and not self.closed:
-                self.wait_for_save()  # every rank learns how a background save went
+                self._wait_for_save()  # every rank learns how a background save went
             if guard is not None:
                 guard.__exit__(exc_type, exc, tb)  # raises what replaces ``exc``, if anything
         finally:
@@ -632,7 +632,7 @@ class Runtime:
         self._pending_save = pending
         return pending
 
-    def wait_for_save(self) -> float:
+    def _wait_for_save(self) -> float:
         """Wait for the save :meth:`save` left persisting (``blocking=False``), if any: a
         collective (every rank raises where it failed). Returns the seconds waited."""
         pending, self._pending_save = self._pending_save, None

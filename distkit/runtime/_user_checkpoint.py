@@ -26,7 +26,6 @@ from distkit import checkpoint as ckpt
 from distkit._validate import check_flags, check_path
 from distkit.checkpoint import _layout, _shard_files
 from distkit.checkpoint._fits import model_misfits
-from distkit.checkpoint._storage import is_url
 from distkit.errors import CheckpointError, ConfigurationError
 from distkit.runtime import _agreement
 from distkit.runtime._background_save import PendingSave
@@ -85,7 +84,7 @@ def save_state(
     def prepare() -> _agreement.Proposal[dict[str, str]]:
         check_path("path", path, "a file path (str or os.PathLike)")
         check_flags(blocking=blocking)
-        if strategy.is_main and not is_url(path) and Path(path).is_dir():
+        if strategy.is_main and not ckpt.is_url(path) and Path(path).is_dir():
             raise CheckpointError(
                 f"{path} is a folder; a checkpoint is a file: pass a path such as "
                 f"{Path(path) / 'model.pt'}"
@@ -98,7 +97,7 @@ def save_state(
         return _agreement.Proposal(agreed, kinds, shared={"rng": ckpt.rng_state()})
 
     kinds, ranks = _agreement.exchange(strategy, "rt.save", prepare)
-    runtime.wait_for_save()  # never two in flight (every rank is here: agreed)
+    runtime._wait_for_save()  # never two in flight (every rank is here: agreed)
     ranks = _agreement.per_data_rank(strategy, ranks)
     entries: dict[str, Any] = {}
     for key, value in state.items():  # every rank, in the same order: gathers are collectives
@@ -138,7 +137,7 @@ def load_state(runtime: Runtime, path: str | os.PathLike[str], state: object) ->
     strategy = runtime.strategy
     if runtime._pending_save is not None:  # every rank holds it: no read of a file in flight
         _agreement.exchange(strategy, "rt.load", lambda: _agreement.Proposal({}, None))
-        runtime.wait_for_save()
+        runtime._wait_for_save()
     entries, records = ckpt.load_entries(
         path, map_location=strategy.device, storage_options=runtime.options.storage_options
     )

@@ -22,7 +22,6 @@ from torch import nn
 
 from distkit.checkpoint import _pretrained, _storage
 from distkit.checkpoint import _safetensors as st
-from distkit.checkpoint._storage import is_url
 from distkit.errors import ConfigurationError
 from distkit.runtime import _agreement
 from distkit.runtime._rank_zero_write import share_outcome
@@ -94,7 +93,7 @@ def save_weights(
         details = {"model": lambda: _agreement.named_shapes(module)}
         return _agreement.Proposal(agreed, _Plan(module, target, max_bytes), details=details)
 
-    if isinstance(path, (str, os.PathLike)) and is_url(path):
+    if isinstance(path, (str, os.PathLike)) and _storage.is_url(path):
         url = str(os.fspath(path))
         return _save_to_store(strategy, model, url, max_shard_size, what, options)
     plan, _ = _agreement.exchange(strategy, CALL, prepare)

@@ -71,6 +71,13 @@ class FitResult:
 _NOT_SETTINGS = frozenset({"self", "strategy", "callbacks", "loggers", "runtime"})
 
 
+def _folder_of(
+    folder: str | os.PathLike[str] | None, keep_last: int, options: dict[str, Any] | None
+) -> ckpt.CheckpointFolder | None:
+    """``checkpoint_dir``'s folder (a local one, or on a store for a URL; None: none)."""
+    return None if folder is None else ckpt.checkpoint_folder(folder, keep_last, options)
+
+
 class Trainer:
     """Train and evaluate a model with any data-parallel strategy.
 
@@ -270,11 +277,7 @@ class Trainer:
         self.loggers = checked_loggers(loggers)  # rank 0 writes
         self._stop = StopRequest()
         self._sink: LogSink | None = None  # the current fit's (None outside fit)
-        self.checkpoints = (
-            None
-            if checkpoint_dir is None
-            else ckpt.checkpoint_folder(checkpoint_dir, keep_last, storage_options)
-        )
+        self.checkpoints = _folder_of(checkpoint_dir, keep_last, storage_options)
         #: the strategy, started, and what lives as long as it does (models set up once, ...)
         self.runtime: Runtime
         self._owns_runtime = runtime is None

@@ -15,12 +15,13 @@ from typing import Any
 
 from distkit import checkpoint as ckpt
 from distkit._validate import check_path
-from distkit.checkpoint._storage import is_url
 from distkit.errors import ConfigurationError
 from distkit.runtime import PendingSave, Proposal, exchange, per_data_rank, write_on_rank_zero
 from distkit.strategies.base import Strategy
 from distkit.trainer import _resume
+from distkit.trainer._config import TrainerConfig
 from distkit.trainer._fit_state import Stateful
+from distkit.trainer._logging import LogSink
 from distkit.trainer._resume import LatestFit
 
 
@@ -58,6 +59,25 @@ class FolderSaves:
         self.strategy, self.run, self.callbacks, self.folder = strategy, run, callbacks, folder
         self.background = background
         self.pending: PendingSave | None = None
+        #: where the fit's end logs the time it waited (None: not logged)
+        self.sink: LogSink | None = None
+
+    @classmethod
+    def of(
+        cls,
+        strategy: Strategy,
+        run: LatestFit,
+        callbacks: Stateful,
+        folder: ckpt.CheckpointFolder | None,
+        config: TrainerConfig,
+        sink: LogSink,
+    ) -> FolderSaves | None:
+        """The fit's saves into ``folder`` as ``config`` says (None: no checkpoint_dir)."""
+        if folder is None:
+            return None
+        saves = cls(strategy, run, callbacks, folder, background=config.checkpoint_async)
+        saves.sink = sink
+        return saves
 
     def save(self) -> float:
         """Save the run now (a collective); returns the seconds training was held up."""
@@ -78,6 +98,17 @@ class FolderSaves:
         """Wait for the save in flight, if any (a collective); the seconds waited."""
         pending, self.pending = self.pending, None
         return 0.0 if pending is None else pending.wait()
+
+    def finish(self) -> None:
+        """The fit's end: a checkpoint persisting in the background is complete before
+        ``fit`` returns (a collective: every rank learns how it went); the time this waited
+        is logged as ``checkpoint_wait_s``."""
+        if self.pending is None:
+            return
+        waited = self.wait()
+        if self.sink is not None:
+            self.sink.log({"checkpoint_wait_s": waited}, self.run.state.global_step)
+            self.sink.flush()
 
     def finish_here(self) -> None:
         """A failing fit: let rank 0's write end (no collective: see PendingSave)."""
@@ -128,7 +159,7 @@ def prepare_save(
     states = callbacks.state_dict()  # checked on every rank, before the agreement
     if path is not None:
         check_path("path", path, "a file path (str or os.PathLike)")
-        if strategy.is_main and not is_url(path) and Path(path).is_dir():  # rank 0 writes
+        if strategy.is_main and not ckpt.is_url(path) and Path(path).is_dir():  # rank 0 writes
             raise ckpt.CheckpointError(
                 f"{path} is a folder; a checkpoint is a file: pass a path such as "
                 f"{Path(path) / 'model.pt'}"

@@ -77,14 +77,9 @@ def train(
     # the fit is a loop over the runtime: its set-up model and optimizer, its backward
     fitted = runtime.loop.set_up_fit(model, optimizer, prepared.placement, call.compiler)
     state = _first_state(config, strategy, payload, scheduler, callbacks)
-    latest = LatestFit(model, optimizer, scheduler, state, samples_of(prepared.spec))
-    keep(latest)
+    keep(latest := LatestFit(model, optimizer, scheduler, state, samples_of(prepared.spec)))
     sink.hyperparams(hyperparams(config, runtime, model, optimizer, samples_of(prepared.spec)))
-    saves = None
-    if checkpoints is not None:
-        saves = _checkpoint_save.FolderSaves(
-            strategy, latest, callbacks, checkpoints, background=config.checkpoint_async
-        )
+    saves = _checkpoint_save.FolderSaves.of(strategy, latest, callbacks, checkpoints, config, sink)
     before_step = _before_step(callbacks, owner, optimizer)
     profile = open_profile(config.profiling, strategy.rank, strategy.device, strategy.world_size)
     runs: list[EpochLoop] = []
@@ -111,25 +106,8 @@ def train(
         run.run()
 
     snapshot = lambda: RunSnapshot(model, optimizer, scheduler, state, callbacks)  # noqa: E731
-    try:
-        _run(body, runtime, profile, snapshot)
-    except BaseException:
-        if saves is not None:
-            saves.finish_here()  # a checkpoint in flight completes, or leaves the one before
-        raise
-    if saves is not None:
-        _wait_for_last_save(saves, sink, state.global_step)
+    _run(body, runtime, profile, snapshot, saves)
     return runs[-1]
-
-
-def _wait_for_last_save(saves: _checkpoint_save.FolderSaves, sink: LogSink, step: int) -> None:
-    """The fit's end: a checkpoint persisting in the background is complete before ``fit``
-    returns (every rank learns how it went); the time this waited is logged."""
-    if saves.pending is None:
-        return
-    waited = saves.wait()
-    sink.log({"checkpoint_wait_s": waited}, step)
-    sink.flush()
 
 
 def _run(
@@ -137,10 +115,13 @@ def _run(
     runtime: Runtime,
     profile: ProfileRun | None,
     snapshot: Callable[[], RunSnapshot],
+    saves: _checkpoint_save.FolderSaves | None,
 ) -> None:
     """Run the fit's epochs (``body``) under its profiler (None when off, or on a rank the
     settings leave out: the loop then checks only that); an elastic strategy runs them
-    again, from the last commit of ``snapshot()``, whenever the group changed."""
+    again, from the last commit of ``snapshot()``, whenever the group changed. The fit's
+    checkpoint in flight (``saves``) is complete when it returns; a failing fit lets it
+    complete (or leave the one before) without a collective."""
     elastic = runtime.strategy.elastic
     try:
         with contextlib.nullcontext() if profile is None else profile:
@@ -148,6 +129,12 @@ def _run(
                 body()
             else:
                 elastic.run(body, snapshot())
+        if saves is not None:
+            saves.finish()
+    except BaseException:
+        if saves is not None:
+            saves.finish_here()
+        raise
     finally:
         runtime.loop.end_fit()
 

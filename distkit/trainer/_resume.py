@@ -16,7 +16,7 @@ from torch import nn
 
 from distkit import checkpoint as ckpt
 from distkit import registry
-from distkit.checkpoint import _shard_files, _storage
+from distkit.checkpoint import _shard_files
 from distkit.checkpoint._fits import model_misfits
 from distkit.errors import ConfigurationError
 from distkit.strategies.base import Strategy
@@ -46,9 +46,8 @@ class LoadedCheckpoint:
     @classmethod
     def of(cls, path: str | os.PathLike[str], payload: dict[str, Any]) -> LoadedCheckpoint:
         step = payload.get("progress", {}).get("global_step")
-        where = os.fspath(path)
-        name = _storage.name_of(where) if _storage.is_url(where) else Path(where).name
-        return cls(f"{name} (step {step})", payload)
+        # a URL's last part too ("s3://bucket/run/step-000000004.pt")
+        return cls(f"{Path(os.fspath(path)).name} (step {step})", payload)
 
 
 def _version(package: str) -> str | None:
@@ -208,7 +207,7 @@ def _compare_with_pointer(folder: ckpt.CheckpointFolder, chosen: Path | str) -> 
 
 
 def _name(path: Path | str) -> str:
-    return path.name if isinstance(path, Path) else _storage.name_of(path)
+    return Path(path).name  # a URL's last part too
 
 
 def check_fits(

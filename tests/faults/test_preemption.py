@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import distkit
+from distkit import checkpoint as ckpt
 from distkit.errors import ConfigurationError, TrainingPreempted
 from distkit.faults._preempt import DEFAULT_SIGNALS
 from distkit.launch._requeue import slurm_job_id
@@ -200,6 +201,23 @@ def test_preempt_torchrun_ddp_stops_every_rank_at_one_step_and_resumes_exactly(
     assert first <= step < STEPS_X2
     assert record.read_text().splitlines() == ["requeue 4242"]  # rank 0 only, once
     _resume_matches(TORCHRUN, "ddp", out, reference)
+
+
+def test_preempt_during_background_saves_finishes_them_and_resumes_exactly(
+    tmp_path, tmp_path_factory
+):
+    """checkpoint_async=True, a checkpoint every 2 steps: SIGTERM to rank 1 after step 5 (the
+    step-4 checkpoint may still be persisting). The preemption's checkpoint waits for it,
+    fit waits for both: every rank stops after one step with a complete checkpoint there,
+    and the rerun ends where the uninterrupted job ends."""
+    reference = _reference(tmp_path_factory, TORCHRUN, "ddp")
+    out = tmp_path / "job"
+    proc = _run(TORCHRUN, "ddp", out, "--signal-at", "1:5", "--async-every", "2")
+    assert proc.returncode != 0
+    step = _check_preempted(proc, out, 2, signal.SIGTERM)
+    assert not list((out / "ckpt").glob(".*.tmp")), list((out / "ckpt").iterdir())
+    assert ckpt.load(out / "ckpt" / f"step-{step:09d}.pt")["progress"]["global_step"] == step
+    _resume_matches(TORCHRUN, "ddp", out, reference, "--async-every", "2")
 
 
 @needs("horovod")

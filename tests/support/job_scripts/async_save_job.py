@@ -24,8 +24,7 @@ import torch
 from torch import nn
 
 import distkit
-from distkit import checkpoint as ckpt
-from distkit.checkpoint import _digest, _storage
+from distkit.checkpoint import _digest, _storage, _writes
 from tests.support.exactness import DTYPE
 from tests.support.workloads import make_dataset
 
@@ -39,7 +38,7 @@ def _kill_during(save: int, point: str) -> None:
     def in_writer() -> bool:
         return threading.current_thread().name.startswith("distkit-save")
 
-    real_save_new, real_write, real_put = ckpt._save_new, _digest.HashingWriter.write, None
+    real_save_new, real_write, real_put = _writes.save_new, _digest.HashingWriter.write, None
 
     def counting_save_new(*args, **kwargs):
         if in_writer():
@@ -58,7 +57,7 @@ def _kill_during(save: int, point: str) -> None:
             os.kill(os.getpid(), signal.SIGKILL)  # the staged file complete, not uploaded
         return real_put(self, local, url)
 
-    ckpt._save_new = counting_save_new
+    _writes.save_new = counting_save_new
     _digest.HashingWriter.write = write
     _storage.Remote.put = put
 

@@ -2,7 +2,7 @@
 
     python -m tests.support.job_scripts.preempt_job STRATEGY OUT_DIR \
         [--signal-at RANK:STEP ...] [--send TERM|USR1] [--second-signal] [--user-handler] \
-        [--sharded] [--requeue]
+        [--sharded] [--requeue] [--async-every N]
 
 --signal-at RANK:STEP: rank RANK sends the signal to itself once it has completed optimizer
 step STEP (once per OUT_DIR: a marker file remembers, so the resumed run trains on); give it
@@ -10,7 +10,8 @@ for several ranks, at different steps, to signal each at its own time. --second-
 same signal again while the preemption checkpoint is being written (from a callback's
 state_dict, which the save calls). --step-sleep S: each step takes S seconds more (time for
 a test to signal from outside; each rank writes OUT_DIR/started-RANK, its pid, after its first
-step). --user-handler: a handler of the script's own for the
+step). --async-every N: checkpoint_async=True, a checkpoint every N steps (one may be
+persisting when the signal lands). --user-handler: a handler of the script's own for the
 signal, installed before fit, which must run after the save. Every rank writes its pid to
 OUT_DIR/pid-RANK (for a test that signals from outside) and, when preempted, what
 TrainingPreempted said to OUT_DIR/preempted-RANK.json. Rank 0 writes the final parameters to
@@ -88,6 +89,7 @@ def main() -> None:
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--num-workers", type=int, default=0)
     parser.add_argument("--group", action="store_true")
+    parser.add_argument("--async-every", type=int, default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
     signum = getattr(signal, f"SIG{args.send}")
@@ -109,6 +111,8 @@ def main() -> None:
         strategy, batch_size=4, max_epochs=args.max_epochs, seed=7, progress=False,
         checkpoint_dir=args.out / "ckpt", resume="auto", callbacks=[callback],
         requeue=args.requeue, log_every_n_steps=5, num_workers=args.num_workers,
+        checkpoint_async=args.async_every is not None,
+        checkpoint_every=args.async_every or "epoch",
     )  # fmt: skip
     rank = trainer.rank
     (args.out / f"pid-{rank}").write_text(str(os.getpid()))
