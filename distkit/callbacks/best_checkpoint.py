@@ -73,6 +73,13 @@ class BestCheckpoint(Callback):
                 f"{self!r} writes into the trainer's checkpoint_dir, and this Trainer has "
                 "none: pass Trainer(checkpoint_dir=...)"
             )
+        if trainer.checkpoints.storage_options is not None:  # a folder on a store
+            raise ConfigurationError(
+                f"{self!r} keeps its files in a local checkpoint_dir, and this Trainer's is "
+                f"{trainer.checkpoints.where}, on an object store (not yet supported there). "
+                "Give the Trainer a local or shared-file-system checkpoint_dir, or drop "
+                "BestCheckpoint and keep the last checkpoints (keep_last=...) on the store"
+            )
 
     @override
     def on_fit_start(self, trainer: Trainer) -> None:

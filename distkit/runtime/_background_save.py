@@ -87,7 +87,9 @@ class PendingSave:
             except BaseException as exc:
                 pending._failure = exc
 
-        thread = threading.Thread(target=persist, name=f"distkit-save: {what}", daemon=True)
+        # not a daemon: a script that ends without waiting still leaves a complete file
+        # (the interpreter waits for the thread at its exit)
+        thread = threading.Thread(target=persist, name=f"distkit-save: {what}")
         pending._thread = thread
         thread.start()
         return pending

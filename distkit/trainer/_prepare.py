@@ -31,6 +31,7 @@ from distkit.runtime import (
     samples_of,
 )
 from distkit.strategies._placement import Placement
+from distkit.strategies.base import Strategy
 from distkit.trainer import _resume
 from distkit.trainer._config import TrainerConfig
 from distkit.trainer._fit_call import FitCall
@@ -100,6 +101,20 @@ def check_streams(
             )
 
 
+def check_saves(
+    config: TrainerConfig, strategy: Strategy, checkpoints: ckpt.CheckpointFolder | None
+) -> None:
+    """The fit's checkpoints can be written: now, not after the first epoch trained."""
+    if checkpoints is not None and strategy.is_main:
+        checkpoints.check_writable()
+    if config.checkpoint_async and strategy.elastic is not None:
+        raise ConfigurationError(
+            f"checkpoint_async=True with {strategy.name}, an elastic backend: a save still "
+            "persisting when the group re-forms would be waited for by the old ranks only. "
+            "Save blocking (checkpoint_async=False) under an elastic backend"
+        )
+
+
 def prepare_fit(
     config: TrainerConfig,
     runtime: Runtime,
@@ -141,8 +156,7 @@ def prepare_fit(
         else read_data(config, runtime, call.val_data, "val_data", shuffle=False)
     )
     check_streams(config, spec, val, elastic=strategy.elastic is not None)
-    if checkpoints is not None and strategy.is_main:
-        checkpoints.check_writable()  # now, not after the first epoch trained
+    check_saves(config, strategy, checkpoints)
     found = pending or _resume.find_resume(
         config.resume,
         checkpoints,

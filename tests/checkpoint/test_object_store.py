@@ -284,3 +284,15 @@ def test_sigkill_during_a_background_persist_leaves_the_previous_checkpoint_newe
         warnings.simplefilter("error")  # the rerun's checkpoints all verify
         newest = ckpt.checkpoint_folder(folder).checkpoints()[-1]
         assert ckpt.load(newest)["progress"]["global_step"] == 12
+
+
+def test_best_checkpoint_on_an_object_store_is_refused_before_training(s3_bucket):
+    trainer = distkit.Trainer(
+        batch_size=16, progress=False, checkpoint_dir=f"{s3_bucket}/best",
+        callbacks=[distkit.callbacks.BestCheckpoint(monitor="train_loss")],
+    )  # fmt: skip
+    model = _model()
+    with pytest.raises(ConfigurationError, match=r"BestCheckpoint.*on an object store"):
+        trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                    make_dataset(64, dtype=DTYPE), loss_fn=_loss)  # fmt: skip
+    trainer.close()
