@@ -22,17 +22,42 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
 from distkit.runtime._rank_zero_write import share_outcome
 from distkit.strategies.base import Strategy
 
 
-def stage(value: Any) -> Any:
+def storages(module: nn.Module) -> set[int]:
+    """The addresses of the storages of ``module``'s parameters and buffers (what training
+    changes in place)."""
+    found = set()
+    for tensor in module.state_dict(keep_vars=True).values():
+        if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+            local = getattr(tensor, "_local_tensor", tensor)  # a DTensor's shard
+            found.add(local.untyped_storage().data_ptr())
+    return found
+
+
+def stage_payload(payload: dict[str, Any], models: dict[str, set[int]]) -> dict[str, Any]:
+    """The payload staged: every tensor copied (:func:`stage`), but in the entries named in
+    ``models`` (a model's state, which the backend's state gathering made as copies already)
+    only those sharing a storage with the model they came from (the addresses given)."""
+    return {
+        key: stage(value, only=models.get(key)) if key in models else stage(value)
+        for key, value in payload.items()
+    }
+
+
+def stage(value: Any, only: set[int] | None = None) -> Any:
     """``value`` with every tensor copied to host memory of its own (containers rebuilt):
     what training does to its tensors next cannot reach the copy. Meta tensors (a sharded
-    checkpoint's names and shapes) are kept as they are."""
+    checkpoint's names and shapes) are kept as they are; with ``only``, so is every tensor
+    whose storage is not one of those."""
     if isinstance(value, torch.Tensor):
         if value.device.type == "meta":
+            return value
+        if only is not None and value.untyped_storage().data_ptr() not in only:
             return value
         tensor = value.detach()
         if tensor.device.type == "cuda":
@@ -40,11 +65,11 @@ def stage(value: Any) -> Any:
             return staged.copy_(tensor, non_blocking=True)
         return tensor.clone()
     if isinstance(value, dict):
-        return {key: stage(item) for key, item in value.items()}
+        return {key: stage(item, only) for key, item in value.items()}
     if isinstance(value, list):
-        return [stage(item) for item in value]
+        return [stage(item, only) for item in value]
     if isinstance(value, tuple):
-        return tuple(stage(item) for item in value)
+        return tuple(stage(item, only) for item in value)
     return value
 
 
@@ -72,11 +97,15 @@ class PendingSave:
         payload: dict[str, Any] | None,
         write: Callable[[dict[str, Any]], object],
         what: str,
+        models: dict[str, nn.Module] | None = None,
     ) -> PendingSave:
-        """Stage ``payload`` (rank 0's; None elsewhere) and write it on a thread."""
+        """Stage ``payload`` (rank 0's; None elsewhere) and write it on a thread. ``models``:
+        the payload's entries that are a model's state, by the module they came from (their
+        tensors are copied only where they share the module's storages)."""
         if payload is None:
             return cls(strategy, what, None)
-        staged = stage(payload)
+        live = {key: storages(module) for key, module in (models or {}).items()}
+        staged = stage_payload(payload, live)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # the pinned copies are complete before training goes on
         pending = cls(strategy, what, None)

@@ -125,7 +125,8 @@ def save_state(
         payload = {**entries, ckpt.RECORDS: records}
     write = lambda ready: ckpt.atomic_save(ready, path, storage_options=options)  # noqa: E731
     if not blocking:
-        return PendingSave.start(strategy, payload, write, f"the checkpoint {path}")
+        models = {key: state[key].module for key, kind in kinds.items() if kind == MODEL}
+        return PendingSave.start(strategy, payload, write, f"the checkpoint {path}", models)
     write_on_rank_zero(strategy, payload, write)
     return None
 

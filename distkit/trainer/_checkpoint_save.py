@@ -89,7 +89,8 @@ class FolderSaves:
         write = lambda ready: folder.save(ready, step)  # noqa: E731
         if self.background:
             what = f"the checkpoint of step {step} to {folder.path_for(step)}"
-            self.pending = PendingSave.start(strategy, payload, write, what)
+            models = {"model": self.run.model}  # its state: copies, unless it shares storages
+            self.pending = PendingSave.start(strategy, payload, write, what, models)
         else:
             write_on_rank_zero(strategy, payload, write)
         return time.perf_counter() - started

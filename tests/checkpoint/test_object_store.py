@@ -296,3 +296,22 @@ def test_best_checkpoint_on_an_object_store_is_refused_before_training(s3_bucket
         trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.1),
                     make_dataset(64, dtype=DTYPE), loss_fn=_loss)  # fmt: skip
     trainer.close()
+
+
+def test_staging_copies_what_aliases_training_tensors_and_no_fresh_copy_twice():
+    from distkit.runtime._background_save import PendingSave, stage_payload, storages
+
+    model = _model()
+    live = model.state_dict()  # the parameters themselves (a backend that returns them)
+    fresh = {key: value.clone() for key, value in live.items()}  # a gathered copy
+    extra = torch.zeros(3)
+    staged = stage_payload(
+        {"model": live, "copy": fresh, "extra": extra}, {"model": storages(model), "copy": set()}
+    )
+    for key, value in live.items():  # aliases of the live storages: copied
+        assert staged["model"][key].data_ptr() != value.data_ptr()
+        assert torch.equal(staged["model"][key], value)
+    for key, value in fresh.items():  # a model entry's fresh copies: kept as they are
+        assert staged["copy"][key] is value
+    assert staged["extra"] is not extra and torch.equal(staged["extra"], extra)  # any other: copied
+    assert repr(PendingSave(None, "x", None)) == "PendingSave('x', done)"  # type: ignore[arg-type]
