@@ -123,6 +123,11 @@ class PendingSave:
         thread.start()
         return pending
 
+    @property
+    def what(self) -> str:
+        """What is being saved, as messages name it ("the checkpoint <path>")."""
+        return self._what
+
     def done(self) -> bool:
         """Whether this rank's part is over (rank 0: its write finished, well or not)."""
         return self._thread is None or not self._thread.is_alive()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -634,9 +635,19 @@ class Runtime:
 
     def _wait_for_save(self) -> float:
         """Wait for the save :meth:`save` left persisting (``blocking=False``), if any: a
-        collective (every rank raises where it failed). Returns the seconds waited."""
+        collective (every rank raises where it failed). Returns the seconds waited, which
+        rank 0 reports when they held the loop up (a second or more)."""
         pending, self._pending_save = self._pending_save, None
-        return 0.0 if pending is None else pending.wait()
+        if pending is None:
+            return 0.0
+        waited = pending.wait()
+        if waited >= 1.0 and self.is_main:
+            print(
+                f"distkit: waited {waited:.1f} s for {pending.what} to finish persisting",
+                file=sys.stderr,
+                flush=True,
+            )
+        return waited
 
     def load(self, path: str | os.PathLike[str], state: dict[str, Any]) -> dict[str, Any]:
         """Restore the objects of ``state`` in place from what :meth:`save` wrote (at any

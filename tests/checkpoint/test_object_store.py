@@ -7,6 +7,7 @@ run takes the same operations in the same order as the uninterrupted one).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import sys
@@ -36,10 +37,14 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(0.2), nn.Linear(16, 3)).to(DTYPE)
 
 
-def _fit(folder: str | None, epochs: int, *, keep_last: int = 3, **options) -> dict:
+def _fit(folder: str | None, epochs: int, *, keep_last: int = 3, sharded: bool = False,
+         **options) -> dict:  # fmt: skip
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    strategy = "ddp" if world > 1 else "auto"
+    if sharded:
+        strategy = distkit.FSDPStrategy(checkpoint="sharded")
     trainer = distkit.Trainer(
-        "ddp" if world > 1 else "auto", batch_size=16 // world, max_epochs=epochs, seed=3,
+        strategy, batch_size=16 // world, max_epochs=epochs, seed=3,
         progress=False, checkpoint_dir=folder, keep_last=keep_last, **options,
     )  # fmt: skip
     model = _model()
@@ -81,6 +86,21 @@ def test_ddp_x2_async_on_s3_two_epochs_then_resume_to_three_equals_three(
     # 4 steps an epoch at world size 2: the bucket holds the last two, and the pointer
     assert _objects(s3_endpoint, folder) == ["latest", "step-000000008.pt", "step-000000012.pt"]
     assert ckpt.load(f"{folder}/step-000000012.pt")["progress"]["epoch"] == 3
+
+
+def _sharded_two_then_three(folder: str) -> dict:
+    _fit(folder, 2, checkpoint_async=True, resume="auto", sharded=True)
+    return _fit(folder, 3, checkpoint_async=True, resume="auto", sharded=True)
+
+
+def test_fsdp_x2_sharded_async_saves_resume_exactly(run_on_ranks, tmp_path):
+    """Sharded: every rank writes its shards before the save returns, the file that commits
+    them persists in the background; the resumed run equals the uninterrupted one."""
+    whole = run_on_ranks(functools.partial(_fit, sharded=True), None, 3, world_size=2)
+    resumed = run_on_ranks(_sharded_two_then_three, str(tmp_path / "run"), world_size=2)
+    assert max_abs_diff(resumed[0]["state"], whole[0]["state"]) <= TOL
+    newest = ckpt.CheckpointFolder(tmp_path / "run").checkpoints()[-1]
+    assert ckpt.load(newest)["shards"].endswith(".shards")
 
 
 # ---------------------------------------------------------------------- one process
