@@ -16,6 +16,7 @@ read of a checkpoint that is still being written.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -152,8 +153,15 @@ class PendingSave:
     def finish_here(self) -> None:
         """Let rank 0's write finish, without telling the other ranks (no collective): for a
         run that is failing or being torn down, where a collective could hang. A write that
-        completes leaves a committed checkpoint; one that fails leaves the previous one."""
-        if self._thread is not None:
+        completes leaves a committed checkpoint; one that fails leaves the previous one
+        (Ctrl-C during the wait abandons it: the previous one stays the newest)."""
+        if self._thread is not None and self._thread.is_alive():
+            print(
+                f"distkit: finishing {self._what} before stopping (Ctrl-C abandons it; the "
+                "checkpoint before it stays the newest)",
+                file=sys.stderr,
+                flush=True,
+            )
             self._thread.join()
         self._settled = True
 
