@@ -12,6 +12,7 @@ import importlib.util
 import os
 import sys
 import threading
+import time
 import warnings
 
 import pytest
@@ -335,3 +336,22 @@ def test_staging_copies_what_aliases_training_tensors_and_no_fresh_copy_twice():
         assert staged["copy"][key] is value
     assert staged["extra"] is not extra and torch.equal(staged["extra"], extra)  # any other: copied
     assert repr(PendingSave(None, "x", None)) == "PendingSave('x', done)"  # type: ignore[arg-type]
+
+
+def test_the_end_of_a_runtime_block_waits_for_its_background_save(tmp_path, capfd):
+    real = _writes.save_new
+
+    def slow(*args, **kwargs):
+        time.sleep(1.2)
+        return real(*args, **kwargs)
+
+    _writes.save_new = slow
+    try:
+        with distkit.Runtime("auto", fault_timeout=None) as rt:
+            model = rt.setup(_model())
+            rt.save(tmp_path / "state.pt", {"model": model}, blocking=False)
+            assert not (tmp_path / "state.pt").exists()
+    finally:
+        _writes.save_new = real
+    assert ckpt.load(tmp_path / "state.pt")["model"].keys() == model.state_dict().keys()
+    assert "for the checkpoint" in capfd.readouterr().err  # rank 0 says it waited
