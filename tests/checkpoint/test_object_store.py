@@ -228,6 +228,13 @@ def test_a_background_save_that_fails_raises_at_its_wait(tmp_path):
         assert rt.load(tmp_path / "ok.pt", {}) == {"epoch": 2}
 
 
+def test_rt_save_blocking_must_be_a_bool(tmp_path):
+    with distkit.Runtime("auto", fault_timeout=None) as rt:
+        with pytest.raises(ConfigurationError, match="blocking must be True or False, got 'no'"):
+            rt.save(tmp_path / "x.pt", {"epoch": 1}, blocking="no")
+        assert not (tmp_path / "x.pt").exists()
+
+
 def test_checkpoint_async_needs_a_checkpoint_dir():
     with pytest.raises(ConfigurationError, match=r"checkpoint_async=True .* checkpoint_dir"):
         distkit.Trainer(checkpoint_async=True)
