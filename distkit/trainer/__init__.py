@@ -110,7 +110,7 @@ class Trainer:
         checkpoint_every: ``"epoch"``, or a number of optimizer steps.
         checkpoint_async: True: a checkpoint is staged (copied off the training tensors)
             and training goes on while rank 0 persists it in the background; the next save,
-            and the fit's end, wait for it (the time waited is logged as
+            and the fit's end, wait for it (the fit's end logs the time waited as
             ``checkpoint_wait_s``). A checkpoint counts (``resume="auto"``, ``keep_last``)
             only once it is complete. False (default): every rank waits for the write.
         keep_last: checkpoints to keep in ``checkpoint_dir``.

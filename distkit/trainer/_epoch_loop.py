@@ -236,9 +236,8 @@ class EpochLoop:
         self._check_losses()  # never a checkpoint of parameters trained on a NaN
         if self.save is not None:
             self.runtime.progress.phase = "checkpoint"
-            blocked = self.save()
+            self.save()
             self._saved_at = self.state.global_step
-            self.sink.log({"checkpoint_blocked_s": blocked}, self.state.global_step)
 
     def _report(self, record: dict[str, float]) -> None:
         """The epoch's line (and timing table) on rank 0, when ``progress`` is on."""
