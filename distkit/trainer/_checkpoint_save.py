@@ -8,7 +8,6 @@ it went, so no rank goes on while rank 0 is still writing or after its write fai
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -79,9 +78,8 @@ class FolderSaves:
         saves.sink = sink
         return saves
 
-    def save(self) -> float:
-        """Save the run now (a collective); returns the seconds training was held up."""
-        started = time.perf_counter()
+    def save(self) -> None:
+        """Save the run now (a collective)."""
         self.wait()  # never two in flight; a failed one raises here, on every rank
         strategy, folder = self.strategy, self.folder
         step = self.run.state.global_step
@@ -93,7 +91,6 @@ class FolderSaves:
             self.pending = PendingSave.start(strategy, payload, write, what, models)
         else:
             write_on_rank_zero(strategy, payload, write)
-        return time.perf_counter() - started
 
     def wait(self) -> float:
         """Wait for the save in flight, if any (a collective); the seconds waited."""

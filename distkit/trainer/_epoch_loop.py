@@ -61,9 +61,8 @@ class EpochLoop:
     window: LogWindow
     #: evaluates the validation data: ``{"loss": ..., <metric>: ...}`` (None: no val_data)
     validate: Callable[[], dict[str, float]] | None
-    #: writes the run into ``checkpoint_dir``, returning the seconds training was held up
-    #: (None: no ``checkpoint_dir``)
-    save: Callable[[], float] | None
+    #: writes the run into ``checkpoint_dir`` (None: no ``checkpoint_dir``)
+    save: Callable[[], None] | None
     #: the fit's preempting signals and the ranks' agreement on where to stop (None: off)
     preempt: Preemption | None = None
     #: where a preemption stopped the run, once it did (None: it was not preempted)
