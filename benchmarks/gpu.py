@@ -198,6 +198,25 @@ def _peer(entry: dict[str, Any] | None) -> str:
     return str(entry.get("status", "failed"))
 
 
+def _mfu(entry: dict[str, Any] | None) -> str:
+    if not entry or "mfu" not in entry:
+        return "-"
+    return f"{100 * entry['mfu']:.3g}%"
+
+
+def _peaks(report: dict[str, Any]) -> str:
+    """The peaks the MFU column divides by, as peers.py named them ("published: NVIDIA
+    H100 80GB HBM3, bf16"), each once."""
+    sources = {
+        entry["peak_source"]
+        for run in report.get("runs", {}).values()
+        for frameworks in run.get("peers", {}).values()
+        for entry in frameworks.values()
+        if isinstance(entry, dict) and entry.get("peak_source")
+    }
+    return "; ".join(sorted(sources)) or "none known"
+
+
 def markdown_table(report: dict[str, Any]) -> str:
     """The performance page's table: one row per model, precision and GPU count."""
     meta = report.get("meta", {})
@@ -207,11 +226,12 @@ def markdown_table(report: dict[str, Any]) -> str:
         "ms/step: median step (CUDA events; from peers.py where overhead.py did not run); "
         "vs hand: distkit / the hand-written loop; "
         "samples/s and efficiency: distkit's own per-epoch figures; Fabric, Lightning, "
-        "Accelerate: their step / the hand loop's (peers.py)",
+        "Accelerate: their step / the hand loop's (peers.py); MFU: distkit's in peers.py "
+        f"(FLOPs per sample x samples/s over the GPUs' peak: {_peaks(report)})",
         "",
         "| model | precision | batch/GPU | GPUs | hand ms/step | distkit ms/step | vs hand "
-        "| samples/s | efficiency | Fabric | Lightning | Accelerate |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| samples/s | efficiency | MFU | Fabric | Lightning | Accelerate |",
+        "| --- | --- " + "| ---: " * 11 + "|",
     ]
     for run in report.get("runs", {}).values():
         overhead = run.get("overhead", {})
@@ -236,12 +256,14 @@ def markdown_table(report: dict[str, Any]) -> str:
                 efficiency = f"{s['efficiency']:.2f}" if "efficiency" in s else "-"
             if "error" in p:
                 cells = ["failed"] * len(PEERS)
+                mfu = "failed"
             else:
                 cells = [_peer(p.get(name)) for name in PEERS]
+                mfu = _mfu(p.get("distkit"))
             row = [
                 run["model"], "fp32" if run["precision"] == "32" else run["precision"],
                 str(run.get("batch_size_per_process") or "-"), n, hand, kit, ratio, rate,
-                efficiency, *cells,
+                efficiency, mfu, *cells,
             ]  # fmt: skip
             lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)

@@ -532,6 +532,7 @@ def add_ratios(
         if flops["peak_flops"]:  # every process's device: the same kind, the same peak
             per_s = flops["flops_per_sample"] * entry["samples_per_s"]
             entry["mfu"] = per_s / (world * flops["peak_flops"])
+            entry["peak_source"] = flops["peak_source"]
         if hand.get("status") == "ok":
             entry["ratio"] = entry["ms_per_step"] / hand["ms_per_step"]
             entry["cpu_ratio"] = entry["cpu_ms_per_step"] / hand["cpu_ms_per_step"]

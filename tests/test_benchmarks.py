@@ -474,6 +474,12 @@ GPU_REPORT = {
             "peers": {
                 "1": {
                     "hand": {"status": "ok", "ratio": 1.0},
+                    "distkit": {
+                        "status": "ok",
+                        "ratio": 1.01,
+                        "mfu": 0.4123,
+                        "peak_source": "published: NVIDIA H100 80GB HBM3, bf16",
+                    },
                     "fabric": {"status": "ok", "ratio": 1.034},
                     "lightning": {"status": "failed", "detail": "boom"},
                     "accelerate": {"status": "not installed", "detail": "pip install accelerate"},
@@ -497,12 +503,16 @@ def test_gpu_markdown_table_has_one_row_per_model_precision_and_gpu_count(
     lines = gpu.markdown_table(GPU_REPORT).splitlines()
     assert lines[0].startswith("2x NVIDIA H100 80GB HBM3, 2026-01-02T03:04:05+00:00; torch ")
     header = "| model | precision | batch/GPU | GPUs | hand ms/step | distkit ms/step | vs hand "
-    assert lines[2] == header + "| samples/s | efficiency | Fabric | Lightning | Accelerate |"
+    assert lines[2] == header + (
+        "| samples/s | efficiency | MFU | Fabric | Lightning | Accelerate |"
+    )
+    # distkit's MFU from peers.py, and the peak it divides by named above the table
+    assert "over the GPUs' peak: published: NVIDIA H100 80GB HBM3, bf16)" in lines[0]
     assert lines[4:] == [
-        "| resnet | bf16 | 128 | 1 | 20.00 | 20.20 | 1.010 | 6,400 | 1.00 | 1.03 | failed "
-        "| not installed |",
-        "| resnet | bf16 | 128 | 2 | failed | failed | failed | 12,160 | 0.95 | - | - | - |",
-        "| cnn | fp32 | 256 | 1 | - | - | - | failed | failed | - | - | - |",
+        "| resnet | bf16 | 128 | 1 | 20.00 | 20.20 | 1.010 | 6,400 | 1.00 | 41.2% | 1.03 "
+        "| failed | not installed |",
+        "| resnet | bf16 | 128 | 2 | failed | failed | failed | 12,160 | 0.95 | - | - | - | - |",
+        "| cnn | fp32 | 256 | 1 | - | - | - | failed | failed | - | - | - | - |",
     ]
 
 
