@@ -25,13 +25,18 @@
 #                        test, the paths added since the last GPU run);
 #   focus.log/.xml       the in-process CUDA paths first, whatever the suite reaches:
 #                        tests/strategies/test_cuda_paths.py (token-exact, the user loop, a GAN,
-#                        weights and predictions on the GPU), test_cuda_large_models.py
-#                        (DeepSpeed, FSDP's CPU offload and a world of one's policy,
-#                        activation checkpointing and its memory peak, meta models), the host-sync
-#                        test, the memory, profiler and determinism tests, the checkpoint
-#                        tests (resume onto the GPU), torch.compile;
+#                        weights and predictions on the GPU), tests/runtime/test_cuda_drop_in.py
+#                        (the Runtime as a drop-in: a user's Optimizer subclass, LambdaLR, the
+#                        hand loop under sync debug mode), tests/trainer/test_cuda_mfu.py (MFU
+#                        against the published peak; its figures in focus.xml), the background
+#                        save's pinned staging, test_cuda_large_models.py (DeepSpeed, FSDP's
+#                        CPU offload and a world of one's policy, activation checkpointing and
+#                        its memory peak, meta models), the host-sync test, compile="blocks"
+#                        with inductor, the memory, profiler and determinism tests,
+#                        torch.compile, the checkpoint tests (resume onto the GPU);
 #   examples.log         seg.py under torchrun (apex fp16, ddp bf16), mnist.py with dp, gan.py
-#                        (the Runtime loop, bf16) and lm.py (token-exact, fp16) under torchrun;
+#                        (the Runtime loop, bf16), lm.py (token-exact, fp16) and lm.py bf16 with
+#                        compile="blocks" (tokens/s and MFU) under torchrun;
 #   bench.log, gpu.json  benchmarks/gpu.py (peers: distkit, the hand loop, Fabric, the Lightning
 #                        Trainer, Accelerate), run last and alone so nothing else shares the GPU;
 #   summary.txt          one line per step: its exit status and seconds.
@@ -124,20 +129,29 @@ examples() {
         examples/lm.py --strategy ddp --precision fp16 --grad-accum 2 --epochs 2 \
         --out "$out/lm-out"
     echo "rc=$?"
+    echo "== lm.py, bf16, compile=blocks (inductor's Triton kernels), tokens/s and MFU against"
+    echo "   the GPU's published bf16 peak, torchrun --nproc_per_node 1"
+    timeout 200 "$py" -m torch.distributed.run --standalone --nproc_per_node 1 \
+        examples/lm.py --strategy ddp --precision bf16 --compile blocks --epochs 2 \
+        --out "$out/lm-blocks-out"
+    echo "rc=$?"
 }
 
 workers() {  # N: pytest's arguments for N workers, when pytest-xdist is installed
     if "$py" -c 'import xdist' 2>/dev/null; then echo "-n $1"; fi
 }
 
+# the focus step's tests, the CUDA-only files first (pytest hands them out in this order)
+FOCUS_DEFAULT="tests/strategies/test_cuda_paths.py tests/runtime/test_cuda_drop_in.py
+    tests/trainer/test_cuda_mfu.py tests/checkpoint/test_cuda_background_save.py
+    tests/strategies/test_cuda_large_models.py tests/strategies/test_host_syncs.py
+    tests/strategies/test_compile_blocks.py tests/trainer/test_memory.py
+    tests/trainer/test_profiler.py tests/runtime/test_determinism.py
+    tests/strategies/test_compile.py tests/checkpoint"
 focus() {
     # shellcheck disable=SC2046  # the words of workers' output are pytest's arguments
     "$py" -m pytest -q -rfEs -p no:cacheprovider --timeout 150 --junitxml "$out/focus.xml" \
-        $(workers "${FOCUS_WORKERS:-3}") ${FOCUS_TESTS:-tests/strategies/test_cuda_paths.py \
-        tests/strategies/test_cuda_large_models.py tests/strategies/test_host_syncs.py \
-        tests/trainer/test_memory.py tests/trainer/test_profiler.py \
-        tests/runtime/test_determinism.py tests/checkpoint tests/strategies/test_compile.py \
-        tests/strategies/test_compile_blocks.py}
+        $(workers "${FOCUS_WORKERS:-3}") ${FOCUS_TESTS:-$FOCUS_DEFAULT}
 }
 
 suite() {
@@ -151,7 +165,7 @@ install_deepspeed() {  # DeepSpeed from .gpu/deepspeed/ into /tmp/deepspeed (no 
 }
 
 deepspeed_wheels=${GPU_CHECK_DEEPSPEED:-.gpu/deepspeed}
-export py out root deepspeed_wheels
+export py out root deepspeed_wheels FOCUS_DEFAULT
 export -f install_deepspeed smoke build_apex test_apex examples workers suite focus
 skipped() {  # NAME: listed in $GPU_CHECK_SKIP (space-separated)?
     case " ${GPU_CHECK_SKIP:-} " in *" $1 "*) echo "$1 skipped (GPU_CHECK_SKIP)" >>"$out/summary.txt" ;; *) return 1 ;; esac

@@ -12,7 +12,18 @@
 # about 9 MiB together) and runs `bash scripts/gpu_check.sh $OUT/g SECONDS` (docs/gpu.md).
 set -euo pipefail
 vendor=${1:-../shared/vendor}
-py=${PYTHON:-python3}
+# a Python with torch (the MNIST step reads the sample with it): $PYTHON, else the tests
+# session's venv (`nox -s tests --install-only` makes it), else python3
+py=${PYTHON:-}
+if [ -z "$py" ]; then
+    for candidate in .nox/tests/bin/python python3; do
+        if "$candidate" -c 'import torch' 2>/dev/null; then py=$candidate && break; fi
+    done
+fi
+if [ -z "$py" ]; then
+    echo "no Python with torch: set PYTHON, or run \`nox -s tests --install-only\` first" >&2
+    exit 1
+fi
 mkdir -p .gpu .data
 for version in 25.04 25.09; do
     if [ -f "$vendor/apex-$version.tar.gz" ]; then

@@ -8,6 +8,7 @@ step's pytest through the script's PYTHON.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -95,6 +96,28 @@ def test_gpu_check_focus_step_runs_its_tests_beside_the_suite(tmp_path):
     assert len(focus) == 1 and focus[0].startswith("focus rc=0 "), summary
     assert " passed" in (tmp_path / "logs" / "focus.log").read_text()
     assert (tmp_path / "logs" / "focus.xml").is_file()
+
+
+def test_gpu_check_focus_step_names_every_cuda_test_file_and_only_files_that_exist():
+    """A CUDA-only test file (``test_cuda_*.py``) left out of the focus step would run on a
+    lent GPU only if the suite reached it in its share: so each must be named there; and a
+    renamed file must not drop out of the step unnoticed (pytest would fail the whole step
+    on a missing path)."""
+    script = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    match = re.search(r'^FOCUS_DEFAULT="([^"]+)"', script, flags=re.MULTILINE)
+    assert match is not None, "scripts/gpu_check.sh sets FOCUS_DEFAULT"
+    named = match[1].split()
+    assert [path for path in named if not (ROOT / path).exists()] == []
+    covered = {path for path in named if path.endswith(".py")}
+    folders = [path for path in named if (ROOT / path).is_dir()]
+    cuda_files = {
+        path.relative_to(ROOT).as_posix() for path in (ROOT / "tests").rglob("test_cuda_*.py")
+    }
+    missing = {
+        path for path in cuda_files
+        if path not in covered and not any(path.startswith(f + "/") for f in folders)
+    }  # fmt: skip
+    assert cuda_files and missing == set()
 
 
 def _gpu_wheels():

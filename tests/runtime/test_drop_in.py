@@ -57,6 +57,7 @@ def hand_loop(strategy: str, folder: str, plain: bool = False) -> dict[str, Any]
         weights = torch.load(path, weights_only=True)["model"]  # without distkit
         return {
             "error": None,
+            "device": rt.device.type,
             "state": rt.full_state_dict(model),
             "file": weights,
             "seen": seen,
