@@ -162,6 +162,12 @@ def test_initialize_refuses_models_already_wrapped_in_ddp_or_dp() -> None:
             apex_ddp = parallel.DistributedDataParallel(_model())
             with pytest.raises(RuntimeError, match=r"apex\.parallel\.DistributedDataParallel"):
                 amp.initialize(apex_ddp, verbosity=0)
+            # torch's DDP dropped while the group is alive: had its Reducer outlived the
+            # group, freeing it would destroy the gloo group with the GIL held (pybind11's
+            # dealloc), joining a worker thread that still needs the GIL to free the
+            # constructor's broadcast: a deadlock that hung this test on a loaded 2-core
+            # machine (torch issue 56297)
+            del torch_ddp
 
 
 def test_initialize_validation_errors() -> None:
