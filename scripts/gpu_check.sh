@@ -35,8 +35,8 @@
 #                        with inductor, the memory, profiler and determinism tests,
 #                        torch.compile, the checkpoint tests (resume onto the GPU);
 #   examples.log         seg.py under torchrun (apex fp16, ddp bf16), mnist.py with dp, gan.py
-#                        (the Runtime loop, bf16), lm.py (token-exact, fp16) and lm.py bf16 with
-#                        compile="blocks" (tokens/s and MFU) under torchrun;
+#                        (the Runtime loop, bf16), lm.py (token-exact, fp16; tokens/s and MFU)
+#                        and lm.py bf16 with compile="blocks" (tokens/s) under torchrun;
 #   bench.log, gpu.json  benchmarks/gpu.py (peers: distkit, the hand loop, Fabric, the Lightning
 #                        Trainer, Accelerate), run last and alone so nothing else shares the GPU;
 #   summary.txt          one line per step: its exit status and seconds.
@@ -129,8 +129,9 @@ examples() {
         examples/lm.py --strategy ddp --precision fp16 --grad-accum 2 --epochs 2 \
         --out "$out/lm-out"
     echo "rc=$?"
-    echo "== lm.py, bf16, compile=blocks (inductor's Triton kernels), tokens/s and MFU against"
-    echo "   the GPU's published bf16 peak, torchrun --nproc_per_node 1"
+    # (the fp16 run above prints MFU against the GPU's published peak; under a compile no
+    # FLOPs are counted, so this one prints tokens/s only)
+    echo "== lm.py, bf16, compile=blocks (inductor's Triton kernels), torchrun --nproc_per_node 1"
     timeout 200 "$py" -m torch.distributed.run --standalone --nproc_per_node 1 \
         examples/lm.py --strategy ddp --precision bf16 --compile blocks --epochs 2 \
         --out "$out/lm-blocks-out"
