@@ -83,10 +83,10 @@ class RemoteCheckpointFolder(CheckpointFolder):
     @override
     def latest(self) -> str | None:
         named = self.remote.read_text(_storage.join(self.url, LATEST))
-        listed = sorted((step_of(entry.name), entry.name) for entry in self._entries())
-        if named is not None and named.strip() in {name for _, name in listed}:
+        found = self.checkpoints()  # one listing, in step order
+        if named is not None and _storage.join(self.url, named.strip()) in found:
             return _storage.join(self.url, named.strip())
-        return _storage.join(self.url, listed[-1][1]) if listed else None
+        return str(found[-1]) if found else None
 
     @override
     def written_ns(self, path: Path | str) -> int:
