@@ -46,7 +46,8 @@ def test_cuda_mfu_is_against_the_devices_published_peak(precision, record_proper
     out = "".join(capsys.readouterr())
     record = result.history[-1]  # the second epoch: no first-step set-up in its time
     device = torch.device("cuda", 0)
-    peak = device_peak(device, matmul_kind(precision, torch.float32))
+    kind = matmul_kind(precision, torch.float32)
+    peak = device_peak(device, kind)
     name = torch.cuda.get_device_name(device)
     record_property("device", name)
     record_property("samples_per_s", round(record["samples_per_s"]))
@@ -56,7 +57,7 @@ def test_cuda_mfu_is_against_the_devices_published_peak(precision, record_proper
         pytest.skip(f"{name} is not in GPU_PEAKS: no published peak to measure MFU against")
     record_property("peak", peak.text())
     record_property("mfu", f"{record['mfu']:.4f}")
-    assert peak.source == f"published: {name}, {matmul_kind(precision, torch.float32)}" or (
+    assert peak.source == f"published: {name}, {kind}" or (
         precision == "32" and peak.source.endswith(", tf32")  # torch's TF32 switch is on
     )
     expected = FLOPS_PER_SAMPLE * record["samples_per_s"] / peak.flops
